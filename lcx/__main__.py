@@ -1,0 +1,5 @@
+import sys
+
+from lcx.cli import main
+
+sys.exit(main())

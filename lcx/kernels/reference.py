@@ -1,0 +1,69 @@
+"""Pure-jnp attention: the oracle every kernel is tested against, and the ``reference`` model implementation.
+
+Einsum legend: b batch, t query positions, s key positions, k kv heads, g query heads per kv head, d head dim.
+Query head h = k * g + g_index, i.e. heads are grouped by KV head (the Hugging Face ``repeat_kv`` order).
+Everything is computed in float32 at HIGHEST precision; the output has the dtype of ``q``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def attention_mask(q_len: int, kv_len: int, *, causal: bool, window: int | None = None,
+                   kv_lengths: jax.Array | None = None, batch: int = 1) -> jax.Array:
+    """Boolean mask ``[batch, q_len, kv_len]``, True where a query may attend to a key.
+
+    Causal alignment puts the queries at the end of the keys: query i sits at key position ``kv_len - q_len + i``
+    (a prefill chunk attending to the cache plus itself). ``window`` keeps that many keys back, the query's own
+    position included. ``kv_lengths [batch]`` marks keys at or past the length as padding.
+    """
+    q_pos = jnp.arange(q_len)[:, None] + (kv_len - q_len)  # [t, 1]
+    k_pos = jnp.arange(kv_len)[None, :]  # [1, s]
+    mask = jnp.ones((q_len, kv_len), bool)
+    if causal:
+        mask &= k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    mask = jnp.broadcast_to(mask, (batch, q_len, kv_len))
+    if kv_lengths is not None:
+        mask &= (jnp.arange(kv_len)[None, None, :] < kv_lengths[:, None, None])
+    return mask
+
+
+def masked_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
+                               *, sm_scale: float | None = None) -> jax.Array:
+    """Softmax attention with an explicit boolean ``mask [b, t, s]``; fully masked rows give 0, never NaN."""
+    b, t, h, d = q.shape
+    kv_heads = k.shape[2]
+    if h % kv_heads:
+        raise ValueError(f"{h=} query heads must be a multiple of {kv_heads=} key/value heads")
+    g = h // kv_heads
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    hi = jax.lax.Precision.HIGHEST
+    qg = q.astype(jnp.float32).reshape(b, t, kv_heads, g, d)  # [b, t, k, g, d]
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32), precision=hi) * scale  # [b, k, g, t, s]
+    if mask is not None:
+        scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    # A fully masked row has max -inf; subtracting 0 instead keeps exp(-inf) = 0 and the row sum 0.
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    p = jnp.exp(scores - row_max)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0, 1.0, denom)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32), precision=hi)  # [b, t, k, g, d]
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
+                        sm_scale: float | None = None, window: int | None = None,
+                        kv_lengths: jax.Array | None = None) -> jax.Array:
+    """Reference for ``flash_attention``: ``q [b, t, h, d]``, ``k, v [b, s, k, d]`` -> ``[b, t, h, d]``."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be [batch, len, heads, head_dim]; got {q.shape=}, {k.shape=}, {v.shape=}")
+    mask = None
+    if causal or window is not None or kv_lengths is not None:
+        mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_lengths=kv_lengths,
+                              batch=q.shape[0])
+    return masked_attention_reference(q, k, v, mask, sm_scale=sm_scale)

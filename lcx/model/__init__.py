@@ -1,0 +1,5 @@
+"""The functional Flax decoder."""
+
+from lcx.model.decoder import Decoder, abstract_params, init_params, param_axes
+
+__all__ = ["Decoder", "abstract_params", "init_params", "param_axes"]

@@ -1,0 +1,94 @@
+"""The Llama-family decoder, Flax Linen used functionally: ``init`` / ``apply`` with a plain params dict.
+
+    embed -> n_layers x [RMSNorm -> Attention -> +res -> RMSNorm -> SwiGLU -> +res] -> RMSNorm -> logits (float32)
+
+Layers are one ``nn.scan`` over a stacked block (params carry a leading "layers" axis), so compile time does not
+grow with depth. Einsum legend: b batch, t positions, e embed, v vocab.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lcx.config import ModelConfig
+from lcx.model.attention import Attention
+from lcx.model.layers import MLP, RMSNorm
+from lcx.model.params import as_dtype, declare, normal
+from lcx.model.rope import rope_tables
+
+
+class Block(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+        with jax.named_scope("attention_block"):
+            x = x + Attention(self.config, name="attn")(RMSNorm(self.config, name="attn_norm")(x), cos, sin)
+        with jax.named_scope("mlp_block"):
+            x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x))
+        return x, None
+
+
+class Decoder(nn.Module):
+    """``Decoder(config).apply({"params": params}, input_ids [b, t] int32)`` -> logits ``[b, t, vocab]`` float32.
+
+    ``positions [b, t]`` default to ``0 .. t-1``.
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        cfg = self.config
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq]; got shape {input_ids.shape}")
+        b, t = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        init, pdt = normal(cfg.init_std), as_dtype(cfg.param_dtype)
+        embedding = declare(self, "embed", (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), init, pdt)
+        x = jnp.take(embedding, input_ids, axis=0).astype(cfg.dtype)  # [b, t, e]
+        cos, sin = rope_tables(cfg, positions)
+
+        block = Block
+        if cfg.remat:
+            block = nn.remat(Block, prevent_cse=False)
+        layers = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast),
+            length=cfg.n_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(cfg, name="layers")
+        x, _ = layers(x, cos, sin)
+
+        x = RMSNorm(cfg, name="final_norm")(x)
+        if cfg.tie_embeddings:
+            head = embedding.T
+        else:
+            head = declare(self, "lm_head", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), init, pdt)
+        return jnp.einsum("bte,ev->btv", x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)
+
+
+def init_params(config: ModelConfig, key: jax.Array) -> dict:
+    """Random parameters as a plain nested dict (logical-axis metadata stripped)."""
+    ids = jnp.zeros((1, 1), jnp.int32)
+    variables = jax.jit(Decoder(config).init)(key, ids)
+    return nn.meta.unbox(variables["params"])
+
+
+def abstract_params(config: ModelConfig) -> dict:
+    """``jax.ShapeDtypeStruct`` tree of the parameters, without allocating them."""
+    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    boxed = jax.eval_shape(Decoder(config).init, jax.random.key(0), ids)["params"]
+    return nn.meta.unbox(boxed)
+
+
+def param_axes(config: ModelConfig) -> dict:
+    """The logical axes of every parameter, as a tree of ``PartitionSpec`` of logical names."""
+    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    boxed = jax.eval_shape(Decoder(config).init, jax.random.key(0), ids)["params"]
+    return nn.get_partition_spec(boxed)

@@ -1,0 +1,54 @@
+"""Shared test fixtures. torch and transformers are imported lazily: only the parity tests need them."""
+
+from __future__ import annotations
+
+import os
+
+# Tests compare against float32 references; keep XLA's CPU matmuls at full precision.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+
+import pytest
+
+
+def random_hf_model(family: str, seed: int = 0, std: float = 0.08, **overrides):
+    """A tiny random-weight transformers model of ``family`` (llama / mistral / qwen2), eager attention, fp32.
+
+    Every parameter (biases and norm scales included) is redrawn with ``std`` well above the default init, so that
+    a wrong transpose, bias or scale shows in the logits instead of hiding under tiny activations.
+    """
+    import torch
+    import transformers
+
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                attn_implementation="eager")
+    if family == "mistral":
+        base["sliding_window"] = None
+    base.update(overrides)
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config}[family]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+                 "qwen2": transformers.Qwen2ForCausalLM}[family]
+    config = cls(**base)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(std * torch.randn_like(p))
+    return model
+
+
+def hf_logits(model, ids) -> "np.ndarray":
+    import numpy as np
+    import torch
+
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()
+
+
+@pytest.fixture
+def hf_factory():
+    return random_hf_model
