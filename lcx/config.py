@@ -309,6 +309,7 @@ def to_dict(obj) -> dict[str, Any]:
 
 def load_dict(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Read a YAML file (optional) and apply dotted ``key=value`` overrides; return a plain dict."""
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -316,7 +317,7 @@ def load_dict(path: str | Path | None = None, overrides: Sequence[str] = ()) -> 
         base = OmegaConf.load(str(path)) if path is not None else OmegaConf.create({})
     except FileNotFoundError as err:
         raise ConfigError(f"config file {str(path)!r} does not exist") from err
-    except (OmegaConfBaseException, ValueError) as err:  # yaml errors are ValueError subclasses here
+    except (OmegaConfBaseException, yaml.YAMLError) as err:
         raise ConfigError(f"config file {str(path)!r} could not be parsed: {err}") from err
     for item in overrides:
         if "=" not in item:
@@ -335,8 +336,15 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), c
 
 
 def load_model_config(path: str | Path, overrides: Sequence[str] = ()) -> ModelConfig:
-    """A ``ModelConfig`` from a YAML file holding either a ``model:`` section or the model keys at top level."""
+    """A ``ModelConfig`` from a YAML file holding either a ``model:`` section or the model keys at top level.
+
+    Overrides are written ``model.KEY=VALUE`` in both cases.
+    """
+    flat = "model" not in load_dict(path)
+    if flat:
+        bad = [o for o in overrides if not o.startswith("model.")]
+        if bad:
+            raise ConfigError(f"override {bad[0]!r} is invalid: model overrides are written model.KEY=VALUE")
+        overrides = [o[len("model."):] for o in overrides]
     data = load_dict(path, overrides)
-    if "model" in data:
-        return from_dict(ModelConfig, data["model"], prefix="model")
-    return from_dict(ModelConfig, data, prefix="model")
+    return from_dict(ModelConfig, data if flat else data["model"], prefix="model")

@@ -110,17 +110,25 @@ def inv_freq_and_factor(rope: RopeConfig, dim: int, max_position_embeddings: int
     return inv.astype(np.float32), float(m)
 
 
-def _traced_inv_freq(config: ModelConfig, seq_len: jax.Array) -> jax.Array:
-    """Inverse frequencies for the length-dependent types, from a traced ``seq_len`` (int32 scalar)."""
+def inv_freq_for_length(config: ModelConfig, seq_len: jax.Array) -> jax.Array:
+    """Inverse frequencies ``[rotary_dim // 2]`` for a traced ``seq_len`` (the length-dependent types).
+
+    Dynamic NTK: theta'_i = (b * X^(d/(d-2)))^(-2i/d) = b^(-2i/d) * exp(-(2i/(d-2)) * ln X), X = s*T/M - (s-1).
+    The first factor is static (float64 -> float32) and the second one is a single float32 exp, which keeps the
+    result within a few ulps of transformers' value even at long lengths.
+    """
     rope, dim, max_pos = config.rope, config.rotary_dim, config.max_position_embeddings
     if rope.type == "dynamic":
+        static = jnp.asarray(_default(rope.theta, dim).astype(np.float32))
         length = jnp.maximum(seq_len, max_pos).astype(jnp.float32)
-        base = rope.theta * ((rope.factor * length / max_pos) - (rope.factor - 1)) ** (dim / (dim - 2))
-        return 1.0 / (base ** jnp.asarray(_exponents(dim)))
-    # longrope: one of two static tables, picked by the length
-    short, _ = inv_freq_and_factor(rope, dim, max_pos, seq_len=None)
-    long, _ = inv_freq_and_factor(rope, dim, max_pos, seq_len=config.original_max_position_embeddings + 1)
-    return jnp.where(seq_len > config.original_max_position_embeddings, long, short)
+        x = rope.factor * length / max_pos - (rope.factor - 1)
+        powers = jnp.asarray((_exponents(dim).astype(np.float64) * dim / (dim - 2)).astype(np.float32))
+        return static * jnp.exp(-powers * jnp.log(x))
+    if rope.type == "longrope":  # one of two static tables, picked by the length
+        short, _ = inv_freq_and_factor(rope, dim, max_pos, seq_len=None)
+        long, _ = inv_freq_and_factor(rope, dim, max_pos, seq_len=config.original_max_position_embeddings + 1)
+        return jnp.where(seq_len > config.original_max_position_embeddings, long, short)
+    return jnp.asarray(inv_freq_and_factor(rope, dim, max_pos)[0])
 
 
 def rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -131,7 +139,7 @@ def rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, j
     dim = config.rotary_dim
     inv, m = inv_freq_and_factor(config.rope, dim, config.max_position_embeddings)
     if config.rope.type in ("dynamic", "longrope"):
-        inv = _traced_inv_freq(config, jnp.max(positions) + 1)
+        inv = inv_freq_for_length(config, jnp.max(positions) + 1)
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv, jnp.float32)  # [b, t, d/2]
     angles = jnp.concatenate([freqs, freqs], axis=-1)  # [b, t, d]
     return jnp.cos(angles) * m, jnp.sin(angles) * m

@@ -1,0 +1,548 @@
+"""``lcx plan``: KV-cache and memory arithmetic for a deployment, and the three decision checkpoints.
+
+Everything here is plain integer arithmetic on a ``ModelConfig``: no JAX, no devices. Pure functions first
+(``kv_bytes_per_token``, ``weight_bytes``, ``max_context``, ``checkpoints``, ``make_plan``, ``render``), then the
+command line (``add_parser``, ``run``).
+
+The memory model, per device (stated in every plan's ``assumptions``):
+- tensor parallel over all ``devices``: weights are split evenly; KV heads are split, each device holding
+  ``ceil(kv_heads / devices)`` of them, so with more devices than KV heads every device holds one (replicated) head;
+- the batch is not split (no data parallelism);
+- ``utilization`` (default 90%) of device memory is usable, the rest is left to the runtime (CUDA context,
+  fragmentation), as serving stacks do; activations and workspace are not counted beyond that margin.
+
+KV cache bytes = 2 (K and V) x layers x kv_heads x head_dim x bytes_per_element x tokens x batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+from lcx.config import ConfigError, ModelConfig, canonical_dtype, dtype_bytes, from_dict, load_model_config, to_dict
+
+UTILIZATION = 0.9
+# fp16 keeps finite values up to 65504; past a few thousand tokens attention logits and residual activations of
+# models trained in bf16 are known to exceed it. 4096 is where the planner starts warning.
+FP16_SAFE_CONTEXT = 4096
+# The GQA size the planner suggests for MHA models: Llama-2/3-70B's choice, one KV group per GPU on 8-way TP.
+SUGGESTED_KV_HEADS = 8
+STATUSES = ("pass", "warn", "fail")
+
+_UNITS = {  # lower-cased unit -> bytes; decimal (KB) and binary (KiB) both, as drive and GPU vendors mix them
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_BINARY = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+# --------------------------------------------------------------------------------------------------- units
+def parse_bytes(text: str | int, name: str = "--gpu-mem") -> int:
+    """``"80GiB"`` -> 85899345920. Accepts B, KB/MB/GB/TB (powers of 10), KiB/MiB/GiB/TiB (powers of 2), any case,
+    an optional space and a decimal number; a plain integer is bytes. Raises ``ConfigError`` naming ``name``."""
+    allowed = (f"expected a positive number with a unit B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 80GiB) "
+               f"or a plain number of bytes")
+    if isinstance(text, bool):
+        raise ConfigError(f"{name}={text!r} is invalid: {allowed}")
+    if isinstance(text, int):
+        value, unit = float(text), "b"
+    else:
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+        if not match:
+            raise ConfigError(f"{name}={text!r} is invalid: {allowed}")
+        value, unit = float(match.group(1)), (match.group(2).lower() or "b")
+        if unit not in _UNITS:
+            raise ConfigError(f"{name}={text!r} is invalid: unknown unit {match.group(2)!r}; {allowed}")
+    n = int(value * _UNITS[unit])
+    if n <= 0:
+        raise ConfigError(f"{name}={text!r} is invalid: {allowed}")
+    return n
+
+
+def format_bytes(n: int | float) -> str:
+    """Binary units with two decimals: ``format_bytes(2 * 1024**3) == "2.00 GiB"``; below 1 KiB, whole bytes."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in _BINARY:
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}"
+    return f"{sign}{int(n)} B"
+
+
+# --------------------------------------------------------------------------------------------------- arithmetic
+def kv_bytes_per_token(model: ModelConfig, kv_dtype: str) -> int:
+    """Bytes of K and V for one token of one sequence, all layers and all KV heads (no sharding, no replication)."""
+    return 2 * model.n_layers * model.n_kv_heads * model.head_dim * dtype_bytes(kv_dtype)
+
+
+def weight_bytes(model: ModelConfig, dtype: str) -> int:
+    """Bytes of all parameters stored in ``dtype``."""
+    return model.num_params() * dtype_bytes(dtype)
+
+
+def kv_heads_per_device(model: ModelConfig, devices: int) -> int:
+    """KV heads each device holds under tensor parallelism over ``devices``.
+
+    ceil() covers the three topologies with one formula: kv_heads/devices when it divides, one (replicated) head when
+    devices > kv_heads, and, for splits that do not divide (checkpoint (b) fails them), the padded worst case."""
+    return -(-model.n_kv_heads // devices)
+
+
+def usable_bytes(gpu_mem_bytes: int, utilization: float = UTILIZATION) -> int:
+    return math.floor(gpu_mem_bytes * utilization)
+
+
+def weight_bytes_per_device(total_weight_bytes: int, devices: int) -> int:
+    # Norm weights are replicated, not split; they are ~1e-5 of a Llama's parameters, so even split it is.
+    return -(-total_weight_bytes // devices)
+
+
+def kv_bytes_per_token_per_device(model: ModelConfig, kv_dtype: str, devices: int) -> int:
+    """Bytes one device holds for one token of one sequence."""
+    return 2 * model.n_layers * kv_heads_per_device(model, devices) * model.head_dim * dtype_bytes(kv_dtype)
+
+
+def max_context(model: ModelConfig, *, batch: int, gpu_mem_bytes: int, devices: int, kv_dtype: str,
+                weight_dtype: str, utilization: float = UTILIZATION) -> int:
+    """The longest context (tokens per sequence) whose full cache fits next to the weights on every device; 0 when
+    the weights alone do not fit."""
+    free = (usable_bytes(gpu_mem_bytes, utilization)
+            - weight_bytes_per_device(weight_bytes(model, weight_dtype), devices))
+    per_token = kv_bytes_per_token_per_device(model, kv_dtype, devices) * batch
+    return max(free, 0) // per_token
+
+
+def valid_model_axis_sizes(model: ModelConfig, devices: int) -> list[int]:
+    """Model-axis (tensor-parallel) sizes that split the attention cleanly: the divisors of kv_heads (each device
+    holds whole KV groups) and the multiples of kv_heads up to ``devices`` that also divide n_heads (KV heads
+    replicated, query heads still split evenly)."""
+    k = model.n_kv_heads
+    sizes = {d for d in range(1, k + 1) if k % d == 0}
+    sizes |= {k * m for m in range(2, devices // k + 1) if model.n_heads % (k * m) == 0}
+    return sorted(sizes)
+
+
+# --------------------------------------------------------------------------------------------------- inputs / plan
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+    """What to plan for. ``weight_dtype`` and ``kv_dtype`` default to the model's ``param_dtype`` and ``dtype``
+    (the cache stores K and V in the compute dtype). ``budget`` is an eviction budget in tokens per sequence."""
+
+    model: ModelConfig
+    context: int
+    batch: int
+    gpu_mem_bytes: int
+    devices: int = 1
+    kv_dtype: str | None = None
+    weight_dtype: str | None = None
+    budget: int | None = None
+    utilization: float = UTILIZATION
+
+    def __post_init__(self):
+        if not isinstance(self.model, ModelConfig):
+            raise ConfigError(f"model={type(self.model).__name__} is invalid: must be an lcx ModelConfig")
+        for name, flag, what in (("context", "--context", "tokens per sequence"), ("batch", "--batch", "sequences"),
+                                 ("gpu_mem_bytes", "--gpu-mem", "bytes per device"),
+                                 ("devices", "--devices", "devices")):
+            _positive_int(getattr(self, name), name, flag, what)
+        if self.budget is not None:
+            _positive_int(self.budget, "budget", "--budget", "tokens kept per sequence by the eviction policy")
+        if isinstance(self.utilization, bool) or not (isinstance(self.utilization, (int, float))
+                                                      and 0 < self.utilization <= 1):
+            raise ConfigError(f"utilization={self.utilization!r} is invalid: must be a fraction in (0, 1] "
+                              f"(--utilization)")
+        object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype or self.model.dtype, "--kv-dtype"))
+        object.__setattr__(self, "weight_dtype",
+                           canonical_dtype(self.weight_dtype or self.model.param_dtype, "--weight-dtype"))
+
+
+def _positive_int(value: Any, name: str, flag: str, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}={value!r} is invalid: must be a positive integer number of {what} ({flag})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    name: str
+    status: str  # one of STATUSES
+    reason: str
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"{self.status=} must be one of {STATUSES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Every number the planner derives; bytes are ints. ``*_per_device`` follow the module's memory model."""
+
+    source: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    context: int
+    batch: int
+    devices: int
+    budget: int | None
+    gpu_mem_bytes: int
+    utilization: float
+    usable_bytes_per_device: int
+    weight_dtype: str
+    kv_dtype: str
+    num_params: int
+    weight_bytes: int
+    weight_bytes_per_device: int
+    kv_bytes_per_token: int
+    kv_bytes_total: int  # full cache: context x batch tokens, all KV heads once
+    kv_heads_per_device: int
+    kv_replication: int  # copies of each KV head across the model axis (1 = none)
+    kv_bytes_per_device: int
+    total_bytes_per_device: int
+    fits: bool
+    cache_tokens: int  # min(context, budget): tokens per sequence the cache holds with the eviction budget
+    budget_kv_bytes_total: int
+    budget_kv_bytes_per_device: int
+    budget_total_bytes_per_device: int
+    fits_with_budget: bool
+    max_context: int
+    checkpoints: tuple[Checkpoint, ...]
+    assumptions: tuple[str, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def status(self) -> str:
+        """The worst checkpoint status."""
+        return max((c.status for c in self.checkpoints), key=STATUSES.index, default="pass")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["checkpoints"] = [dataclasses.asdict(c) for c in self.checkpoints]
+        out["assumptions"] = list(self.assumptions)
+        out["notes"] = list(self.notes)
+        out["status"] = self.status
+        return out
+
+
+# --------------------------------------------------------------------------------------------------- checkpoints
+def _memory_checkpoint(inputs: PlanInputs, n: dict[str, Any]) -> Checkpoint:
+    """(a) context vs memory budget."""
+    model, usable = inputs.model, n["usable"]
+    need = (f"weights {format_bytes(n['w_dev'])} + KV {format_bytes(n['kv_dev'])} = "
+            f"{format_bytes(n['total_dev'])} per device")
+    of = f"{inputs.utilization:.0%} of {format_bytes(inputs.gpu_mem_bytes)} = {format_bytes(usable)}"
+    if n["fits"]:
+        return Checkpoint("context_vs_memory", "pass",
+                          f"{need} fits in {of} ({format_bytes(usable - n['total_dev'])} to spare); "
+                          f"longest context that fits: {n['max_context']} tokens")
+    if inputs.budget is not None and n["fits_budget"]:
+        return Checkpoint("context_vs_memory", "warn",
+                          f"the full cache does not fit ({need} > {of}); with the eviction budget of "
+                          f"{n['cache_tokens']} tokens the cache is {format_bytes(n['b_kv_dev'])} per device and "
+                          f"fits, at the cost of evicted tokens; longest full-cache context: {n['max_context']} tokens")
+    advice = []
+    if n["max_context"] > 0:
+        advice.append(f"longest context that fits: {n['max_context']} tokens")
+        advice.append(f"an eviction budget that fits: cache.policy=streaming cache.budget={n['max_context']}")
+    else:
+        advice.append(f"the weights alone ({format_bytes(n['w_dev'])} per device) exceed {format_bytes(usable)}")
+    if model.n_kv_heads == model.n_heads and model.n_heads > SUGGESTED_KV_HEADS \
+            and model.n_heads % SUGGESTED_KV_HEADS == 0:
+        saved = n["kv_total"] - n["kv_total"] * SUGGESTED_KV_HEADS // model.n_heads
+        advice.append(f"GQA with {SUGGESTED_KV_HEADS} KV heads would shrink the cache "
+                      f"{model.n_heads // SUGGESTED_KV_HEADS}x, saving {format_bytes(saved)} of "
+                      f"{format_bytes(n['kv_total'])} (needs uptraining)")
+    if model.attention.impl != "pallas":
+        advice.append("flash kernels (attention.impl=pallas) so prefill never holds the T x T scores")
+    more = _devices_that_fit(inputs)
+    advice.append(f"{more} devices (tensor parallel {more}) would fit" if more is not None
+                  else f"no clean tensor-parallel size up to n_heads={model.n_heads} devices fits")
+    return Checkpoint("context_vs_memory", "fail", f"{need} exceeds {of}; options: " + "; ".join(advice))
+
+
+def _devices_that_fit(inputs: PlanInputs) -> int | None:
+    """The smallest clean model-axis size above ``devices`` on which the full cache fits, if any."""
+    model = inputs.model
+    candidates = [d for d in valid_model_axis_sizes(model, model.n_heads) if d > inputs.devices]
+    for d in candidates:
+        if max_context(model, batch=inputs.batch, gpu_mem_bytes=inputs.gpu_mem_bytes, devices=d,
+                       kv_dtype=inputs.kv_dtype, weight_dtype=inputs.weight_dtype,
+                       utilization=inputs.utilization) >= inputs.context:
+            return d
+    return None
+
+
+def _gqa_checkpoint(inputs: PlanInputs, n: dict[str, Any]) -> Checkpoint:
+    """(b) GQA groups vs tensor-parallel degree."""
+    model, g = inputs.model, inputs.devices
+    k, h = model.n_kv_heads, model.n_heads
+    if g == 1:
+        return Checkpoint("gqa_vs_tensor_parallel", "pass",
+                          f"1 device: no tensor parallelism; all {k} KV heads on it")
+    if g == k and h % g == 0:
+        return Checkpoint("gqa_vs_tensor_parallel", "pass",
+                          f"{k} KV heads over {g} devices: one KV group ({h // k} query heads) per device, "
+                          f"attention needs no communication")
+    if k % g == 0:
+        return Checkpoint("gqa_vs_tensor_parallel", "pass",
+                          f"{k} KV heads over {g} devices: {k // g} whole KV groups per device, attention needs no "
+                          f"communication (ideal: {k} devices, one group each)")
+    valid = valid_model_axis_sizes(model, g)
+    if g % k == 0 and h % g == 0:
+        extra = n["kv_dev"] * g - n["kv_total"]
+        return Checkpoint("gqa_vs_tensor_parallel", "warn",
+                          f"{g} devices > {k} KV heads: each KV head is replicated {g // k}x (as vLLM does), "
+                          f"the cache takes {format_bytes(n['kv_dev'] * g)} over all devices instead of "
+                          f"{format_bytes(n['kv_total'])} (+{format_bytes(extra)}); a model axis of {k} with a "
+                          f"data axis of {g // k} avoids it")
+    fitting = [d for d in valid if d <= g]
+    why = (f"n_heads={h} is not divisible by {g}" if g % k == 0
+           else f"{g} neither divides kv_heads={k} nor is a multiple of it")
+    return Checkpoint("gqa_vs_tensor_parallel", "fail",
+                      f"{k} KV heads cannot be split over a model axis of {g} devices ({why}); valid model-axis "
+                      f"sizes: {', '.join(map(str, valid))} (divisors of kv_heads={k}, and multiples of it up to "
+                      f"{g} that divide n_heads={h}); the largest on {g} devices is {fitting[-1]}")
+
+
+def _is_fp16(dtype: str) -> bool:
+    return dtype == "float16"
+
+
+def _precision_checkpoint(inputs: PlanInputs) -> Checkpoint:
+    """(c) precision consistency. The training dtype is taken to be ``model.param_dtype``."""
+    model = inputs.model
+    trained = model.param_dtype
+    warnings = []
+    long = inputs.context > FP16_SAFE_CONTEXT
+    in_fp16 = [what for what, dtype in (("compute", model.dtype), ("KV cache", inputs.kv_dtype)) if _is_fp16(dtype)]
+    if long and in_fp16:
+        warnings.append(f"fp16 {' and '.join(in_fp16)}: fp16 max 65504: attention logits/activations may overflow "
+                        f"on long sequences (context {inputs.context} > {FP16_SAFE_CONTEXT}); use bf16")
+    # fp32 and bf16 share an 8-bit exponent; fp16 has 5. Crossing that line either overflows (8 -> 5 bits) or
+    # loses mantissa (fp16's 11 significant bits -> bf16's 8).
+    for what, dtype in (("KV cache", inputs.kv_dtype), ("weights", inputs.weight_dtype)):
+        if _is_fp16(dtype) != _is_fp16(trained):
+            if _is_fp16(dtype):
+                warnings.append(f"{what} in float16 but the model was trained in {trained}: values beyond 65504 "
+                                f"overflow (different exponent range)")
+            else:
+                warnings.append(f"{what} in {dtype} but the model was trained in float16: fewer mantissa bits "
+                                f"(different exponent range); prefer float16 or float32")
+    facts = (f"compute {model.dtype}, weights {inputs.weight_dtype}, KV cache {inputs.kv_dtype}; RMSNorm statistics "
+             f"in float32 (always, in lcx); norm_eps={model.norm_eps:g} (from the config); no dropout at inference "
+             f"(lcx has none)")
+    if warnings:
+        return Checkpoint("precision", "warn", "; ".join(warnings) + "; " + facts)
+    return Checkpoint("precision", "pass", facts)
+
+
+def checkpoints(inputs: PlanInputs) -> list[Checkpoint]:
+    """The three decision checkpoints: (a) context vs memory, (b) GQA vs tensor parallel, (c) precision."""
+    return _checkpoints(inputs, _numbers(inputs))
+
+
+def _checkpoints(inputs: PlanInputs, n: dict[str, Any]) -> list[Checkpoint]:
+    return [_memory_checkpoint(inputs, n), _gqa_checkpoint(inputs, n), _precision_checkpoint(inputs)]
+
+
+# --------------------------------------------------------------------------------------------------- plan
+def _numbers(inputs: PlanInputs) -> dict[str, Any]:
+    model, g = inputs.model, inputs.devices
+    usable = usable_bytes(inputs.gpu_mem_bytes, inputs.utilization)
+    w_total = weight_bytes(model, inputs.weight_dtype)
+    w_dev = weight_bytes_per_device(w_total, g)
+    per_token = kv_bytes_per_token(model, inputs.kv_dtype)
+    per_token_dev = kv_bytes_per_token_per_device(model, inputs.kv_dtype, g)
+    cache_tokens = min(inputs.context, inputs.budget) if inputs.budget is not None else inputs.context
+    kv_dev = per_token_dev * inputs.context * inputs.batch
+    b_kv_dev = per_token_dev * cache_tokens * inputs.batch
+    return dict(
+        usable=usable, w_total=w_total, w_dev=w_dev, per_token=per_token,
+        kv_total=per_token * inputs.context * inputs.batch, kv_dev=kv_dev, total_dev=w_dev + kv_dev,
+        fits=w_dev + kv_dev <= usable, cache_tokens=cache_tokens,
+        b_kv_total=per_token * cache_tokens * inputs.batch, b_kv_dev=b_kv_dev, b_total_dev=w_dev + b_kv_dev,
+        fits_budget=w_dev + b_kv_dev <= usable,
+        max_context=max_context(model, batch=inputs.batch, gpu_mem_bytes=inputs.gpu_mem_bytes, devices=g,
+                                kv_dtype=inputs.kv_dtype, weight_dtype=inputs.weight_dtype,
+                                utilization=inputs.utilization),
+    )
+
+
+def _assumptions(inputs: PlanInputs) -> tuple[str, ...]:
+    g = inputs.devices
+    return (
+        f"tensor parallel over all {g} device(s): weights split evenly, KV heads split "
+        f"(ceil(kv_heads / devices) per device, replicated when devices > kv_heads)" if g > 1
+        else "1 device: all weights and KV heads on it",
+        "batch not split across devices (no data parallelism)",
+        f"{inputs.utilization:.0%} of device memory usable (the rest for the runtime); activations and workspace "
+        f"not counted",
+        f"weights in {inputs.weight_dtype}, KV cache in {inputs.kv_dtype}; training dtype taken as model.param_dtype",
+    )
+
+
+def _notes(inputs: PlanInputs) -> tuple[str, ...]:
+    model, notes = inputs.model, []
+    if inputs.context > model.max_position_embeddings:
+        notes.append(f"context {inputs.context} > model.max_position_embeddings={model.max_position_embeddings} "
+                     f"(rope.type={model.rope.type}): beyond the trained length quality needs RoPE scaling "
+                     f"(rope.type=yarn/llama3/...) or an eviction policy with cache-local positions")
+    if model.attention.impl == "reference":
+        g = inputs.devices
+        heads = -(-model.n_heads // g)
+        scores = inputs.batch * heads * inputs.context * inputs.context * 4
+        notes.append(f"attention.impl=reference materializes float32 scores [batch, heads, T, T] in prefill: "
+                     f"{format_bytes(scores)} per device per layer for one {inputs.context}-token pass; use "
+                     f"attention.impl=pallas (flash) for long prompts")
+    return tuple(notes)
+
+
+def make_plan(inputs: PlanInputs, source: str = "") -> Plan:
+    """All numbers, the checkpoints, the assumptions and notes for ``inputs``; ``source`` names the config."""
+    model, n = inputs.model, _numbers(inputs)
+    return Plan(
+        source=source, n_layers=model.n_layers, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
+        head_dim=model.head_dim, max_position_embeddings=model.max_position_embeddings,
+        context=inputs.context, batch=inputs.batch, devices=inputs.devices, budget=inputs.budget,
+        gpu_mem_bytes=inputs.gpu_mem_bytes, utilization=inputs.utilization, usable_bytes_per_device=n["usable"],
+        weight_dtype=inputs.weight_dtype, kv_dtype=inputs.kv_dtype, num_params=model.num_params(),
+        weight_bytes=n["w_total"], weight_bytes_per_device=n["w_dev"],
+        kv_bytes_per_token=n["per_token"], kv_bytes_total=n["kv_total"],
+        kv_heads_per_device=kv_heads_per_device(model, inputs.devices),
+        kv_replication=inputs.devices // model.n_kv_heads if inputs.devices % model.n_kv_heads == 0 else 1,
+        kv_bytes_per_device=n["kv_dev"], total_bytes_per_device=n["total_dev"], fits=n["fits"],
+        cache_tokens=n["cache_tokens"], budget_kv_bytes_total=n["b_kv_total"], budget_kv_bytes_per_device=n["b_kv_dev"],
+        budget_total_bytes_per_device=n["b_total_dev"], fits_with_budget=n["fits_budget"],
+        max_context=n["max_context"],
+        checkpoints=tuple(_checkpoints(inputs, n)),
+        assumptions=_assumptions(inputs), notes=_notes(inputs),
+    )
+
+
+_LABELS = {"context_vs_memory": "(a) context vs memory", "gqa_vs_tensor_parallel": "(b) GQA vs tensor parallel",
+           "precision": "(c) precision"}
+
+
+def render(plan: Plan) -> str:
+    """The human-readable plan."""
+    fb = format_bytes
+    lines = [
+        f"lcx plan: {plan.source or 'model'} -- {plan.n_layers} layers, {plan.n_heads} heads / {plan.n_kv_heads} KV "
+        f"heads, head_dim {plan.head_dim}; context {plan.context} x batch {plan.batch} on {plan.devices} x "
+        f"{fb(plan.gpu_mem_bytes)}",
+        f"weights      {plan.num_params / 1e9:.2f}e9 params in {plan.weight_dtype}: {fb(plan.weight_bytes)} total, "
+        f"{fb(plan.weight_bytes_per_device)} per device",
+        f"KV cache     {fb(plan.kv_bytes_per_token)} per token (2 x {plan.n_layers} layers x {plan.n_kv_heads} KV heads "
+        f"x {plan.head_dim} x {dtype_bytes(plan.kv_dtype)} B, {plan.kv_dtype})",
+        f"             {fb(plan.kv_bytes_total)} total for {plan.context} tokens x batch {plan.batch}; "
+        f"{fb(plan.kv_bytes_per_device)} per device ({plan.kv_heads_per_device} KV head(s) per device"
+        + (f", each replicated {plan.kv_replication}x" if plan.kv_replication > 1 else "") + ")",
+    ]
+    if plan.budget is not None:
+        lines.append(f"budgeted     eviction budget {plan.budget} -> cache holds {plan.cache_tokens} tokens: "
+                     f"{fb(plan.budget_kv_bytes_total)} total, {fb(plan.budget_kv_bytes_per_device)} per device")
+    lines.append(f"per device   {fb(plan.weight_bytes_per_device)} weights + {fb(plan.kv_bytes_per_device)} KV = "
+                 f"{fb(plan.total_bytes_per_device)} of {fb(plan.usable_bytes_per_device)} usable "
+                 f"({plan.utilization:.0%}): {'fits' if plan.fits else 'does NOT fit'}")
+    if plan.budget is not None:
+        lines.append(f"with budget  {fb(plan.weight_bytes_per_device)} weights + "
+                     f"{fb(plan.budget_kv_bytes_per_device)} KV = {fb(plan.budget_total_bytes_per_device)}: "
+                     f"{'fits' if plan.fits_with_budget else 'does NOT fit'}")
+    lines.append(f"longest context that fits (full cache, batch {plan.batch}): {plan.max_context} tokens")
+    lines.append("checkpoints")
+    for c in plan.checkpoints:
+        lines.append(f"  {c.status:<4}  {_LABELS.get(c.name, c.name)}: {c.reason}")
+    lines.append("assumed")
+    lines.extend(f"  - {a}" for a in plan.assumptions)
+    if plan.notes:
+        lines.append("notes")
+        lines.extend(f"  - {x}" for x in plan.notes)
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------- loading
+def load_model(path: str | Path, overrides: Sequence[str] = ()) -> ModelConfig:
+    """A ``ModelConfig`` from a YAML model config or a Hugging Face checkpoint directory (``config.json``), with
+    dotted ``model.key=value`` overrides applied on top."""
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"CONFIG_OR_HF_DIR={str(path)!r} is a directory without config.json: expected a YAML "
+                              f"model config or a Hugging Face checkpoint directory")
+        from lcx import hf  # lazy: only HF directories need it
+
+        model = hf.read_hf_config(p)
+    elif p.is_file() and p.name == "config.json":
+        from lcx import hf
+
+        model = hf.read_hf_config(p.parent)
+    elif p.is_file():
+        model = load_model_config(p)
+    else:
+        raise ConfigError(f"CONFIG_OR_HF_DIR={str(path)!r} does not exist: expected a YAML model config or a Hugging "
+                          f"Face checkpoint directory with config.json")
+    return apply_overrides(model, overrides)
+
+
+def apply_overrides(model: ModelConfig, overrides: Sequence[str]) -> ModelConfig:
+    """``model.n_kv_heads=8``-style overrides on a loaded ``ModelConfig`` (same for YAML and HF sources)."""
+    if not overrides:
+        return model
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    for item in overrides:
+        if "=" not in item or not item.startswith("model."):
+            raise ConfigError(f"override {item!r} is invalid: overrides are dotted model.key=value pairs, "
+                              f"e.g. model.n_kv_heads=8")
+    try:
+        merged = OmegaConf.merge(OmegaConf.create({"model": to_dict(model)}),
+                                 OmegaConf.from_dotlist(list(overrides)))
+        data = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"overrides {list(overrides)}: {err}") from err
+    return from_dict(ModelConfig, data["model"], prefix="model")
+
+
+# --------------------------------------------------------------------------------------------------- cli
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan", help="KV-cache / memory plan and the three decision checkpoints",
+        description="Weight and KV-cache memory per device for a context, batch and device count; whether it fits; "
+                    "the longest context that fits; and pass/warn/fail checkpoints (a) context vs memory, "
+                    "(b) GQA vs tensor parallel, (c) precision.")
+    p.add_argument("config", metavar="CONFIG_OR_HF_DIR",
+                   help="a YAML model config or a Hugging Face checkpoint directory (config.json)")
+    p.add_argument("overrides", nargs="*", metavar="model.KEY=VALUE", help="overrides, e.g. model.n_kv_heads=8")
+    p.add_argument("--context", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    p.add_argument("--gpu-mem", required=True, help="memory per device, e.g. 80GiB, 24GB, 141GiB")
+    p.add_argument("--devices", type=int, default=1, help="devices, used as the tensor-parallel axis (default 1)")
+    p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: model.dtype)")
+    p.add_argument("--weight-dtype", default=None, help="weight dtype (default: model.param_dtype)")
+    p.add_argument("--budget", type=int, default=None, metavar="TOKENS",
+                   help="eviction budget: tokens per sequence the cache keeps")
+    p.add_argument("--utilization", type=float, default=UTILIZATION,
+                   help=f"usable fraction of device memory (default {UTILIZATION})")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan; 0 when a plan was made (whatever the checkpoints say), ConfigError for bad input."""
+    gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem")
+    model = load_model(args.config, args.overrides)
+    inputs = PlanInputs(model=model, context=args.context, batch=args.batch, gpu_mem_bytes=gpu_mem,
+                        devices=args.devices, kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype,
+                        budget=args.budget, utilization=args.utilization)
+    plan = make_plan(inputs, source=str(args.config))
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan))
+    return 0

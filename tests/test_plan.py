@@ -1,0 +1,459 @@
+"""Tests for ``lcx plan``: the KV arithmetic against published numbers, the checkpoints, the CLI and bad inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lcx import cli
+from lcx.config import ConfigError, ModelConfig, load_model_config
+from lcx.plan import (
+    Checkpoint,
+    PlanInputs,
+    apply_overrides,
+    checkpoints,
+    format_bytes,
+    kv_bytes_per_token,
+    load_model,
+    make_plan,
+    max_context,
+    parse_bytes,
+    render,
+    valid_model_axis_sizes,
+    weight_bytes,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "experiments" / "configs"
+MODELS = CONFIGS / "models"
+GiB, MiB, KiB = 1024**3, 1024**2, 1024
+
+
+def model(name: str) -> ModelConfig:
+    return load_model_config(MODELS / f"{name}.yaml")
+
+
+def plan_for(name: str, **kw):
+    kw.setdefault("batch", 1)
+    kw.setdefault("gpu_mem_bytes", 80 * GiB)
+    return make_plan(PlanInputs(model=model(name), **kw))
+
+
+def by_name(plan) -> dict[str, Checkpoint]:
+    return {c.name: c for c in plan.checkpoints}
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    rc = cli.main(["plan", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# --------------------------------------------------------------------------------------------------- acceptance
+def test_plan_llama2_7b_fp16_4096_tokens_is_2_gib():
+    m = model("llama2-7b")
+    assert kv_bytes_per_token(m, "fp16") == 512 * KiB
+    plan = plan_for("llama2-7b", context=4096, gpu_mem_bytes=24 * GiB)
+    assert plan.kv_dtype == "float16"  # default: the model's compute dtype
+    assert plan.kv_bytes_total == 2 * GiB
+    assert format_bytes(plan.kv_bytes_total) == "2.00 GiB"
+
+
+def test_plan_llama3_70b_bf16_is_320_kib_per_token():
+    assert kv_bytes_per_token(model("llama3-70b"), "bf16") == 320 * KiB
+    plan = plan_for("llama3-70b", context=131072, devices=8)
+    assert plan.kv_bytes_per_token == 320 * KiB
+    assert format_bytes(plan.kv_bytes_per_token) == "320.00 KiB"
+    assert plan.kv_bytes_total == 320 * KiB * 131072 == 40 * GiB
+    assert plan.kv_heads_per_device == 1 and plan.kv_bytes_per_device == 5 * GiB
+
+
+def test_plan_eight_kv_heads_on_six_devices_fails_b_listing_valid_sizes():
+    b = by_name(plan_for("llama3-70b", context=8192, devices=6))["gqa_vs_tensor_parallel"]
+    assert b.status == "fail"
+    assert "8 KV heads cannot be split over a model axis of 6 devices" in b.reason
+    assert "valid model-axis sizes: 1, 2, 4, 8" in b.reason
+    assert "the largest on 6 devices is 4" in b.reason
+
+
+# --------------------------------------------------------------------------------------------------- units
+@pytest.mark.parametrize("text, expected", [
+    ("80GiB", 80 * GiB), ("80 GiB", 80 * GiB), ("80gib", 80 * GiB), ("80GB", 80 * 10**9), ("24GB", 24 * 10**9),
+    ("1.5TiB", 3 * 2**39), ("512MiB", 512 * MiB), ("512MB", 512 * 10**6), ("4KiB", 4096), ("4KB", 4000),
+    ("1TB", 10**12), ("100B", 100), ("85899345920", 80 * GiB), (1024, 1024),
+])
+def test_parse_bytes_units(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("80XB", "unknown unit 'XB'"), ("80G", "unknown unit 'G'"), ("", "expected a positive number"),
+    ("GiB", "expected a positive number"), ("-5GiB", "expected a positive number"), ("0", "expected a positive"),
+    ("eighty", "expected a positive number"), (True, "expected a positive number"),
+])
+def test_parse_bytes_errors_name_the_flag(text, fragment):
+    with pytest.raises(ConfigError) as err:
+        parse_bytes(text)
+    assert str(err.value).startswith(f"--gpu-mem={text!r} is invalid")
+    assert fragment in str(err.value)
+    assert "KiB, MiB, GiB, TiB" in str(err.value)
+
+
+@pytest.mark.parametrize("n, text", [
+    (0, "0 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (320 * KiB, "320.00 KiB"), (1536 * KiB, "1.50 MiB"),
+    (2 * GiB, "2.00 GiB"), (3 * 2**40, "3.00 TiB"), (-2 * GiB, "-2.00 GiB"),
+])
+def test_format_bytes(n, text):
+    assert format_bytes(n) == text
+
+
+# --------------------------------------------------------------------------------------------------- arithmetic
+def test_weight_bytes_is_params_times_dtype_size():
+    m = model("llama2-7b")
+    assert weight_bytes(m, "fp16") == 2 * m.num_params()
+    assert weight_bytes(m, "fp32") == 4 * m.num_params()
+
+
+@pytest.mark.parametrize("name, params", [
+    ("llama2-7b", 6.74e9), ("llama3-70b", 70.6e9), ("llama3-8b", 8.03e9), ("mistral-7b", 7.25e9),
+    ("qwen2-7b", 7.62e9),
+])
+def test_bundled_configs_parameter_counts(name, params):
+    assert model(name).num_params() == pytest.approx(params, rel=0.01)
+
+
+def test_plan_defaults_dtypes_from_model_and_flags_override_them():
+    m = model("llama3-70b")
+    inputs = PlanInputs(model=m, context=10, batch=1, gpu_mem_bytes=GiB)
+    assert (inputs.kv_dtype, inputs.weight_dtype) == ("bfloat16", "bfloat16")
+    inputs = PlanInputs(model=m, context=10, batch=1, gpu_mem_bytes=GiB, kv_dtype="fp32", weight_dtype="f16")
+    assert (inputs.kv_dtype, inputs.weight_dtype) == ("float32", "float16")
+    plan = make_plan(inputs)
+    assert plan.kv_bytes_per_token == 640 * KiB and plan.weight_bytes == 2 * m.num_params()
+
+
+def test_plan_kv_total_scales_with_batch_and_sharding_with_devices():
+    one = plan_for("llama3-70b", context=4096, batch=3, devices=1)
+    assert one.kv_bytes_total == 320 * KiB * 4096 * 3 == one.kv_bytes_per_device
+    four = plan_for("llama3-70b", context=4096, batch=3, devices=4)
+    assert four.kv_bytes_total == one.kv_bytes_total
+    assert four.kv_bytes_per_device * 4 == one.kv_bytes_total  # 2 of 8 KV heads per device
+    assert four.weight_bytes_per_device == math.ceil(one.weight_bytes / 4)
+
+
+def _closed_form_max_context(m, *, batch, gpu, devices, kv_dtype, weight_dtype, util=0.9):
+    heads_per_device = math.ceil(m.n_kv_heads / devices)
+    per_token = 2 * m.n_layers * heads_per_device * m.head_dim * {"float16": 2, "bfloat16": 2, "float32": 4}[
+        kv_dtype] * batch
+    free = math.floor(gpu * util) - math.ceil(m.num_params() * {"float16": 2, "bfloat16": 2, "float32": 4}[
+        weight_dtype] / devices)
+    return max(free, 0) // per_token
+
+
+@pytest.mark.parametrize("name, gpu, devices, batch", [
+    ("llama2-7b", 24 * GiB, 1, 1), ("llama2-7b", 24 * GiB, 2, 4), ("llama3-70b", 80 * GiB, 8, 1),
+    ("llama3-70b", 80 * GiB, 16, 2), ("llama3-8b", 40 * GiB, 3, 1), ("qwen2-7b", 141 * GiB, 1, 8),
+])
+def test_max_context_matches_closed_form_and_is_the_fit_boundary(name, gpu, devices, batch):
+    m = model(name)
+    dt = m.dtype
+    expected = _closed_form_max_context(m, batch=batch, gpu=gpu, devices=devices, kv_dtype=dt, weight_dtype=dt)
+    got = max_context(m, batch=batch, gpu_mem_bytes=gpu, devices=devices, kv_dtype=dt, weight_dtype=dt)
+    assert got == expected > 0
+    fits = make_plan(PlanInputs(model=m, context=got, batch=batch, gpu_mem_bytes=gpu, devices=devices))
+    over = make_plan(PlanInputs(model=m, context=got + 1, batch=batch, gpu_mem_bytes=gpu, devices=devices))
+    assert fits.fits and fits.max_context == got
+    assert not over.fits
+    assert by_name(fits)["context_vs_memory"].status == "pass"
+    assert by_name(over)["context_vs_memory"].status == "fail"
+
+
+def test_max_context_brute_force_on_a_tiny_model():
+    m = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+    gpu = 200_000
+    for devices in (1, 2, 4):
+        brute = 0
+        while make_plan(PlanInputs(model=m, context=brute + 1, batch=3, gpu_mem_bytes=gpu, devices=devices)).fits:
+            brute += 1
+        assert max_context(m, batch=3, gpu_mem_bytes=gpu, devices=devices, kv_dtype="float32",
+                           weight_dtype="float32") == brute > 0
+
+
+def test_max_context_is_zero_when_weights_alone_do_not_fit():
+    plan = plan_for("llama3-70b", context=1024, gpu_mem_bytes=80 * GiB, devices=1)
+    assert plan.max_context == 0 and not plan.fits
+    a = by_name(plan)["context_vs_memory"]
+    assert a.status == "fail"
+    assert "the weights alone (131.42 GiB per device) exceed 72.00 GiB" in a.reason
+    assert "2 devices (tensor parallel 2) would fit" in a.reason
+
+
+# --------------------------------------------------------------------------------------------------- checkpoint (a)
+def test_checkpoint_a_fail_recommends_gqa_flash_budget_and_devices():
+    plan = plan_for("llama2-7b", context=32768, gpu_mem_bytes=24 * GiB)
+    assert not plan.fits and plan.kv_bytes_total == 16 * GiB
+    a = by_name(plan)["context_vs_memory"]
+    assert a.status == "fail"
+    assert f"longest context that fits: {plan.max_context} tokens" in a.reason
+    assert f"cache.policy=streaming cache.budget={plan.max_context}" in a.reason
+    assert "GQA with 8 KV heads would shrink the cache 4x, saving 12.00 GiB of 16.00 GiB" in a.reason
+    assert "attention.impl=pallas" in a.reason
+    assert "2 devices (tensor parallel 2) would fit" in a.reason
+    # the recommended budget really fits
+    budgeted = plan_for("llama2-7b", context=32768, gpu_mem_bytes=24 * GiB, budget=plan.max_context)
+    assert budgeted.fits_with_budget
+
+
+def test_checkpoint_a_does_not_suggest_gqa_for_a_gqa_model():
+    plan = plan_for("llama3-8b", context=1_000_000, gpu_mem_bytes=24 * GiB)
+    a = by_name(plan)["context_vs_memory"]
+    assert a.status == "fail" and "GQA" not in a.reason
+
+
+def test_checkpoint_a_warns_when_only_the_eviction_budget_fits():
+    plan = plan_for("llama2-7b", context=32768, gpu_mem_bytes=24 * GiB, budget=8192)
+    assert not plan.fits and plan.fits_with_budget
+    assert plan.cache_tokens == 8192 and plan.budget_kv_bytes_total == 4 * GiB
+    assert plan.kv_bytes_total == 16 * GiB  # the full-cache numbers are still reported
+    a = by_name(plan)["context_vs_memory"]
+    assert a.status == "warn"
+    assert "with the eviction budget of 8192 tokens the cache is 4.00 GiB per device and fits" in a.reason
+
+
+def test_checkpoint_a_fails_when_even_the_budget_does_not_fit():
+    plan = plan_for("llama2-7b", context=65536, gpu_mem_bytes=24 * GiB, budget=32768)
+    assert not plan.fits and not plan.fits_with_budget
+    assert by_name(plan)["context_vs_memory"].status == "fail"
+
+
+def test_budget_above_context_holds_the_context():
+    plan = plan_for("llama2-7b", context=4096, gpu_mem_bytes=24 * GiB, budget=100_000)
+    assert plan.cache_tokens == 4096 and plan.budget_kv_bytes_total == plan.kv_bytes_total
+
+
+# --------------------------------------------------------------------------------------------------- checkpoint (b)
+def test_valid_model_axis_sizes():
+    m70 = model("llama3-70b")  # 64 heads, 8 KV heads
+    assert valid_model_axis_sizes(m70, 6) == [1, 2, 4, 8]
+    assert valid_model_axis_sizes(m70, 24) == [1, 2, 4, 8, 16]  # 24 does not divide 64 query heads
+    assert valid_model_axis_sizes(m70, 64) == [1, 2, 4, 8, 16, 32, 64]
+    assert valid_model_axis_sizes(model("qwen2-7b"), 28) == [1, 2, 4, 28]  # 4 KV heads x 7 groups
+
+
+@pytest.mark.parametrize("devices, status, fragment", [
+    (1, "pass", "1 device: no tensor parallelism; all 8 KV heads on it"),
+    (8, "pass", "one KV group (8 query heads) per device, attention needs no communication"),
+    (4, "pass", "2 whole KV groups per device"),
+    (16, "warn", "each KV head is replicated 2x (as vLLM does)"),
+    (24, "fail", "n_heads=64 is not divisible by 24"),
+    (3, "fail", "valid model-axis sizes: 1, 2, 4, 8"),
+])
+def test_checkpoint_b_topologies(devices, status, fragment):
+    b = by_name(plan_for("llama3-70b", context=8192, devices=devices))["gqa_vs_tensor_parallel"]
+    assert b.status == status and fragment in b.reason
+
+
+def test_checkpoint_b_replication_reports_extra_memory():
+    plan = plan_for("llama3-70b", context=8192, devices=16)
+    assert plan.kv_replication == 2 and plan.kv_heads_per_device == 1
+    assert plan.kv_bytes_per_device == 8192 * 80 * 2 * 128 * 2  # one head per device
+    b = by_name(plan)["gqa_vs_tensor_parallel"]
+    assert "the cache takes 5.00 GiB over all devices instead of 2.50 GiB (+2.50 GiB)" in b.reason
+
+
+# --------------------------------------------------------------------------------------------------- checkpoint (c)
+def test_checkpoint_c_passes_for_bf16_and_states_the_facts():
+    c = by_name(plan_for("llama3-70b", context=131072, devices=8))["precision"]
+    assert c.status == "pass"
+    for fragment in ("RMSNorm statistics in float32", "norm_eps=1e-05", "no dropout at inference"):
+        assert fragment in c.reason
+
+
+def test_checkpoint_c_fp16_is_fine_at_4096_and_warns_beyond():
+    short = by_name(plan_for("llama2-7b", context=4096))["precision"]
+    assert short.status == "pass"
+    long = by_name(plan_for("llama2-7b", context=4097))["precision"]
+    assert long.status == "warn"
+    assert "fp16 compute and KV cache: fp16 max 65504: attention logits/activations may overflow" in long.reason
+    assert "use bf16" in long.reason
+
+
+def test_checkpoint_c_warns_on_fp16_cache_for_a_bf16_model():
+    c = by_name(plan_for("llama3-8b", context=1024, kv_dtype="fp16"))["precision"]
+    assert c.status == "warn"
+    assert "KV cache in float16 but the model was trained in bfloat16" in c.reason
+    c = by_name(plan_for("llama2-7b", context=1024, kv_dtype="bf16"))["precision"]
+    assert c.status == "warn" and "KV cache in bfloat16 but the model was trained in float16" in c.reason
+    assert by_name(plan_for("llama3-8b", context=1024, kv_dtype="fp32"))["precision"].status == "pass"
+
+
+def test_checkpoints_function_matches_plan():
+    inputs = PlanInputs(model=model("llama3-70b"), context=8192, batch=1, gpu_mem_bytes=80 * GiB, devices=6)
+    assert tuple(checkpoints(inputs)) == make_plan(inputs).checkpoints
+    assert make_plan(inputs).status == "fail"
+
+
+# --------------------------------------------------------------------------------------------------- cli
+def test_cli_text_llama3_70b_128k_on_8_devices(capsys):
+    rc, out, err = run_cli(capsys, MODELS / "llama3-70b.yaml", "--context", 131072, "--batch", 1,
+                           "--gpu-mem", "80GiB", "--devices", 8)
+    assert rc == 0 and err == ""
+    for fragment in ("131.42 GiB total, 16.43 GiB per device", "320.00 KiB per token",
+                     "40.00 GiB total for 131072 tokens x batch 1; 5.00 GiB per device",
+                     "21.43 GiB of 72.00 GiB usable (90%): fits", "pass  (a) context vs memory",
+                     "pass  (b) GQA vs tensor parallel", "pass  (c) precision",
+                     "tensor parallel over all 8 device(s)", "batch not split",
+                     "context 131072 > model.max_position_embeddings=8192"):
+        assert fragment in out, fragment
+
+
+def test_cli_text_llama2_7b_on_24gib(capsys):
+    rc, out, _ = run_cli(capsys, MODELS / "llama2-7b.yaml", "--context", 4096, "--gpu-mem", "24GiB")
+    assert rc == 0
+    assert "2.00 GiB total for 4096 tokens x batch 1" in out
+    assert "512.00 KiB per token" in out
+    assert "fits" in out and "does NOT fit" not in out
+
+
+def test_cli_budget_shows_full_and_budgeted(capsys):
+    rc, out, _ = run_cli(capsys, MODELS / "llama2-7b.yaml", "--context", 32768, "--gpu-mem", "24GiB",
+                         "--budget", 8192)
+    assert rc == 0
+    assert "16.00 GiB total for 32768 tokens" in out
+    assert "eviction budget 8192 -> cache holds 8192 tokens: 4.00 GiB total" in out
+    assert "does NOT fit" in out and "16.55 GiB: fits" in out
+    assert "warn  (a) context vs memory" in out
+
+
+def test_cli_json(capsys):
+    rc, out, _ = run_cli(capsys, MODELS / "llama3-70b.yaml", "--context", 8192, "--gpu-mem", "80GiB",
+                         "--devices", 6, "--json")
+    assert rc == 0
+    data = json.loads(out)
+    assert data["kv_bytes_per_token"] == 320 * KiB
+    assert data["kv_bytes_total"] == 320 * KiB * 8192
+    assert data["devices"] == 6 and data["kv_heads_per_device"] == 2
+    assert [c["name"] for c in data["checkpoints"]] == ["context_vs_memory", "gqa_vs_tensor_parallel", "precision"]
+    assert data["checkpoints"][1]["status"] == "fail"
+    assert "valid model-axis sizes: 1, 2, 4, 8" in data["checkpoints"][1]["reason"]
+    assert data["status"] == "fail" and data["fits"] is True
+    assert isinstance(data["assumptions"], list) and data["assumptions"]
+
+
+def test_cli_overrides(capsys):
+    rc, out, _ = run_cli(capsys, MODELS / "llama2-7b.yaml", "model.n_kv_heads=8", "--context", 4096,
+                         "--gpu-mem", "24GiB", "--json")
+    assert rc == 0 and json.loads(out)["kv_bytes_total"] == GiB // 2
+
+
+def test_render_matches_plan():
+    plan = plan_for("llama3-70b", context=8192, devices=16)
+    text = render(plan)
+    assert "each replicated 2x" in text and "warn  (b)" in text
+
+
+# --------------------------------------------------------------------------------------------------- bad inputs
+BAD = [
+    (["--context", "4096", "--gpu-mem", "80XB"], "--gpu-mem='80XB' is invalid: unknown unit 'XB'"),
+    (["--context", "0", "--gpu-mem", "80GiB"],
+     "context=0 is invalid: must be a positive integer number of tokens per sequence (--context)"),
+    (["--context", "4096", "--batch", "-1", "--gpu-mem", "80GiB"],
+     "batch=-1 is invalid: must be a positive integer number of sequences (--batch)"),
+    (["--context", "4096", "--gpu-mem", "80GiB", "--devices", "0"],
+     "devices=0 is invalid: must be a positive integer number of devices (--devices)"),
+    (["--context", "4096", "--gpu-mem", "80GiB", "--budget", "0"], "budget=0 is invalid"),
+    (["--context", "4096", "--gpu-mem", "80GiB", "--kv-dtype", "int8"],
+     "--kv-dtype='int8' is not a dtype lcx supports"),
+    (["--context", "4096", "--gpu-mem", "80GiB", "--weight-dtype", "fp8"],
+     "--weight-dtype='fp8' is not a dtype lcx supports"),
+    (["--context", "4096", "--gpu-mem", "80GiB", "--utilization", "1.5"],
+     "utilization=1.5 is invalid: must be a fraction in (0, 1]"),
+    (["model.n_kv_heads=5", "--context", "4096", "--gpu-mem", "80GiB"], "model.n_heads=32 is invalid"),
+    (["n_kv_heads=8", "--context", "4096", "--gpu-mem", "80GiB"],
+     "override 'n_kv_heads=8' is invalid: overrides are dotted model.key=value pairs"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD)
+def test_cli_bad_inputs_give_one_line_errors(capsys, argv, message):
+    rc, out, err = run_cli(capsys, MODELS / "llama2-7b.yaml", *argv)
+    assert rc == 2 and out == ""
+    assert err.startswith("lcx plan: error: ") and err.count("\n") == 1
+    assert message in err
+
+
+def test_cli_missing_path(capsys, tmp_path):
+    missing = tmp_path / "nope.yaml"
+    rc, _, err = run_cli(capsys, missing, "--context", 4096, "--gpu-mem", "80GiB")
+    assert rc == 2
+    assert f"CONFIG_OR_HF_DIR={str(missing)!r} does not exist" in err
+
+
+def test_cli_directory_without_config_json(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, tmp_path, "--context", 4096, "--gpu-mem", "80GiB")
+    assert rc == 2 and "is a directory without config.json" in err
+
+
+def test_cli_yaml_that_is_not_a_model_config(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  d_model: 64\n")
+    rc, _, err = run_cli(capsys, bad, "--context", 4096, "--gpu-mem", "80GiB")
+    assert rc == 2 and "missing required key(s)" in err
+
+
+def test_plan_inputs_reject_bad_values_in_python():
+    m = model("llama2-7b")
+    with pytest.raises(ConfigError, match=r"context=1\.5 is invalid"):
+        PlanInputs(model=m, context=1.5, batch=1, gpu_mem_bytes=GiB)
+    with pytest.raises(ConfigError, match=r"gpu_mem_bytes=0 is invalid"):
+        PlanInputs(model=m, context=1, batch=1, gpu_mem_bytes=0)
+    with pytest.raises(ConfigError, match=r"batch=True is invalid"):
+        PlanInputs(model=m, context=1, batch=True, gpu_mem_bytes=GiB)
+    with pytest.raises(ConfigError, match=r"model=dict is invalid"):
+        PlanInputs(model={}, context=1, batch=1, gpu_mem_bytes=GiB)
+
+
+def test_apply_overrides_rejects_unknown_keys():
+    with pytest.raises(ConfigError, match="unknown key 'model.n_kv_head'; did you mean 'n_kv_heads'"):
+        apply_overrides(model("llama2-7b"), ["model.n_kv_head=8"])
+    changed = apply_overrides(model("llama2-7b"), ["model.n_kv_heads=8"])
+    assert changed == dataclasses.replace(model("llama2-7b"), n_kv_heads=8)
+
+
+# --------------------------------------------------------------------------------------------------- configs
+def test_every_experiment_yaml_loads_as_a_model_config():
+    paths = sorted(CONFIGS.rglob("*.yaml")) + sorted(CONFIGS.rglob("*.yml"))
+    assert {p.stem for p in MODELS.glob("*.yaml")} >= {"llama2-7b", "llama3-8b", "llama3-70b", "mistral-7b",
+                                                        "qwen2-7b"}
+    for path in paths:
+        m = load_model_config(path)
+        assert isinstance(m, ModelConfig), path
+
+
+# --------------------------------------------------------------------------------------------------- HF directory
+LLAMA3_70B_CONFIG_JSON = {  # meta-llama/Meta-Llama-3-70B config.json
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 8192,
+    "initializer_range": 0.02, "intermediate_size": 28672, "max_position_embeddings": 8192, "model_type": "llama",
+    "num_attention_heads": 64, "num_hidden_layers": 80, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.40.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
+
+
+def test_plan_from_hf_directory_matches_the_yaml(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_70B_CONFIG_JSON))
+    hf_model = load_model(tmp_path)
+    yaml_model = model("llama3-70b")
+    assert hf_model.num_params() == yaml_model.num_params()
+    assert kv_bytes_per_token(hf_model, "bf16") == 320 * KiB
+    assert load_model(tmp_path / "config.json").num_params() == yaml_model.num_params()
+    rc, out, _ = run_cli(capsys, tmp_path, "--context", 4096, "--gpu-mem", "80GiB", "--devices", 8,
+                         "--kv-dtype", "bf16", "--weight-dtype", "bf16", "--json")
+    assert rc == 0
+    data = json.loads(out)
+    assert data["kv_bytes_per_token"] == 320 * KiB and data["num_params"] == yaml_model.num_params()
