@@ -28,14 +28,12 @@ ARCHITECTURES = {
 }
 _HF_ROPE_TYPES = {"default": "default", "linear": "linear", "dynamic": "dynamic", "yarn": "yarn",
                   "llama3": "llama3", "longrope": "longrope"}
-# HF rope keys -> RopeConfig fields (rope_type/type and rope_theta are handled separately).
-_ROPE_KEYS = {
-    "factor": "factor", "partial_rotary_factor": "partial_rotary_factor",
-    "original_max_position_embeddings": "original_max_position_embeddings", "beta_fast": "beta_fast",
-    "beta_slow": "beta_slow", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim",
-    "attention_factor": "attention_factor", "truncate": "truncate", "low_freq_factor": "low_freq_factor",
-    "high_freq_factor": "high_freq_factor", "short_factor": "short_factor", "long_factor": "long_factor",
-}
+# HF rope keys that are RopeConfig fields of the same name (rope_type/type and rope_theta are handled separately).
+_ROPE_KEYS = frozenset({
+    "factor", "partial_rotary_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+    "mscale_all_dim", "attention_factor", "truncate", "low_freq_factor", "high_freq_factor", "short_factor",
+    "long_factor",
+})
 
 
 # --------------------------------------------------------------------------------------------------- config
@@ -65,7 +63,7 @@ def _rope_from_hf(hf: Mapping[str, Any], where: str) -> RopeConfig:
         if key not in _ROPE_KEYS:
             raise _refuse(where, f"rope parameter {key!r}={value!r} is not supported; known: {sorted(_ROPE_KEYS)}")
         if value is not None:
-            fields[_ROPE_KEYS[key]] = value
+            fields[key] = value
     return from_dict(RopeConfig, fields, prefix="rope")
 
 
