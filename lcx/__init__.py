@@ -1,9 +1,11 @@
 """lcx: long-context decoding in JAX."""
 
-from lcx.config import AttentionConfig, Config, ConfigError, ModelConfig, RopeConfig, load_config
+from lcx.config import AttentionConfig, CacheConfig, Config, ConfigError, ModelConfig, RopeConfig, load_config
+from lcx.generate import GenerateResult, Generator, generate
 from lcx.model import Decoder, init_params
+from lcx.sampling import SamplingConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["AttentionConfig", "Config", "ConfigError", "Decoder", "ModelConfig", "RopeConfig", "init_params",
-           "load_config"]
+__all__ = ["AttentionConfig", "CacheConfig", "Config", "ConfigError", "Decoder", "GenerateResult", "Generator",
+           "ModelConfig", "RopeConfig", "SamplingConfig", "generate", "init_params", "load_config"]

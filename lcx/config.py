@@ -210,6 +210,74 @@ class ModelConfig:
         return self.n_layers * layer + v * e * (1 if self.tie_embeddings else 2) + e
 
 
+# --------------------------------------------------------------------------------------------------- cache
+@dataclasses.dataclass(frozen=True, init=False)
+class CacheConfig:
+    """The KV cache of generation: eviction policy, budget and memory.
+
+    ``CacheConfig(policy="full", budget=None, dtype=None, prefill_chunk=512, interval=64, max_bytes=None,
+    **policy_params)``. ``budget`` is the number of tokens per sequence and layer the cache keeps (with ``full``:
+    the most it may hold); ``interval`` extra slots let decode compact every ``interval`` steps instead of every
+    step; ``max_bytes`` caps the KV memory, checked before anything runs. Policy parameters (``sinks``, ``span``,
+    ...) go to the policy named by ``policy`` and are validated by it.
+    """
+
+    policy: str = "full"
+    budget: int | None = None
+    dtype: str | None = None
+    prefill_chunk: int = 512
+    interval: int = 64
+    max_bytes: int | None = None
+    policy_params: tuple[tuple[str, Any], ...] = ()
+
+    def __init__(self, policy: str = "full", budget: int | None = None, dtype: str | None = None,
+                 prefill_chunk: int = 512, interval: int = 64, max_bytes: int | None = None, **policy_params):
+        values = dict(policy=policy, budget=budget, dtype=dtype, prefill_chunk=prefill_chunk, interval=interval,
+                      max_bytes=max_bytes, policy_params=tuple(sorted(policy_params.items())))
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+        self.__post_init__()
+
+    def __post_init__(self):
+        for name in ("budget", "max_bytes"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and value > 0), f"cache.{name}", value,
+                   "must be a positive integer or null")
+        for name in ("prefill_chunk", "interval"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value > 0, f"cache.{name}", value, "must be a positive integer")
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "cache.dtype"))
+        policy = self.make_policy()  # validates the name and the policy's parameters
+        if policy.evicts and self.budget is None:
+            raise ConfigError(f"cache.budget=None is invalid for cache.policy={self.policy!r}: an evicting policy "
+                              "needs a budget (tokens kept per sequence and layer)")
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.policy_params)
+
+    def make_policy(self):
+        from lcx.cache.policy import make_policy
+
+        return make_policy(self.policy, self.params)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], prefix: str = "cache") -> "CacheConfig":
+        """From a flat mapping (a YAML ``cache:`` section): known keys are fields, the rest policy parameters."""
+        data = dict(data)
+        data.pop("policy_params", None)
+        hints = {"budget": int | None, "dtype": str | None, "prefill_chunk": int, "interval": int,
+                 "max_bytes": int | None, "policy": str}
+        kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}") if k in hints else v for k, v in data.items()}
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "policy_params"}
+        out.update(self.params)
+        return out
+
+
 # --------------------------------------------------------------------------------------------------- root
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -217,6 +285,7 @@ class Config:
 
     model: ModelConfig
     name: str = "lcx"
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
 
 
 # --------------------------------------------------------------------------------------------------- building
@@ -238,6 +307,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
+        if hasattr(tp, "from_mapping"):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{key}={value!r} is invalid: must be a mapping")
+            return tp.from_mapping(value, prefix=key)
         return from_dict(tp, value, prefix=key)
     if tp is bool:
         if isinstance(value, (bool, np.bool_)):
@@ -298,13 +371,17 @@ def to_dict(obj) -> dict[str, Any]:
     """Plain nested dict of a config dataclass (tuples become lists), suitable for YAML or JSON."""
 
     def plain(v):
+        if hasattr(v, "to_dict"):
+            return plain(v.to_dict())
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
         if isinstance(v, tuple):
             return [plain(x) for x in v]
         if isinstance(v, dict):
             return {k: plain(x) for k, x in v.items()}
         return v
 
-    return plain(dataclasses.asdict(obj))
+    return plain(obj)
 
 
 def load_dict(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:

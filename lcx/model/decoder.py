@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lcx.cache.kv_cache import KVCache, LayerCache
 from lcx.config import ModelConfig
 from lcx.model.attention import Attention
 from lcx.model.layers import MLP, RMSNorm
@@ -23,30 +24,40 @@ class Block(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array | None,
+                 ok: jax.Array | None, cache: LayerCache | None):
         with jax.named_scope("attention_block"):
-            x = x + Attention(self.config, name="attn")(RMSNorm(self.config, name="attn_norm")(x), cos, sin)
+            h, cache = Attention(self.config, name="attn")(RMSNorm(self.config, name="attn_norm")(x), cos, sin,
+                                                          cache, positions, ok)
+            x = x + h
         with jax.named_scope("mlp_block"):
             x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x))
-        return x, None
+        return x, cache
 
 
 class Decoder(nn.Module):
     """``Decoder(config).apply({"params": params}, input_ids [b, t] int32)`` -> logits ``[b, t, vocab]`` float32.
 
-    ``positions [b, t]`` default to ``0 .. t-1``.
+    ``positions [b, t]`` default to ``0 .. t-1`` (after the tokens already in ``cache``).
+    With ``cache`` (a ``KVCache``) the call appends the tokens where ``ok [b, t]`` (default: all; False marks
+    padding) and returns ``(logits, cache)``. ``logits_index [b]`` computes the logits of one position per row only
+    (e.g. the last prompt token), giving ``[b, 1, vocab]``.
     """
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None, cache: KVCache | None = None,
+                 ok: jax.Array | None = None, logits_index: jax.Array | None = None):
         cfg = self.config
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq]; got shape {input_ids.shape}")
         b, t = input_ids.shape
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            start = cache.lengths[:, None] if cache is not None else 0
+            positions = start + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if cache is not None and ok is None:
+            ok = jnp.ones((b, t), bool)
         init, pdt = normal(cfg.init_std), as_dtype(cfg.param_dtype)
         embedding = declare(self, "embed", (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), init, pdt)
         x = jnp.take(embedding, input_ids, axis=0).astype(cfg.dtype)  # [b, t, e]
@@ -59,18 +70,23 @@ class Decoder(nn.Module):
             block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast),
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
             length=cfg.n_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg, name="layers")
-        x, _ = layers(x, cos, sin)
+        x, layer_caches = layers(x, cos, sin, positions, ok, None if cache is None else cache.layers())
 
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, None, None].astype(jnp.int32), axis=1)  # [b, 1, e]
         x = RMSNorm(cfg, name="final_norm")(x)
         if cfg.tie_embeddings:
             head = embedding.T
         else:
             head = declare(self, "lm_head", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), init, pdt)
-        return jnp.einsum("bte,ev->btv", x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)
+        logits = jnp.einsum("bte,ev->btv", x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)
+        if cache is None:
+            return logits
+        return logits, cache.with_layers(layer_caches, cache.lengths + jnp.sum(ok, axis=1, dtype=jnp.int32))
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> dict:

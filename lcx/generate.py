@@ -1,0 +1,293 @@
+"""Generation: chunked prefill, then a compiled decode loop over a fixed-capacity KV cache.
+
+    prompt ids -> pad to a ragged batch -> prefill in chunks of ``cache.prefill_chunk`` (each chunk attends to the
+    cache plus itself) -> logits of each row's last prompt token -> lax.while_loop: sample, append, forward one
+    token -> tokens padded after EOS.
+
+The cache capacity is planned on the host before anything runs: with the ``full`` policy a prompt + new tokens
+that do not fit the budget or the memory limit are refused with the bytes needed, never truncated. Eviction
+policies plug in after prefill and every ``interval`` decode steps (``lcx.cache.policy``).
+
+A ``DecodeState`` (cache + sampler state) can be saved with orbax after any step and restored in another process;
+continuing gives bit-identical tokens because the sampler key of step s depends on (seed, s) only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lcx.cache.kv_cache import KVCache, init_cache, kv_bytes
+from lcx.config import CacheConfig, ConfigError, ModelConfig, to_dict
+from lcx.model import Decoder
+from lcx.sampling import SamplingConfig, sample
+
+
+class CacheCapacityError(ConfigError):
+    """The requested generation does not fit the cache budget or the memory limit."""
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """Everything decoding needs to continue: the cache and the sampler state after ``step`` tokens."""
+
+    cache: KVCache
+    logits: jax.Array  # [b, V] float32: the distribution of the next token
+    tokens: jax.Array  # [b, max_new_tokens] int32 generated so far (pad after EOS)
+    n_generated: jax.Array  # [b] int32 tokens generated per row, EOS included
+    done: jax.Array  # [b] bool
+    step: jax.Array  # int32 scalar: tokens sampled so far
+    key: jax.Array  # uint32 [2]: the sampler's base key (raw key data, checkpointable)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    tokens: np.ndarray  # [b, max_new_tokens] int32, padded with pad_id after EOS
+    lengths: np.ndarray  # [b] int32 generated tokens per row, EOS included
+    cache_bytes: int  # bytes of the KV buffers that were allocated
+
+
+# --------------------------------------------------------------------------------------------------- prompts
+def pad_prompts(prompt_ids: Any, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A ``[b, len]`` int array or a list of token lists -> (right-padded ids ``[b, max_len]``, lengths ``[b]``)."""
+    if isinstance(prompt_ids, (np.ndarray, jax.Array)):
+        ids = np.asarray(prompt_ids)
+        if ids.ndim != 2 or ids.shape[1] == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ConfigError(f"prompt_ids has shape {ids.shape} and dtype {ids.dtype}: expected a non-empty int "
+                              "array [batch, len] or a list of token lists")
+        return ids.astype(np.int32), np.full((ids.shape[0],), ids.shape[1], np.int32)
+    rows = [list(r) for r in prompt_ids]
+    if not rows or any(len(r) == 0 for r in rows):
+        raise ConfigError("prompt_ids must hold at least one prompt and no empty prompt")
+    lengths = np.asarray([len(r) for r in rows], np.int32)
+    ids = np.full((len(rows), int(lengths.max())), pad_id, np.int32)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+    return ids, lengths
+
+
+# --------------------------------------------------------------------------------------------------- planning
+def _device_memory_limit() -> int | None:
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # some backends do not implement memory_stats
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def plan_capacity(config: ModelConfig, cache: CacheConfig, batch: int, max_prompt: int, max_new_tokens: int) -> int:
+    """Slots per layer and sequence for this generation; raises ``CacheCapacityError`` when it cannot fit."""
+    policy = cache.make_policy()
+    needed = max_prompt + max_new_tokens
+    dtype = cache.dtype or config.dtype
+    if policy.evicts:
+        capacity = min(needed, cache.budget + cache.interval)
+    else:
+        capacity = needed
+        if cache.budget is not None and needed > cache.budget:
+            raise CacheCapacityError(
+                f"cache.policy='full' needs {needed} tokens per sequence (prompt {max_prompt} + max_new_tokens "
+                f"{max_new_tokens}) = {_fmt(kv_bytes(config, needed, batch, dtype))} of KV cache for batch {batch}, "
+                f"but cache.budget={cache.budget} tokens; keep the budget with an eviction policy, e.g. "
+                f"CacheConfig(policy='streaming', budget={cache.budget}, sinks=4), or shorten the request")
+    need_bytes = kv_bytes(config, capacity, batch, dtype)
+    limit = cache.max_bytes
+    source = f"cache.max_bytes={cache.max_bytes}"
+    if limit is None and (device_limit := _device_memory_limit()) is not None:
+        limit, source = int(device_limit * 0.9) - _param_bytes(config), "90% of device memory less the weights"
+    if limit is not None and need_bytes > limit:
+        per_token = kv_bytes(config, 1, batch, dtype)
+        fit = max(limit // per_token, 0)
+        raise CacheCapacityError(
+            f"the KV cache needs {_fmt(need_bytes)} ({capacity} tokens x batch {batch}, 2 x {config.n_layers} layers"
+            f" x {config.n_kv_heads} kv heads x {config.head_dim} x {np.dtype(jnp.dtype(dtype)).itemsize} B), more "
+            f"than {source} = {_fmt(max(limit, 0))}; at most {fit} tokens fit: use an eviction budget, e.g. "
+            f"CacheConfig(policy='streaming', budget={max(fit - cache.interval, 1)}, sinks=4)")
+    return capacity
+
+
+def _param_bytes(config: ModelConfig) -> int:
+    return config.num_params() * np.dtype(jnp.dtype(config.param_dtype)).itemsize
+
+
+def _fmt(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+# --------------------------------------------------------------------------------------------------- compiled steps
+@functools.lru_cache(maxsize=32)
+def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None, pad_id: int):
+    """The jitted prefill-chunk and decode-loop functions for one configuration (compiled once, reused)."""
+    model = Decoder(config)
+
+    def prefill_chunk(params, cache, ids, ok, last_index, last_logits):
+        # last_index [b]: index of the row's last prompt token within this chunk, or -1
+        logits, cache = model.apply({"params": params}, ids, cache=cache, ok=ok,
+                                    logits_index=jnp.maximum(last_index, 0))
+        last_logits = jnp.where((last_index >= 0)[:, None], logits[:, 0], last_logits)
+        return cache, last_logits
+
+    def decode_loop(params, state: DecodeState, limit):
+        def cond(s: DecodeState):
+            return (s.step < limit) & ~jnp.all(s.done)
+
+        def body(s: DecodeState):
+            token = sample(s.logits, s.key, s.step, sampling)
+            token = jnp.where(s.done, pad_id, token)
+            tokens = s.tokens.at[:, s.step].set(token)
+            n_generated = s.n_generated + (~s.done).astype(jnp.int32)
+            done = s.done | (token == eos_id) if eos_id is not None else s.done
+            logits, cache = model.apply({"params": params}, token[:, None], cache=s.cache)
+            return DecodeState(cache=cache, logits=logits[:, 0], tokens=tokens, n_generated=n_generated,
+                               done=done, step=s.step + 1, key=s.key)
+
+        return jax.lax.while_loop(cond, body, state)
+
+    return jax.jit(prefill_chunk, donate_argnums=(1,)), jax.jit(decode_loop, donate_argnums=(1,))
+
+
+# --------------------------------------------------------------------------------------------------- generator
+class Generator:
+    """Prefill and decode for one model, cache and sampling configuration; states can be saved and restored.
+
+    >>> gen = Generator(config, params, max_new_tokens=64)
+    >>> state = gen.prefill([[1, 2, 3], [4, 5]])
+    >>> state = gen.decode(state, steps=10)   # any number of segments
+    >>> gen.save(state, "ckpt"); state = gen.restore("ckpt")
+    >>> result = gen.result(gen.decode(state))
+    """
+
+    def __init__(self, config: ModelConfig, params, *, max_new_tokens: int, cache: CacheConfig | None = None,
+                 sampling: SamplingConfig | None = None, eos_id: int | None = None, seed: int = 0,
+                 pad_id: int | None = None):
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive integer")
+        self.config, self.params = config, params
+        self.cache_config = cache or CacheConfig()
+        self.policy = self.cache_config.make_policy()
+        if self.policy.evicts:
+            raise ConfigError(f"cache.policy={self.cache_config.policy!r}: eviction during generation is not "
+                              "available yet; use policy='full'")
+        self.sampling = sampling or SamplingConfig()
+        self.max_new_tokens, self.eos_id, self.seed = max_new_tokens, eos_id, seed
+        self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+        self._prefill_chunk, self._decode_loop = _compiled(config, self.sampling, eos_id, self.pad_id)
+
+    # ----------------------------------------------------------------------------------------------- prefill
+    def prefill(self, prompt_ids) -> DecodeState:
+        """Run the prompts through the model in chunks; returns the state before the first sampled token."""
+        ids, lengths = pad_prompts(prompt_ids, pad_id=0)
+        if np.any(ids < 0) or np.any(ids >= self.config.vocab_size):
+            bad = int(ids[(ids < 0) | (ids >= self.config.vocab_size)][0])
+            raise ConfigError(f"prompt token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+        batch, max_len = ids.shape
+        capacity = plan_capacity(self.config, self.cache_config, batch, max_len, self.max_new_tokens)
+        cache = init_cache(self.config, batch, capacity, self.cache_config.dtype)
+        # One compiled chunk shape: the configured chunk, or the prompt rounded up to a power of two if shorter.
+        chunk = min(self.cache_config.prefill_chunk, 1 << (max_len - 1).bit_length())
+        n_chunks = -(-max_len // chunk)
+        padded = np.zeros((batch, n_chunks * chunk), np.int32)
+        padded[:, :max_len] = ids
+        ok = np.arange(n_chunks * chunk)[None, :] < lengths[:, None]
+        last_logits = jnp.zeros((batch, self.config.vocab_size), jnp.float32)
+        for c in range(n_chunks):
+            lo = c * chunk
+            last = lengths - 1 - lo
+            last_index = np.where((last >= 0) & (last < chunk), last, -1).astype(np.int32)
+            cache, last_logits = self._prefill_chunk(self.params, cache, jnp.asarray(padded[:, lo:lo + chunk]),
+                                                     jnp.asarray(ok[:, lo:lo + chunk]), jnp.asarray(last_index),
+                                                     last_logits)
+        return DecodeState(
+            cache=cache, logits=last_logits,
+            tokens=jnp.full((batch, self.max_new_tokens), self.pad_id, jnp.int32),
+            n_generated=jnp.zeros((batch,), jnp.int32), done=jnp.zeros((batch,), bool),
+            step=jnp.int32(0), key=jax.random.key_data(jax.random.key(self.seed)))
+
+    # ----------------------------------------------------------------------------------------------- decode
+    def decode(self, state: DecodeState, steps: int | None = None) -> DecodeState:
+        """Sample up to ``steps`` more tokens (default: to ``max_new_tokens``) or until every row hit EOS."""
+        limit = self.max_new_tokens if steps is None else min(int(state.step) + steps, self.max_new_tokens)
+        return self._decode_loop(self.params, state, jnp.int32(limit))
+
+    def result(self, state: DecodeState) -> GenerateResult:
+        return GenerateResult(tokens=np.asarray(state.tokens), lengths=np.asarray(state.n_generated),
+                              cache_bytes=state.cache.kv_bytes())
+
+    def finished(self, state: DecodeState) -> bool:
+        return bool(int(state.step) >= self.max_new_tokens or bool(jnp.all(state.done)))
+
+    # ----------------------------------------------------------------------------------------------- save/restore
+    def _settings(self) -> dict[str, Any]:
+        """What must match between the generator that saved a state and the one restoring it (JSON-normalized)."""
+        return json.loads(json.dumps({
+            "model": to_dict(self.config), "cache": self.cache_config.to_dict(),
+            "sampling": dataclasses.asdict(self.sampling), "max_new_tokens": self.max_new_tokens,
+            "eos_id": self.eos_id, "seed": self.seed, "pad_id": self.pad_id}))
+
+    def save(self, state: DecodeState, path: str | Path) -> None:
+        """Write the state with orbax (``path/state``) plus the settings needed to continue (``path/meta.json``)."""
+        import orbax.checkpoint as ocp
+
+        path = Path(path).absolute()
+        path.mkdir(parents=True, exist_ok=True)
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(path / "state", state, force=True)
+        checkpointer.wait_until_finished()
+        meta = dict(self._settings(), batch=state.cache.batch, capacity=state.cache.capacity, step=int(state.step))
+        (path / "meta.json").write_text(json.dumps(meta, indent=2))
+
+    def restore(self, path: str | Path) -> DecodeState:
+        """Read a state written by ``save`` for this generator's configuration."""
+        import orbax.checkpoint as ocp
+
+        path = Path(path).absolute()
+        meta_path = path / "meta.json"
+        if not meta_path.is_file():
+            raise ConfigError(f"{str(path)!r} is not a decode-state checkpoint: {meta_path} is missing")
+        meta = json.loads(meta_path.read_text())
+        mine = self._settings()
+        mismatched = [k for k in mine if meta.get(k) != mine[k]]
+        if mismatched:
+            k = mismatched[0]
+            raise ConfigError(f"decode state at {str(path)!r} was saved with {k}={meta.get(k)!r}, this generator has "
+                              f"{k}={mine[k]!r}: restore it with the same settings")
+        b, capacity = meta["batch"], meta["capacity"]
+        abstract = jax.eval_shape(lambda: self._empty_state(b, capacity))
+        return ocp.StandardCheckpointer().restore(path / "state", abstract)
+
+    def _empty_state(self, batch: int, capacity: int) -> DecodeState:
+        return DecodeState(
+            cache=init_cache(self.config, batch, capacity, self.cache_config.dtype),
+            logits=jnp.zeros((batch, self.config.vocab_size), jnp.float32),
+            tokens=jnp.zeros((batch, self.max_new_tokens), jnp.int32), n_generated=jnp.zeros((batch,), jnp.int32),
+            done=jnp.zeros((batch,), bool), step=jnp.int32(0), key=jnp.zeros((2,), jnp.uint32))
+
+
+def generate(config: ModelConfig, params, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
+             cache: CacheConfig | None = None, seed: int = 0, mesh=None) -> GenerateResult:
+    """Generate ``max_new_tokens`` per prompt. ``prompt_ids``: int array ``[batch, len]`` or a list of token lists.
+
+    Returns ``.tokens [batch, max_new_tokens]`` (padded with ``eos_id`` after EOS) and ``.lengths``.
+    ``mesh`` is accepted for API stability; sharded generation arrives with the sharding issue.
+    """
+    del mesh
+    gen = Generator(config, params, max_new_tokens=max_new_tokens, cache=cache,
+                    sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p), eos_id=eos_id,
+                    seed=seed)
+    return gen.result(gen.decode(gen.prefill(prompt_ids)))
+
+
+__all__ = ["CacheCapacityError", "DecodeState", "GenerateResult", "Generator", "generate", "pad_prompts",
+           "plan_capacity"]
