@@ -1,0 +1,132 @@
+"""``lcx generate``: generate from a Hugging Face directory or an lcx model config, streaming tokens as they come."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lcx.config import CacheConfig, ConfigError, ModelConfig, load_model_config
+
+
+def load_model(path: str, *, seed: int = 0, dtype: str | None = None) -> tuple[ModelConfig, dict, str]:
+    """(config, params, source) from an HF checkpoint directory, or random weights for a YAML model config."""
+    import dataclasses
+
+    import jax
+
+    from lcx import hf
+    from lcx.model import init_params
+
+    p = Path(path)
+    if p.is_dir():
+        config, params = hf.load_hf(p, dtype=dtype)
+        return config, params, "hf"
+    if p.is_file():
+        config = load_model_config(p)
+        if dtype is not None:
+            config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
+        return config, init_params(config, jax.random.key(seed)), "random"
+    raise ConfigError(f"--model={path!r} does not exist: expected a Hugging Face checkpoint directory or a YAML "
+                      "model config")
+
+
+def _tokenizer(model_path: str, config: ModelConfig):
+    """The checkpoint's tokenizer.json through the `tokenizers` package when both exist; else lcx's bytes."""
+    tok_file = Path(model_path) / "tokenizer.json"
+    if tok_file.is_file():
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            Tokenizer = None
+        if Tokenizer is not None:
+            tok = Tokenizer.from_file(str(tok_file))
+            return (lambda text: tok.encode(text).ids), (lambda ids: tok.decode(list(ids)))
+    from lcx.data import ByteTokenizer
+
+    byte = ByteTokenizer()
+    if config.vocab_size < 256:
+        raise ConfigError(f"--prompt needs a tokenizer: the model's vocab_size={config.vocab_size} is too small for "
+                          "lcx's byte tokenizer (>= 256) and no tokenizer.json was found; pass --ids instead")
+    return (lambda text: byte.encode(text, bos=config.vocab_size > byte.bos_id)), byte.decode
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("generate", help="generate tokens from a model, streaming them",
+                              description="Generate from a Hugging Face checkpoint directory or an lcx YAML model "
+                                          "config (random weights, for trying settings).")
+    p.add_argument("--model", required=True, help="HF checkpoint directory or YAML model config")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--ids", help="prompt token ids, comma separated")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eos-id", type=int, default=None, help="stop token (default: the model's eos_token_id)")
+    p.add_argument("--dtype", default=None, help="parameter and compute dtype (default: the checkpoint's)")
+    p.add_argument("--cache-policy", default="full")
+    p.add_argument("--cache-budget", type=int, default=None)
+    p.add_argument("--cache-dtype", default=None)
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--cache-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="eviction policy parameter, e.g. --cache-param sinks=4 (repeatable)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _policy_params(items: list[str]) -> dict:
+    import yaml
+
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--cache-param {item!r} is invalid: expected KEY=VALUE, e.g. sinks=4")
+        key, value = item.split("=", 1)
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from lcx.generate import Generator
+    from lcx.sampling import SamplingConfig
+
+    cache = CacheConfig(policy=args.cache_policy, budget=args.cache_budget, dtype=args.cache_dtype,
+                        prefill_chunk=args.prefill_chunk, **_policy_params(args.cache_param))
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    prompt = None
+    if args.ids is not None:
+        try:
+            prompt = [int(x) for x in args.ids.replace(" ", "").split(",") if x]
+        except ValueError as err:
+            raise ConfigError(f"--ids={args.ids!r} is invalid: expected comma-separated integers") from err
+    config, params, source = load_model(args.model, seed=args.seed, dtype=args.dtype)
+    if source == "random":
+        print(f"lcx generate: {args.model} is a model config: using random weights (seed {args.seed})",
+              file=sys.stderr)
+    if prompt is not None:
+        show = lambda ids: " ".join(str(i) for i in ids)  # noqa: E731
+    else:
+        encode, show = _tokenizer(args.model, config)
+        prompt = encode(args.prompt)
+    eos = args.eos_id if args.eos_id is not None else config.eos_token_id
+    gen = Generator(config, params, max_new_tokens=args.max_new_tokens, cache=cache, sampling=sampling,
+                    eos_id=eos, seed=args.seed)
+    state = gen.prefill([prompt])
+    shown = ""
+    while True:
+        done = gen.finished(state)
+        n = int(state.n_generated[0])
+        text = show(list(state.tokens[0, :n]))
+        if not done:  # a trailing U+FFFD may be a multi-byte character still arriving: hold it back
+            text = text.rstrip("\ufffd")
+        if text.startswith(shown):
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+        if done:
+            break
+        state = gen.decode(state, steps=1)
+    sys.stdout.write("\n")
+    return 0

@@ -1,0 +1,55 @@
+"""``lcx generate`` on a YAML model config and on an HF directory written by ``save_hf``."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+import lcx
+from lcx import hf
+from lcx.cli import main
+from lcx.data import ByteTokenizer
+
+CFG = lcx.ModelConfig(vocab_size=260, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, init_std=0.2)
+
+
+def test_generate_cli_ids_from_hf_dir_match_python_api(tmp_path, capsys):
+    params = lcx.init_params(CFG, jax.random.key(3))
+    hf.save_hf(CFG, params, tmp_path)
+    assert main(["generate", "--model", str(tmp_path), "--ids", "5,6,7", "--max-new-tokens", "6"]) == 0
+    printed = [int(x) for x in capsys.readouterr().out.split()]
+    expected = lcx.generate(CFG, params, [[5, 6, 7]], max_new_tokens=6).tokens[0].tolist()
+    assert printed == expected
+
+
+def test_generate_cli_prompt_with_byte_tokenizer(tmp_path, capsys):
+    path = tmp_path / "m.yaml"
+    path.write_text("model: {vocab_size: 260, d_model: 32, n_layers: 1, n_heads: 2, n_kv_heads: 1, d_ff: 64}\n")
+    assert main(["generate", "--model", str(path), "--prompt", "hi", "--max-new-tokens", "4", "--seed", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "random weights (seed 1)" in captured.err
+    config = lcx.config.load_model_config(path)
+    params = lcx.init_params(config, jax.random.key(1))
+    tokens = lcx.generate(config, params, [ByteTokenizer().encode("hi")], max_new_tokens=4).tokens[0]
+    assert captured.out.rstrip("\n") == ByteTokenizer().decode(tokens)
+
+
+def test_generate_cli_errors(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "none"), "--ids", "1"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    path = tmp_path / "m.yaml"
+    path.write_text("model: {vocab_size: 64, d_model: 32, n_layers: 1, n_heads: 2, n_kv_heads: 1, d_ff: 64}\n")
+    assert main(["generate", "--model", str(path), "--ids", "1,x"]) == 2
+    assert "--ids='1,x' is invalid" in capsys.readouterr().err
+    assert main(["generate", "--model", str(path), "--prompt", "hi"]) == 2
+    assert "too small for lcx's byte tokenizer" in capsys.readouterr().err
+    assert main(["generate", "--model", str(path), "--ids", "1", "--cache-policy", "nope"]) == 2
+    assert "cache.policy='nope' is not a registered eviction policy" in capsys.readouterr().err
+
+
+def test_byte_tokenizer_roundtrip():
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo ✓", eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and max(ids[1:-1]) < 256
+    assert tok.decode(ids) == "héllo ✓"
+    assert np.all(np.asarray(ids) < tok.vocab_size)
