@@ -223,26 +223,35 @@ class CacheConfig:
     """
 
     policy: str = "full"
-    budget: int | None = None
+    budget: int | tuple[int, ...] | None = None
+    budget_schedule: str = "uniform"
     dtype: str | None = None
     prefill_chunk: int = 512
     interval: int = 64
     max_bytes: int | None = None
     policy_params: tuple[tuple[str, Any], ...] = ()
 
-    def __init__(self, policy: str = "full", budget: int | None = None, dtype: str | None = None,
-                 prefill_chunk: int = 512, interval: int = 64, max_bytes: int | None = None, **policy_params):
-        values = dict(policy=policy, budget=budget, dtype=dtype, prefill_chunk=prefill_chunk, interval=interval,
-                      max_bytes=max_bytes, policy_params=tuple(sorted(policy_params.items())))
+    def __init__(self, policy: str = "full", budget: int | Sequence[int] | None = None,
+                 budget_schedule: str = "uniform", dtype: str | None = None, prefill_chunk: int = 512,
+                 interval: int = 64, max_bytes: int | None = None, **policy_params):
+        if isinstance(budget, Sequence) and not isinstance(budget, str):
+            budget = tuple(budget)
+        values = dict(policy=policy, budget=budget, budget_schedule=budget_schedule, dtype=dtype,
+                      prefill_chunk=prefill_chunk, interval=interval, max_bytes=max_bytes,
+                      policy_params=tuple(sorted(policy_params.items())))
         for key, value in values.items():
             object.__setattr__(self, key, value)
         self.__post_init__()
 
     def __post_init__(self):
-        for name in ("budget", "max_bytes"):
-            value = getattr(self, name)
-            _check(value is None or (isinstance(value, int) and value > 0), f"cache.{name}", value,
-                   "must be a positive integer or null")
+        budgets = self.budget if isinstance(self.budget, tuple) else (self.budget,)
+        for value in budgets:
+            _check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0),
+                   "cache.budget", self.budget, "must be a positive integer, a list of them (one per layer) or null")
+        _check(self.max_bytes is None or (isinstance(self.max_bytes, int) and self.max_bytes > 0), "cache.max_bytes",
+               self.max_bytes, "must be a positive integer or null")
+        _check(self.budget_schedule in ("uniform", "pyramid"), "cache.budget_schedule", self.budget_schedule,
+               "must be 'uniform' or 'pyramid'")
         for name in ("prefill_chunk", "interval"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value > 0, f"cache.{name}", value, "must be a positive integer")
@@ -257,6 +266,14 @@ class CacheConfig:
     def params(self) -> dict[str, Any]:
         return dict(self.policy_params)
 
+    @property
+    def max_budget(self) -> int | None:
+        if self.budget is None:
+            return None
+        if isinstance(self.budget, tuple):
+            return max(self.budget)
+        return int(round(self.budget * 1.5)) if self.budget_schedule == "pyramid" else self.budget
+
     def make_policy(self):
         from lcx.cache.policy import make_policy
 
@@ -267,13 +284,15 @@ class CacheConfig:
         """From a flat mapping (a YAML ``cache:`` section): known keys are fields, the rest policy parameters."""
         data = dict(data)
         data.pop("policy_params", None)
-        hints = {"budget": int | None, "dtype": str | None, "prefill_chunk": int, "interval": int,
-                 "max_bytes": int | None, "policy": str}
+        hints = {"dtype": str | None, "prefill_chunk": int, "interval": int, "max_bytes": int | None,
+                 "policy": str, "budget_schedule": str}
         kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}") if k in hints else v for k, v in data.items()}
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "policy_params"}
+        if isinstance(out["budget"], tuple):
+            out["budget"] = list(out["budget"])
         out.update(self.params)
         return out
 
@@ -286,6 +305,14 @@ class Config:
     model: ModelConfig
     name: str = "lcx"
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+
+    def __post_init__(self):
+        # Settings that depend on both sections (layer budgets, ladder shape) fail here, at load.
+        policy = self.cache.make_policy()
+        if policy.evicts:
+            from lcx.cache.schedule import layer_budgets
+
+            policy.check(self.model.n_layers, layer_budgets(self.cache, self.model.n_layers))
 
 
 # --------------------------------------------------------------------------------------------------- building

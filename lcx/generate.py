@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lcx.cache.kv_cache import KVCache, init_cache, kv_bytes
+from lcx.cache.policy import EvictionPolicy
+from lcx.cache.schedule import evict_cache, evict_if_needed, layer_budgets
 from lcx.config import CacheConfig, ConfigError, ModelConfig, to_dict
 from lcx.model import Decoder
 from lcx.sampling import SamplingConfig, sample
@@ -84,20 +86,24 @@ def _device_memory_limit() -> int | None:
 
 
 def plan_capacity(config: ModelConfig, cache: CacheConfig, batch: int, max_prompt: int, max_new_tokens: int) -> int:
-    """Slots per layer and sequence for this generation; raises ``CacheCapacityError`` when it cannot fit."""
+    """Slots per layer and sequence for this generation; raises ``CacheCapacityError`` when it cannot fit.
+
+    ``full``: prompt + new tokens (at most ``cache.budget`` when one is set). Evicting policies: the largest layer
+    budget + ``interval`` (or less when the whole generation is shorter).
+    """
     policy = cache.make_policy()
     needed = max_prompt + max_new_tokens
     dtype = cache.dtype or config.dtype
     if policy.evicts:
-        capacity = min(needed, cache.budget + cache.interval)
+        capacity = min(needed, cache.max_budget + cache.interval)
     else:
         capacity = needed
-        if cache.budget is not None and needed > cache.budget:
+        if cache.budget is not None and needed > cache.max_budget:
             raise CacheCapacityError(
                 f"cache.policy='full' needs {needed} tokens per sequence (prompt {max_prompt} + max_new_tokens "
                 f"{max_new_tokens}) = {_fmt(kv_bytes(config, needed, batch, dtype))} of KV cache for batch {batch}, "
                 f"but cache.budget={cache.budget} tokens; keep the budget with an eviction policy, e.g. "
-                f"CacheConfig(policy='streaming', budget={cache.budget}, sinks=4), or shorten the request")
+                f"CacheConfig(policy='streaming', budget={cache.max_budget}, sinks=4), or shorten the request")
     need_bytes = kv_bytes(config, capacity, batch, dtype)
     limit = cache.max_bytes
     source = f"cache.max_bytes={cache.max_bytes}"
@@ -127,16 +133,28 @@ def _fmt(n: int) -> str:
 
 # --------------------------------------------------------------------------------------------------- compiled steps
 @functools.lru_cache(maxsize=32)
-def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None, pad_id: int):
-    """The jitted prefill-chunk and decode-loop functions for one configuration (compiled once, reused)."""
-    model = Decoder(config)
+def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None, pad_id: int,
+              policy: EvictionPolicy, budgets: tuple[int, ...] | None):
+    """The jitted prefill-chunk, compress and decode-loop functions of one configuration (compiled once each)."""
+    stat = policy.attention_stat
+    prefill_model = Decoder(config, policy.mode, "sum" if stat else None)
+    decode_model = Decoder(config, policy.mode, stat)
+    budget_array = None if budgets is None else jnp.asarray(budgets, jnp.int32)
 
-    def prefill_chunk(params, cache, ids, ok, last_index, last_logits):
+    def maybe_evict(cache: KVCache, room) -> KVCache:
+        return cache if budgets is None else evict_if_needed(policy, cache, budget_array, room)
+
+    def prefill_chunk(params, cache, ids, ok, last_index, last_logits, stat_weights):
         # last_index [b]: index of the row's last prompt token within this chunk, or -1
-        logits, cache = model.apply({"params": params}, ids, cache=cache, ok=ok,
-                                    logits_index=jnp.maximum(last_index, 0))
+        cache = maybe_evict(cache, jnp.max(jnp.sum(ok, axis=1)))  # room for this chunk's real tokens
+        logits, cache = prefill_model.apply({"params": params}, ids, cache=cache, ok=ok,
+                                            logits_index=jnp.maximum(last_index, 0),
+                                            stat_weights=stat_weights if stat else None)
         last_logits = jnp.where((last_index >= 0)[:, None], logits[:, 0], last_logits)
         return cache, last_logits
+
+    def compress(cache):
+        return evict_cache(policy, cache, budget_array)
 
     def decode_loop(params, state: DecodeState, limit):
         def cond(s: DecodeState):
@@ -148,13 +166,17 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
             tokens = s.tokens.at[:, s.step].set(token)
             n_generated = s.n_generated + (~s.done).astype(jnp.int32)
             done = s.done | (token == eos_id) if eos_id is not None else s.done
-            logits, cache = model.apply({"params": params}, token[:, None], cache=s.cache)
+            cache = maybe_evict(s.cache, 1)
+            weights = jnp.ones((token.shape[0], 1), jnp.float32) if stat else None
+            logits, cache = decode_model.apply({"params": params}, token[:, None], cache=cache,
+                                               stat_weights=weights)
             return DecodeState(cache=cache, logits=logits[:, 0], tokens=tokens, n_generated=n_generated,
                                done=done, step=s.step + 1, key=s.key)
 
         return jax.lax.while_loop(cond, body, state)
 
-    return jax.jit(prefill_chunk, donate_argnums=(1,)), jax.jit(decode_loop, donate_argnums=(1,))
+    return (jax.jit(prefill_chunk, donate_argnums=(1,)), None if budgets is None else jax.jit(compress),
+            jax.jit(decode_loop, donate_argnums=(1,)))
 
 
 # --------------------------------------------------------------------------------------------------- generator
@@ -176,17 +198,36 @@ class Generator:
         self.config, self.params = config, params
         self.cache_config = cache or CacheConfig()
         self.policy = self.cache_config.make_policy()
+        self.budgets = None
         if self.policy.evicts:
-            raise ConfigError(f"cache.policy={self.cache_config.policy!r}: eviction during generation is not "
-                              "available yet; use policy='full'")
+            self.budgets = layer_budgets(self.cache_config, config.n_layers)
+            self.policy.check(config.n_layers, self.budgets)
         self.sampling = sampling or SamplingConfig()
         self.max_new_tokens, self.eos_id, self.seed = max_new_tokens, eos_id, seed
         self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
-        self._prefill_chunk, self._decode_loop = _compiled(config, self.sampling, eos_id, self.pad_id)
+        self._prefill_chunk, self._compress, self._decode_loop = _compiled(
+            config, self.sampling, eos_id, self.pad_id, self.policy, self.budgets)
 
     # ----------------------------------------------------------------------------------------------- prefill
+    def _stat_weights(self, lengths: np.ndarray, width: int) -> np.ndarray:
+        """Which prompt queries feed the eviction score (policy.prefill_queries), ``[b, width]`` float32."""
+        index = np.arange(width)[None, :]
+        last = lengths[:, None] - 1
+        which = self.policy.prefill_queries
+        if which == "last":
+            chosen = index == last
+        elif which == "window":
+            chosen = (index <= last) & (index > last - self.policy.window)
+        else:
+            chosen = index <= last
+        return chosen.astype(np.float32)
+
     def prefill(self, prompt_ids) -> DecodeState:
-        """Run the prompts through the model in chunks; returns the state before the first sampled token."""
+        """Run the prompts through the model in chunks; returns the state before the first sampled token.
+
+        Evicting policies see the whole prompt with full attention and compress once at the end, unless the prompt
+        exceeds the capacity: then chunks of at most ``interval`` tokens are compressed between.
+        """
         ids, lengths = pad_prompts(prompt_ids, pad_id=0)
         if np.any(ids < 0) or np.any(ids >= self.config.vocab_size):
             bad = int(ids[(ids < 0) | (ids >= self.config.vocab_size)][0])
@@ -196,18 +237,23 @@ class Generator:
         cache = init_cache(self.config, batch, capacity, self.cache_config.dtype)
         # One compiled chunk shape: the configured chunk, or the prompt rounded up to a power of two if shorter.
         chunk = min(self.cache_config.prefill_chunk, 1 << (max_len - 1).bit_length())
+        if max_len > capacity:  # chunks must fit in the room an eviction frees
+            chunk = min(chunk, self.cache_config.interval)
         n_chunks = -(-max_len // chunk)
         padded = np.zeros((batch, n_chunks * chunk), np.int32)
         padded[:, :max_len] = ids
         ok = np.arange(n_chunks * chunk)[None, :] < lengths[:, None]
+        weights = self._stat_weights(lengths, n_chunks * chunk)
         last_logits = jnp.zeros((batch, self.config.vocab_size), jnp.float32)
         for c in range(n_chunks):
             lo = c * chunk
             last = lengths - 1 - lo
             last_index = np.where((last >= 0) & (last < chunk), last, -1).astype(np.int32)
-            cache, last_logits = self._prefill_chunk(self.params, cache, jnp.asarray(padded[:, lo:lo + chunk]),
-                                                     jnp.asarray(ok[:, lo:lo + chunk]), jnp.asarray(last_index),
-                                                     last_logits)
+            cache, last_logits = self._prefill_chunk(
+                self.params, cache, jnp.asarray(padded[:, lo:lo + chunk]), jnp.asarray(ok[:, lo:lo + chunk]),
+                jnp.asarray(last_index), last_logits, jnp.asarray(weights[:, lo:lo + chunk]))
+        if self._compress is not None:
+            cache = self._compress(cache)
         return DecodeState(
             cache=cache, logits=last_logits,
             tokens=jnp.full((batch, self.max_new_tokens), self.pad_id, jnp.int32),

@@ -33,8 +33,8 @@ def test_cache_memory_is_exactly_the_kv_formula(dtype, itemsize):
     expected = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 40 * itemsize * 3
     assert cache.kv_bytes() == expected == kv_bytes(CFG, 40, 3, dtype)
     assert cache.k.dtype == jnp.dtype({"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype])
-    # metadata: positions (int32) and live mask (bool) per slot, counts and lengths: small next to K and V
-    assert cache.metadata_bytes() == CFG.n_layers * 3 * 40 * (4 + 1) + CFG.n_layers * 3 * 4 + 3 * 4
+    # metadata: position (int32), live flag (bool) and policy score (fp32) per slot, counts and lengths
+    assert cache.metadata_bytes() == CFG.n_layers * 3 * 40 * (4 + 1 + 4) + CFG.n_layers * 3 * 4 + 3 * 4
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
     assert total == cache.kv_bytes() + cache.metadata_bytes()
 

@@ -27,6 +27,7 @@ class LayerCache:
     pos: jax.Array  # [b, C] int32 original token position; -1 in empty slots
     valid: jax.Array  # [b, C] bool live slots
     count: jax.Array  # [b] int32 occupied slots
+    score: jax.Array  # [b, C] float32 per-slot statistic owned by the eviction policy (attention mass, level)
 
 
 @flax.struct.dataclass
@@ -36,6 +37,7 @@ class KVCache:
     pos: jax.Array  # [L, b, C] int32
     valid: jax.Array  # [L, b, C] bool
     count: jax.Array  # [L, b] int32
+    score: jax.Array  # [L, b, C] float32 policy statistic per slot
     lengths: jax.Array  # [b] int32 tokens consumed per sequence
 
     @property
@@ -48,17 +50,18 @@ class KVCache:
 
     def layers(self) -> LayerCache:
         """The per-layer view, stacked on the leading axis (``nn.scan`` slices it)."""
-        return LayerCache(self.k, self.v, self.pos, self.valid, self.count)
+        return LayerCache(self.k, self.v, self.pos, self.valid, self.count, self.score)
 
-    def with_layers(self, layers: LayerCache, lengths: jax.Array) -> "KVCache":
-        return KVCache(layers.k, layers.v, layers.pos, layers.valid, layers.count, lengths)
+    def with_layers(self, layers: LayerCache, lengths: jax.Array | None = None) -> "KVCache":
+        lengths = self.lengths if lengths is None else lengths
+        return KVCache(layers.k, layers.v, layers.pos, layers.valid, layers.count, layers.score, lengths)
 
     def kv_bytes(self) -> int:
         """Bytes of the key and value buffers: 2 x layers x kv_heads x head_dim x capacity x bytes x batch."""
         return int(self.k.size * self.k.dtype.itemsize + self.v.size * self.v.dtype.itemsize)
 
     def metadata_bytes(self) -> int:
-        return int(sum(x.size * x.dtype.itemsize for x in (self.pos, self.valid, self.count, self.lengths)))
+        return int(sum(x.size * x.dtype.itemsize for x in (self.pos, self.valid, self.count, self.score, self.lengths)))
 
 
 def kv_bytes(config: ModelConfig, capacity: int, batch: int, dtype: str) -> int:
@@ -79,6 +82,7 @@ def init_cache(config: ModelConfig, batch: int, capacity: int, dtype: str | None
         pos=jnp.full(shape[:3], -1, jnp.int32),
         valid=jnp.zeros(shape[:3], bool),
         count=jnp.zeros(shape[:2], jnp.int32),
+        score=jnp.zeros(shape[:3], jnp.float32),
         lengths=jnp.zeros((batch,), jnp.int32),
     )
 
@@ -100,4 +104,5 @@ def write(layer: LayerCache, k: jax.Array, v: jax.Array, positions: jax.Array, o
         pos=layer.pos.at[rows, slot].set(positions.astype(jnp.int32), mode="drop"),
         valid=layer.valid.at[rows, slot].set(True, mode="drop"),
         count=layer.count + jnp.sum(ok, axis=1, dtype=jnp.int32),
+        score=layer.score.at[rows, slot].set(0.0, mode="drop"),
     )

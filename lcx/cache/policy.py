@@ -1,10 +1,14 @@
-"""The eviction plug point: the ``EvictionPolicy`` ABC and its registry.
+"""The eviction plug point: the ``EvictionPolicy`` ABC, its registry, and the shared compaction.
 
 A policy is a frozen dataclass (its fields are the policy's parameters, set from ``CacheConfig``) registered by
-name. It is pure and jit-compatible: given one layer's slots (positions, live mask, keys, values), the layer index
-and optional attention statistics, it scores the slots; shared code keeps the best ``budget`` and compacts them
-into the fixed capacity. When it runs (see ``lcx.generate``): once after prefill, and during decode whenever the
-cache would overflow ``budget + interval`` slots, i.e. every ``interval`` steps.
+name. It is pure and jit-compatible: given one layer's slots (positions, live mask, keys, values, the per-slot
+statistic), the layer index and its budget, it scores the slots (``scores``) or picks the survivors directly
+(``select``); ``evict`` - shared by every policy - keeps the survivors and compacts them, in position order, to the
+front of the fixed capacity.
+
+When it runs (``lcx.generate``): after prefill (the prompt was attended in full, then compressed), between prefill
+chunks if the prompt exceeds the capacity, and during decode whenever a layer's cache would overflow
+``budget + interval`` slots - i.e. every ``interval`` steps, which amortizes the gather.
 """
 
 from __future__ import annotations
@@ -15,45 +19,93 @@ from typing import Any, ClassVar
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 from lcx.config import ConfigError
 
 _REGISTRY: dict[str, type["EvictionPolicy"]] = {}
+POSITION_MODES = ("original", "cache")
 
 
 @flax.struct.dataclass
 class SlotView:
-    """What a policy sees of one layer: slots ``[b, C]`` and, if the policy asks for them, attention statistics."""
+    """What a policy sees of one layer of one batch: slots ``[b, C]``, packed at the front in position order."""
 
-    layer: jax.Array  # int32 scalar: layer index (traced under the layer scan)
+    layer: jax.Array  # int32 scalar: layer index (traced under the layer vmap)
     pos: jax.Array  # [b, C] original token positions, -1 in empty slots
     valid: jax.Array  # [b, C] live slots
-    k: jax.Array  # [b, C, k, d]
+    count: jax.Array  # [b] live slots
+    k: jax.Array  # [b, C, k, d] (zero heads in simulations of attention-free policies)
     v: jax.Array  # [b, C, k, d]
-    lengths: jax.Array  # [b] tokens consumed so far
-    attention: jax.Array | None = None  # [b, k, C] attention mass per slot (policy-defined accumulation)
+    score: jax.Array  # [b, C] the per-slot statistic (attention mass for attention-based policies)
+    n_layers: int = flax.struct.field(pytree_node=False, default=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class EvictionPolicy(abc.ABC):
     """Base class of eviction policies. Subclasses are frozen dataclasses registered with ``@register``.
 
-    ``position_mode``: "original" - keys are rotated at their true positions (H2O, SnapKV, TOVA); "cache" - keys
-    are rotated by slot rank at attention time (StreamingLLM, LaCache), letting decoding run past the trained
-    context. ``needs_attention``: the policy scores slots from attention statistics.
+    Class attributes:
+    - ``position_mode``: "original" - keys are rotated at their true positions (H2O, SnapKV, TOVA); "cache" - keys
+      are stored unrotated and rotated by slot rank at attention time (StreamingLLM, LaCache), which lets decoding
+      continue far past the trained context. The ``positions`` field overrides it per config.
+    - ``attention_stat``: None, or how decode steps update the per-slot score from attention weights: "sum"
+      (accumulate, H2O) or "replace" (the current query's weights, TOVA). Prefill always sums over the queries the
+      generator selects with ``prefill_queries``.
+    - ``prefill_queries``: which prompt queries feed the score: "all", "last" or "window" (``self.window``).
     """
 
     name: ClassVar[str] = ""
     position_mode: ClassVar[str] = "original"
-    needs_attention: ClassVar[bool] = False
+    attention_stat: ClassVar[str | None] = None
+    prefill_queries: ClassVar[str] = "all"
     evicts: ClassVar[bool] = True
 
-    @abc.abstractmethod
-    def scores(self, view: SlotView, budget: jax.Array) -> jax.Array:
-        """Per-slot keep scores ``[b, C]`` (higher is kept first); ``budget`` is this layer's budget (int32)."""
+    positions: str | None = None  # override of position_mode
 
-    def check(self, n_layers: int, budget: int | None) -> None:
-        """Raise ``ConfigError`` for settings that cannot work with this model; called at config/plan time."""
+    @property
+    def mode(self) -> str:
+        return self.positions or self.position_mode
+
+    def scores(self, view: SlotView, budget: jax.Array) -> jax.Array:
+        """Per-slot keep scores ``[b, C]``: the ``budget`` highest are kept (ties: newer first)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement scores() or select()")
+
+    def select(self, view: SlotView, budget: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Survivors ``keep [b, C]`` and the updated per-slot score. Default: the top ``budget`` of ``scores``."""
+        return top_budget(self.scores(view, budget), view, budget), view.score
+
+    def check(self, n_layers: int, budgets: tuple[int, ...]) -> None:
+        """Raise ``ConfigError`` for settings that cannot work with this model (called before anything runs)."""
+
+    def __post_init__(self):
+        if self.positions is not None and self.positions not in POSITION_MODES:
+            raise ConfigError(f"cache.positions={self.positions!r} is invalid: must be one of {list(POSITION_MODES)}")
+
+
+def top_budget(scores: jax.Array, view: SlotView, budget: jax.Array) -> jax.Array:
+    """Mask of the ``budget`` highest-scoring live slots per row; ties go to the newer token."""
+    s = jnp.where(view.valid, scores.astype(jnp.float32), -jnp.inf)
+    order = jnp.lexsort((-view.pos, -s), axis=-1)  # primary key last: score descending, then newest first
+    rank = jnp.argsort(order, axis=-1)  # inverse permutation: each slot's rank
+    return view.valid & (rank < budget)
+
+
+def evict(policy: EvictionPolicy, view: SlotView, budget: jax.Array) -> SlotView:
+    """Apply ``policy`` to one layer: keep its survivors and compact them to the front, in position order."""
+    keep, score = policy.select(view, budget)
+    keep = keep & view.valid
+    big = jnp.iinfo(jnp.int32).max
+    order = jnp.argsort(jnp.where(keep, view.pos, big), axis=-1, stable=True)  # [b, C] kept first, by position
+
+    def gather(x):
+        idx = order.reshape(order.shape + (1,) * (x.ndim - 2))
+        return jnp.take_along_axis(x, idx, axis=1)
+
+    valid = gather(keep)
+    return view.replace(pos=jnp.where(valid, gather(view.pos), -1), valid=valid,
+                        count=jnp.sum(keep, axis=-1, dtype=jnp.int32), k=gather(view.k), v=gather(view.v),
+                        score=jnp.where(valid, gather(score), 0.0))
 
 
 def register(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
@@ -67,13 +119,19 @@ def register(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
 
 
 def registered() -> list[str]:
+    _load_builtin()
     return sorted(_REGISTRY)
+
+
+def _load_builtin() -> None:
+    import lcx.cache.policies  # noqa: F401  (registers the built-in policies)
 
 
 def make_policy(name: str, params: dict[str, Any] | None = None) -> EvictionPolicy:
     """Instantiate policy ``name`` with ``params``; unknown names or parameters raise ``ConfigError``."""
     import difflib
 
+    _load_builtin()
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, registered(), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -83,19 +141,7 @@ def make_policy(name: str, params: dict[str, Any] | None = None) -> EvictionPoli
     unknown = sorted(set(params or {}) - fields)
     if unknown:
         raise ConfigError(f"cache.{unknown[0]} is not a parameter of cache.policy={name!r} "
-                          f"(its parameters: {sorted(fields) or 'none'})")
+                          f"(its parameters: {sorted(fields)})")
     from lcx.config import from_dict
 
     return from_dict(cls, params or {}, prefix="cache")
-
-
-@register
-@dataclasses.dataclass(frozen=True)
-class Full(EvictionPolicy):
-    """Keep everything: the cache grows to prompt + new tokens, and that size is checked before running."""
-
-    name: ClassVar[str] = "full"
-    evicts: ClassVar[bool] = False
-
-    def scores(self, view: SlotView, budget: jax.Array) -> jax.Array:
-        return view.valid.astype(jax.numpy.float32)

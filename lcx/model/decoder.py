@@ -22,13 +22,15 @@ from lcx.model.rope import rope_tables
 
 class Block(nn.Module):
     config: ModelConfig
+    position_mode: str = "original"
+    stat_update: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array | None,
-                 ok: jax.Array | None, cache: LayerCache | None):
+                 ok: jax.Array | None, stat_weights: jax.Array | None, cache: LayerCache | None):
         with jax.named_scope("attention_block"):
-            h, cache = Attention(self.config, name="attn")(RMSNorm(self.config, name="attn_norm")(x), cos, sin,
-                                                          cache, positions, ok)
+            attn = Attention(self.config, self.position_mode, self.stat_update, name="attn")
+            h, cache = attn(RMSNorm(self.config, name="attn_norm")(x), cos, sin, cache, positions, ok, stat_weights)
             x = x + h
         with jax.named_scope("mlp_block"):
             x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x))
@@ -42,13 +44,19 @@ class Decoder(nn.Module):
     With ``cache`` (a ``KVCache``) the call appends the tokens where ``ok [b, t]`` (default: all; False marks
     padding) and returns ``(logits, cache)``. ``logits_index [b]`` computes the logits of one position per row only
     (e.g. the last prompt token), giving ``[b, 1, vocab]``.
+
+    ``position_mode`` and ``stat_update`` configure the cached path for an eviction policy (see
+    ``lcx.model.cached_attention``); ``stat_weights [b, t]`` marks the queries whose attention feeds the score.
     """
 
     config: ModelConfig
+    position_mode: str = "original"
+    stat_update: str | None = None
 
     @nn.compact
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None, cache: KVCache | None = None,
-                 ok: jax.Array | None = None, logits_index: jax.Array | None = None):
+                 ok: jax.Array | None = None, logits_index: jax.Array | None = None,
+                 stat_weights: jax.Array | None = None):
         cfg = self.config
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq]; got shape {input_ids.shape}")
@@ -70,11 +78,12 @@ class Decoder(nn.Module):
             block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, 0),
+            in_axes=(nn.broadcast,) * 5 + (0,),
             length=cfg.n_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg, name="layers")
-        x, layer_caches = layers(x, cos, sin, positions, ok, None if cache is None else cache.layers())
+        )(cfg, self.position_mode, self.stat_update, name="layers")
+        x, layer_caches = layers(x, cos, sin, positions, ok, stat_weights,
+                                 None if cache is None else cache.layers())
 
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None].astype(jnp.int32), axis=1)  # [b, 1, e]

@@ -1,0 +1,233 @@
+"""Eviction policies: exact kept sets, the ladder's shape, attention-based picks, and parity with ``full``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lcx
+from lcx.cache import SlotView, evict, layer_budgets, make_policy, registered, simulate
+from lcx.config import CacheConfig, Config, ConfigError, ModelConfig
+from lcx.generate import Generator
+
+CFG = ModelConfig(vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48, init_std=0.15)
+POLICY_PARAMS = {"window": {}, "streaming": {"sinks": 2}, "h2o": {}, "tova": {}, "snapkv": {"window": 4},
+                 "knorm": {}, "random": {"seed": 3}, "ladder": {"sinks": 2, "span": 2, "overlap": 0, "recent": 4}}
+
+
+@pytest.fixture(scope="module")
+def params():
+    return lcx.init_params(CFG, jax.random.key(0))
+
+
+def test_policies_registry_lists_every_builtin():
+    assert set(POLICY_PARAMS) | {"full"} <= set(registered())
+
+
+# ------------------------------------------------------------------------------------------- attention-free shapes
+def test_policies_window_keeps_exactly_the_recent_tokens():
+    kept = simulate({"policy": "window", "budget": 10}, n_layers=3, length=50)
+    expected = np.zeros(50, bool)
+    expected[50 - 11:] = True  # budget + the token just appended (eviction runs before each append)
+    assert (kept == expected).all()
+
+
+def test_policies_streaming_keeps_exactly_sinks_and_recent():
+    kept = simulate({"policy": "streaming", "budget": 10, "sinks": 3}, n_layers=2, length=40)
+    expected = np.zeros(40, bool)
+    expected[:3] = True
+    expected[40 - 8:] = True  # budget - sinks recent + the appended token
+    assert (kept == expected).all()
+
+
+def test_policies_streaming_interval_bounds_the_cache():
+    kept = simulate({"policy": "streaming", "budget": 10, "sinks": 3, "interval": 5}, n_layers=1, length=43)
+    assert 10 < kept.sum() <= 15 and kept[0, :3].all() and kept[0, -1]
+
+
+def test_policies_ladder_shape():
+    n, budget, sinks, recent = 8, 40, 2, 6
+    kept = simulate({"policy": "ladder", "budget": budget, "sinks": sinks, "span": 2, "overlap": 0,
+                     "recent": recent}, n_layers=n, length=400)
+    assert kept[:, :sinks].all(), "sinks are kept in every layer"
+    assert kept[:, -recent:].all(), "the recent tail is dense in every layer"
+    assert (kept.sum(axis=1) <= budget + 1).all(), "the budget holds (plus the token just appended)"
+    assert len({row.tobytes() for row in kept}) > 1, "layers keep different old tokens (staircase)"
+    old = kept[:, sinks:-recent]
+    assert old.any(axis=0).mean() > 2 * old.mean(), "old tokens survive in some layer far more than in each"
+    middle = old.shape[1] // 2
+    assert old[:, :middle].mean() < old[:, middle:].mean(), "older regions are thinner than newer ones"
+
+
+def test_policies_ladder_staircase_offsets():
+    # n=4, span 2, overlap 0: runs of G=2, each layer keeps A=1, layer i at offset i mod 2.
+    kept = simulate({"policy": "ladder", "budget": 12, "sinks": 1, "span": 2, "overlap": 0, "recent": 2},
+                    n_layers=4, length=16)
+    assert (kept[0] == kept[2]).all() and (kept[1] == kept[3]).all() and not (kept[0] == kept[1]).all()
+    first_run = kept[:, 1:3]  # the oldest laddered run after the sink
+    assert first_run[0].tolist() == [True, False] and first_run[1].tolist() == [False, True]
+
+
+def test_policies_random_is_reproducible_and_seeded():
+    a = simulate({"policy": "random", "budget": 12, "seed": 1}, n_layers=2, length=60)
+    b = simulate({"policy": "random", "budget": 12, "seed": 1}, n_layers=2, length=60)
+    c = simulate({"policy": "random", "budget": 12, "seed": 2}, n_layers=2, length=60)
+    assert (a == b).all() and not (a == c).all() and (a.sum(axis=1) == 13).all()
+
+
+# ------------------------------------------------------------------------------------------- score-based picks
+def _view(score, pos=None, k=None):
+    c = score.shape[-1]
+    pos = np.arange(c)[None] if pos is None else pos
+    k = jnp.zeros((1, c, 1, 4)) if k is None else k
+    return SlotView(layer=jnp.int32(0), pos=jnp.asarray(pos, jnp.int32), valid=jnp.ones((1, c), bool),
+                    count=jnp.asarray([c], jnp.int32), k=k, v=jnp.zeros_like(k), score=jnp.asarray(score),
+                    n_layers=1)
+
+
+def test_policies_h2o_keeps_heavy_hitters_and_recent():
+    score = np.full((1, 32), 0.1, np.float32)
+    score[0, [3, 11, 17]] = 5.0  # planted heavy hitters
+    out = evict(make_policy("h2o", {"recent": 4}), _view(score), jnp.int32(8))
+    kept = set(np.asarray(out.pos[0][out.valid[0]]).tolist())
+    assert kept >= {3, 11, 17, 28, 29, 30, 31} and len(kept) == 8
+    assert np.asarray(out.pos[0, :8]).tolist() == sorted(kept), "survivors are packed in position order"
+
+
+def test_policies_knorm_keeps_smallest_keys():
+    norms = np.arange(16, 0, -1, dtype=np.float32)  # position 15 has the smallest key
+    k = jnp.asarray(norms)[None, :, None, None] * jnp.ones((1, 16, 2, 4))
+    out = evict(make_policy("knorm"), _view(np.zeros((1, 16), np.float32), k=k), jnp.int32(5))
+    assert np.asarray(out.pos[0, :5]).tolist() == [11, 12, 13, 14, 15]
+
+
+def test_policies_snapkv_keeps_the_needle_the_window_attends_to():
+    """End to end through the cached attention: the last queries look at position 9; SnapKV keeps it."""
+    from lcx.cache import init_cache
+    from lcx.model.cached_attention import attend_cache
+    from lcx.model.rope import rope_tables
+
+    cfg = dataclasses.replace(CFG, n_layers=1)
+    t, d = 40, cfg.head_dim
+    rng = np.random.default_rng(0)
+    k = rng.normal(size=(1, t, cfg.n_kv_heads, d)).astype(np.float32) * 0.1
+    q = rng.normal(size=(1, t, cfg.n_heads, d)).astype(np.float32) * 0.1
+    needle = rng.normal(size=(d,)).astype(np.float32)
+    k[0, 9] = 3 * needle
+    q[0, -6:] = 3 * needle  # the observation window attends to the needle
+    positions = jnp.arange(t)[None]
+    cos, sin = rope_tables(dataclasses.replace(cfg, rope=lcx.RopeConfig(theta=1e9)), positions)  # ~no rotation
+    layer = jax.tree.map(lambda x: x[0], init_cache(cfg, 1, 48).layers())
+    window = (np.arange(t) >= t - 6).astype(np.float32)[None]
+    _, layer = attend_cache(cfg, jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), cos, sin, layer, positions,
+                            jnp.ones((1, t), bool), stat_update="sum", stat_weights=jnp.asarray(window))
+    view = SlotView(layer=jnp.int32(0), pos=layer.pos, valid=layer.valid, count=layer.count, k=layer.k, v=layer.v,
+                    score=layer.score, n_layers=1)
+    out = evict(make_policy("snapkv", {"window": 6, "kernel": 3}), view, jnp.int32(10))
+    kept = np.asarray(out.pos[0][out.valid[0]]).tolist()
+    assert 9 in kept and set(range(t - 6, t)) <= set(kept) and len(kept) == 10
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+def test_policies_attention_stats_equal_numpy_softmax(impl):
+    """The per-slot score is the attention mass the counted queries give each slot, summed over query heads."""
+    from lcx.cache import init_cache
+    from lcx.model.cached_attention import attend_cache
+    from lcx.model.rope import rope_tables
+
+    cfg = dataclasses.replace(CFG, n_layers=1, attention=lcx.AttentionConfig(impl=impl))
+    t, d, h, kv = 10, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    rng = np.random.default_rng(1)
+    q = rng.normal(size=(1, t, h, d)).astype(np.float32)
+    k = rng.normal(size=(1, t, kv, d)).astype(np.float32)
+    positions = jnp.arange(t)[None]
+    cos, sin = rope_tables(cfg, positions)
+    layer = jax.tree.map(lambda x: x[0], init_cache(cfg, 1, 16).layers())
+    weights = (np.arange(t) % 3 == 0).astype(np.float32)[None]  # queries 0, 3, 6, 9 count
+    _, layer = attend_cache(cfg, jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), cos, sin, layer, positions,
+                            jnp.ones((1, t), bool), stat_update="sum", stat_weights=jnp.asarray(weights))
+    from lcx.model.rope import apply_rope
+
+    qr = np.asarray(apply_rope(jnp.asarray(q), cos, sin))[0]
+    kr = np.asarray(apply_rope(jnp.asarray(k), cos, sin))[0]
+    expected = np.zeros(16)
+    for i in (0, 3, 6, 9):
+        for head in range(h):
+            s = kr[: i + 1, head // (h // kv)] @ qr[i, head] / np.sqrt(d)
+            p = np.exp(s - s.max())
+            expected[: i + 1] += p / p.sum()
+    np.testing.assert_allclose(np.asarray(layer.score[0]), expected, rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------- with generation
+@pytest.mark.parametrize("name", sorted(POLICY_PARAMS))
+def test_policies_budget_above_length_reproduces_full(name, params):
+    prompts = [np.random.default_rng(1).integers(0, 61, 20).tolist(), [5, 6, 7]]
+    ref = Generator(CFG, params, max_new_tokens=8)
+    ref_state = ref.decode(ref.prefill(prompts))
+    gen = Generator(CFG, params, max_new_tokens=8,
+                    cache=CacheConfig(policy=name, budget=64, interval=8, **POLICY_PARAMS[name]))
+    state = gen.decode(gen.prefill(prompts))
+    np.testing.assert_array_equal(np.asarray(state.tokens), np.asarray(ref_state.tokens))
+    np.testing.assert_allclose(np.asarray(state.logits), np.asarray(ref_state.logits), atol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["streaming", "ladder", "h2o", "snapkv"])
+def test_policies_decoding_16x_budget_keeps_cache_at_capacity(name, params):
+    budget, interval, new = 16, 8, 16 * 16
+    gen = Generator(CFG, params, max_new_tokens=new,
+                    cache=CacheConfig(policy=name, budget=budget, interval=interval, **POLICY_PARAMS[name]))
+    state = gen.prefill([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]])
+    capacity = budget + interval
+    assert state.cache.k.shape == (CFG.n_layers, 1, capacity, CFG.n_kv_heads, CFG.head_dim)
+    assert int(state.cache.count.max()) <= budget
+    state = gen.decode(state)
+    assert int(state.step) == new
+    assert state.cache.k.shape[2] == capacity
+    assert state.cache.kv_bytes() == 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * capacity * 4
+    assert int(state.cache.count.max()) <= capacity and int(state.cache.lengths[0]) == 20 + new
+    live = np.asarray(state.cache.pos[0, 0][state.cache.valid[0, 0]])
+    assert live.max() == 20 + new - 1  # the newest token is cached
+
+
+def test_policies_long_prompt_is_compressed_between_chunks(params):
+    prompt = np.random.default_rng(2).integers(0, 61, (1, 100))
+    gen = Generator(CFG, params, max_new_tokens=4,
+                    cache=CacheConfig(policy="streaming", budget=24, interval=8, sinks=2, prefill_chunk=64))
+    state = gen.prefill(prompt)
+    assert state.cache.capacity == 32 and int(state.cache.count.max()) <= 24
+    pos = np.asarray(state.cache.pos[0, 0][state.cache.valid[0, 0]])
+    assert pos[:2].tolist() == [0, 1] and pos[-1] == 99
+
+
+def test_policies_pyramid_budgets_shrink_with_depth():
+    budgets = layer_budgets(CacheConfig(policy="window", budget=100, budget_schedule="pyramid"), 5)
+    assert budgets == (150, 125, 100, 75, 50)
+    assert layer_budgets(CacheConfig(policy="window", budget=[4, 5, 6]), 3) == (4, 5, 6)
+
+
+# ------------------------------------------------------------------------------------------- validation
+@pytest.mark.parametrize("cache, message", [
+    ({"policy": "streaming", "budget": 4, "sinks": 4}, "cache.budget=4 is invalid for cache.policy='streaming'"),
+    ({"policy": "ladder", "budget": 64, "span": 4, "overlap": 4}, "cache.span=4 is invalid: must be > cache.overlap"),
+    ({"policy": "ladder", "budget": 64, "span": 8, "overlap": 4},
+     "with span=8, overlap=4 on 4 layers cannot reduce anything"),
+    ({"policy": "ladder", "budget": 6, "span": 2, "overlap": 0}, "it must be at least sinks + recent + one run"),
+    ({"policy": "h2o"}, "cache.budget=None is invalid for cache.policy='h2o'"),
+    ({"policy": "streamin", "budget": 8}, "did you mean 'streaming'?"),
+    ({"policy": "window", "budget": 8, "sinks": 2}, "cache.sinks is not a parameter of cache.policy='window'"),
+    ({"policy": "snapkv", "budget": 8, "kernel": 4}, "cache.kernel=4 is invalid"),
+    ({"policy": "window", "budget": [4, 4]}, "cache.budget has 2 per-layer values; the model has 4 layers"),
+    ({"policy": "window", "budget": 0}, "cache.budget=0 is invalid"),
+    ({"policy": "window", "budget": 8, "budget_schedule": "cone"}, "cache.budget_schedule='cone' is invalid"),
+])
+def test_policies_bad_config_fails_at_load(cache, message):
+    from lcx.config import from_dict, to_dict
+
+    with pytest.raises(ConfigError) as err:
+        from_dict(Config, {"model": to_dict(CFG), "cache": cache})
+    assert message in str(err.value)
