@@ -305,6 +305,7 @@ class Config:
     model: ModelConfig
     name: str = "lcx"
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    plugins: tuple[str, ...] = ()  # modules imported before validation (e.g. ones registering eviction policies)
 
     def __post_init__(self):
         # Settings that depend on both sections (layer budgets, ladder shape) fail here, at load.
@@ -434,9 +435,24 @@ def load_dict(path: str | Path | None = None, overrides: Sequence[str] = ()) -> 
         raise ConfigError(f"config {str(path)!r} with overrides {list(overrides)}: {err}") from err
 
 
+def import_plugins(modules: Sequence[str]) -> None:
+    """Import the modules a config lists under ``plugins`` (custom eviction policies register themselves)."""
+    import importlib
+
+    if isinstance(modules, str) or not isinstance(modules, Sequence):
+        raise ConfigError(f"plugins={modules!r} is invalid: must be a list of module names")
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise ConfigError(f"plugins: module {name!r} could not be imported: {err}") from err
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), cls=Config):
     """Load and validate a config file (YAML) with ``key=value`` overrides into ``cls`` (default ``Config``)."""
-    return from_dict(cls, load_dict(path, overrides))
+    data = load_dict(path, overrides)
+    import_plugins(data.get("plugins") or ())
+    return from_dict(cls, data)
 
 
 def load_model_config(path: str | Path, overrides: Sequence[str] = ()) -> ModelConfig:
