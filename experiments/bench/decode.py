@@ -80,10 +80,11 @@ def bench_vs_hf(model, config, params, batch: int, prompt_len: int, new: int, re
     return row
 
 
-def bench_context(config, params, contexts, steps: int, batch: int = 1) -> list[dict]:
+def bench_context(config, params, contexts, steps: int, batch: int = 1, cache: CacheConfig | None = None
+                  ) -> list[dict]:
     rows = []
     for ctx in contexts:
-        gen = Generator(config, params, max_new_tokens=steps + 1, cache=CacheConfig(prefill_chunk=1024))
+        gen = Generator(config, params, max_new_tokens=steps + 1, cache=cache or CacheConfig(prefill_chunk=1024))
         prompt = np.random.default_rng(ctx).integers(0, config.vocab_size, (batch, ctx))
         state = gen.prefill(prompt)
         jax.block_until_ready(gen.decode(state, steps=1))  # compile
@@ -103,6 +104,8 @@ def main() -> None:
     parser.add_argument("--impl", default="xla", help="attention.impl for lcx (default xla)")
     parser.add_argument("--contexts", default=None, help="comma-separated contexts for the per-token table")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--eviction-contexts", default=None,
+                        help="contexts for the streaming-vs-full table (default 1024,4096,16384)")
     args = parser.parse_args()
     prompt_len, new = (64, 16) if args.quick else (512, 128)
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else (
@@ -139,6 +142,20 @@ def main() -> None:
         print("|---|---|---|")
         for r in bench_context(config, params, contexts, steps=8 if args.quick else 32):
             print(f"| {r['context']} | {r['ms_per_token']:.2f} | {r['cache_MiB']:.1f} |", flush=True)
+
+        ev_contexts = [int(c) for c in args.eviction_contexts.split(",")] if args.eviction_contexts else (
+            [256, 1024] if args.quick else [1024, 4096, 16384])
+        budget = 128 if args.quick else 1024
+        streaming = CacheConfig(policy="streaming", budget=budget, sinks=4, interval=256, prefill_chunk=1024)
+        print(f"\n## per-token decode time: streaming (budget {budget}, interval 256) vs full cache")
+        print("| context | full ms / token | full cache MiB | streaming ms / token | streaming cache MiB |")
+        print("|---|---|---|---|---|")
+        steps = 8 if args.quick else 32
+        for ctx in ev_contexts:
+            f = bench_context(config, params, [ctx], steps=steps)[0]
+            s = bench_context(config, params, [ctx], steps=steps, cache=streaming)[0]
+            print(f"| {ctx} | {f['ms_per_token']:.2f} | {f['cache_MiB']:.1f} | {s['ms_per_token']:.2f} | "
+                  f"{s['cache_MiB']:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

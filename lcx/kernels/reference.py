@@ -67,3 +67,51 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
         mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_lengths=kv_lengths,
                               batch=q.shape[0])
     return masked_attention_reference(q, k, v, mask, sm_scale=sm_scale)
+
+
+def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Array | None = None,
+                               lengths: jax.Array | None = None, return_weights: bool = False,
+                               sm_scale: float | None = None):
+    """Reference for ``decode_attention``: ``q [b, h, d]``, ``k, v [b, s, k, d]``, ``valid [b, s]``, ``lengths [b]``.
+
+    Returns ``out [b, h, d]`` and, with ``return_weights``, ``weights [b, k, s]``: the probabilities summed over
+    the query heads of each KV head's group.
+    """
+    b, s = k.shape[:2]
+    mask = jnp.ones((b, s), bool) if valid is None else valid.astype(bool)
+    if lengths is not None:
+        mask &= jnp.arange(s)[None, :] < jnp.asarray(lengths)[:, None]
+    out = masked_attention_reference(q[:, None], k, v, mask[:, None, :], sm_scale=sm_scale)[:, 0]
+    if not return_weights:
+        return out
+    return out, masked_column_sums_reference(q[:, None], k, mask[:, None, :], sm_scale=sm_scale)
+
+
+def attention_column_sums_reference(q: jax.Array, k: jax.Array, *, causal: bool = True,
+                                    sm_scale: float | None = None, window: int | None = None,
+                                    kv_lengths: jax.Array | None = None) -> jax.Array:
+    """Reference for ``attention_column_sums``: probabilities of ``q [b, t, h, d]`` over ``k [b, s, k, d]`` (masks as
+    in ``attention_reference``) summed over the t queries and each KV head's query group -> ``[b, k, s]`` float32."""
+    mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_lengths=kv_lengths,
+                          batch=q.shape[0])
+    return masked_column_sums_reference(q, k, mask, sm_scale=sm_scale)
+
+
+def masked_column_sums_reference(q: jax.Array, k: jax.Array, mask: jax.Array | None, *,
+                                 sm_scale: float | None = None) -> jax.Array:
+    """Column sums with an explicit ``mask [b, t, s]``: ``[b, k, s]`` float32; fully masked rows add 0."""
+    b, t, h, d = q.shape
+    kv_heads = k.shape[2]
+    g = h // kv_heads
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    hi = jax.lax.Precision.HIGHEST
+    qg = q.astype(jnp.float32).reshape(b, t, kv_heads, g, d)  # [b, t, k, g, d]
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32), precision=hi) * scale  # [b, k, g, t, s]
+    if mask is not None:
+        scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    p = jnp.exp(scores - row_max)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0, 1.0, denom)
+    return jnp.sum(p, axis=(2, 3))  # [b, k, s]
