@@ -122,7 +122,7 @@ ATTENTION_IMPLS = ("reference", "xla", "pallas")
 class AttentionConfig:
     """Which attention implementation the model calls (see ``lcx.kernels.attention``)."""
 
-    impl: str = "reference"
+    impl: str = "pallas"
 
     def __post_init__(self):
         _check(self.impl in ATTENTION_IMPLS, "attention.impl", self.impl, f"must be one of {list(ATTENTION_IMPLS)}")
