@@ -175,8 +175,22 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
 
         return jax.lax.while_loop(cond, body, state)
 
+    def forced_loop(params, cache, logits, tokens):
+        """Teacher forcing: the log-probability of each given token, then append it (evicting as decode does)."""
+        def body(carry, token):
+            cache, logits = carry
+            logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)[:, 0]
+            cache = maybe_evict(cache, 1)
+            weights = jnp.ones((token.shape[0], 1), jnp.float32) if stat else None
+            logits, cache = decode_model.apply({"params": params}, token[:, None], cache=cache,
+                                               stat_weights=weights)
+            return (cache, logits[:, 0]), logprob
+
+        (cache, logits), logprobs = jax.lax.scan(body, (cache, logits), tokens.T)
+        return cache, logits, logprobs.T
+
     return (jax.jit(prefill_chunk, donate_argnums=(1,)), None if budgets is None else jax.jit(compress),
-            jax.jit(decode_loop, donate_argnums=(1,)))
+            jax.jit(decode_loop, donate_argnums=(1,)), jax.jit(forced_loop))
 
 
 # --------------------------------------------------------------------------------------------------- generator
@@ -205,7 +219,7 @@ class Generator:
         self.sampling = sampling or SamplingConfig()
         self.max_new_tokens, self.eos_id, self.seed = max_new_tokens, eos_id, seed
         self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
-        self._prefill_chunk, self._compress, self._decode_loop = _compiled(
+        self._prefill_chunk, self._compress, self._decode_loop, self._forced = _compiled(
             config, self.sampling, eos_id, self.pad_id, self.policy, self.budgets)
 
     # ----------------------------------------------------------------------------------------------- prefill
@@ -265,6 +279,23 @@ class Generator:
         """Sample up to ``steps`` more tokens (default: to ``max_new_tokens``) or until every row hit EOS."""
         limit = self.max_new_tokens if steps is None else min(int(state.step) + steps, self.max_new_tokens)
         return self._decode_loop(self.params, state, jnp.int32(limit))
+
+    def score(self, state: DecodeState, tokens) -> tuple[DecodeState, np.ndarray]:
+        """Log-probabilities ``[b, n]`` of given continuation ``tokens [b, n]`` after ``state`` (teacher forcing
+        through the same cache and eviction schedule as decoding); returns the advanced state too.
+
+        Perplexity under an eviction policy: ``prefill`` a prefix, then ``score`` the rest of the text.
+        """
+        tokens = jnp.asarray(tokens, jnp.int32)
+        if not self.policy.evicts:
+            need = int(jnp.max(state.cache.count)) + tokens.shape[1]
+            if need > state.cache.capacity:
+                raise CacheCapacityError(
+                    f"scoring {tokens.shape[1]} tokens needs {need} cache slots but the full cache was planned for "
+                    f"{state.cache.capacity} (prompt + max_new_tokens): create the Generator with max_new_tokens >= "
+                    f"{tokens.shape[1]} or use an eviction policy")
+        cache, logits, logprobs = self._forced(self.params, state.cache, state.logits, tokens)
+        return state.replace(cache=cache, logits=logits), np.asarray(logprobs)
 
     def result(self, state: DecodeState) -> GenerateResult:
         return GenerateResult(tokens=np.asarray(state.tokens), lengths=np.asarray(state.n_generated),

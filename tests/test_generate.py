@@ -153,3 +153,16 @@ def test_generate_xla_and_reference_attention_agree(params):
     b = Generator(CFG, params, max_new_tokens=4)
     sa, sb = a.decode(a.prefill(prompts)), b.decode(b.prefill(prompts))
     np.testing.assert_allclose(np.asarray(sa.logits), np.asarray(sb.logits), atol=1e-4)
+
+
+def test_generate_score_equals_full_forward_log_probs(params):
+    ids = np.random.default_rng(5).integers(0, CFG.vocab_size, (2, 20))
+    with pytest.raises(CacheCapacityError, match="scoring 12 tokens needs 20 cache slots"):
+        short = Generator(CFG, params, max_new_tokens=1)
+        short.score(short.prefill(ids[:, :8]), ids[:, 8:])
+    gen = Generator(CFG, params, max_new_tokens=12)
+    state = gen.prefill(ids[:, :8])
+    _, logprobs = gen.score(state, ids[:, 8:])
+    full = jax.nn.log_softmax(lcx.Decoder(CFG).apply({"params": params}, jnp.asarray(ids)))
+    expected = np.take_along_axis(np.asarray(full[:, 7:-1]), ids[:, 8:, None], axis=-1)[..., 0]
+    np.testing.assert_allclose(logprobs, expected, atol=1e-5)
