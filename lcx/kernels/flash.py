@@ -10,7 +10,8 @@ Backward recomputes ``P = 2^(S - lse)`` tile by tile: one kernel for dQ (per que
 dK/dV (per key tile of one KV head, looping over the ``g`` query heads of its group, so the group sum happens in
 registers, never through repeated K/V).
 
-Masks: ``causal`` aligns query i to key position ``s - t + i``; ``window`` keeps keys with position > pos - window;
+Masks (``flash_masks.py``): query i sits at key position ``pos = s - t + i``, or ``q_offsets[b] + i`` (a traced
+per-row scalar; the default keeps a static offset); ``causal`` keeps keys <= pos, ``window`` keys > pos - window;
 ``kv_lengths [b]`` drops keys at or past the length. Key tiles that are fully visible run a loop without mask
 arithmetic; only the tiles on the diagonal / window edge / length edge pay for it; fully hidden tiles are skipped.
 
@@ -32,6 +33,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from lcx.kernels.flash_masks import (key_block_ranges, query_block_ranges, row_args, row_specs, split_row_refs,
+                                     three_loops, tile_mask)
 from lcx.kernels.mode import pallas_call_kwargs
 from lcx.kernels.reference import attention_reference
 
@@ -100,10 +103,11 @@ class _Static:
     num_stages: int
     num_stages_bwd: int
     interpret: bool | None
+    has_offsets: bool = False  # per-row q_offsets [b] replace ``offset`` (a traced scalar in the kernels)
 
     @property
     def offset(self) -> int:
-        """Key position of query 0 (causal alignment to the end of the keys)."""
+        """Key position of query 0 without q_offsets (causal alignment to the end of the keys)."""
         return self.kv_len - self.q_len
 
     def masked(self, block_q: int, block_k: int, *, rows: bool = False) -> bool:
@@ -134,15 +138,6 @@ def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _div0(x, n: int):
-    """floor(max(x, 0) / n) for traced int32 ``x`` (lax.div truncates; clamping first makes that a floor)."""
-    return lax.div(jnp.maximum(x, 0), n)
-
-
-def _cdiv0(x, n: int):
-    return lax.div(jnp.maximum(x, 0) + (n - 1), n)
-
-
 def _dot(a, b, contract):
     # fp32 inputs get IEEE fp32 products: Triton's default for them is TF32 (~1e-3 relative), too coarse for an fp32
     # kernel checked to 1e-4. bf16/fp16 inputs use the tensor cores either way; accumulation is always fp32.
@@ -165,91 +160,13 @@ def dot_nn(a, b):
     return _dot(a, b, ((1,), (0,)))
 
 
-def tile_mask(st: _Static, rows, cols, kv_len_b, *, row_valid: bool = False):
-    """``[len(rows), len(cols)]`` bool: query index ``rows`` may see key index ``cols``."""
-    pos = rows[:, None] + st.offset  # [bq, 1] key-space position of each query
-    key = cols[None, :]  # [1, bk]
-    mask = key < st.kv_len
-    if st.causal:
-        mask = mask & (key <= pos)
-    if st.window is not None:
-        mask = mask & (key > pos - st.window)
-    if kv_len_b is not None:
-        mask = mask & (key < kv_len_b)
-    if row_valid:
-        mask = mask & (rows[:, None] < st.q_len)
-    return jnp.broadcast_to(mask, (rows.shape[0], cols.shape[0]))
-
-
-def key_block_ranges(st: _Static, q0, block_q: int, block_k: int, n_kb: int, kv_len_b):
-    """Key-tile ranges for query rows ``[q0, q0 + block_q)``: ``lo <= lo_full <= hi_full <= hi``.
-
-    Tiles in ``[lo_full, hi_full)`` are fully visible to every row; the rest of ``[lo, hi)`` needs the mask.
-    """
-    off = st.offset
-    hi = jnp.int32(n_kb)
-    hi_full = jnp.int32(st.kv_len // block_k)
-    lo = jnp.int32(0)
-    lo_full = jnp.int32(0)
-    if st.causal:  # last row sees keys <= q0 + block_q - 1 + off; first row sees keys <= q0 + off
-        hi = jnp.minimum(hi, _cdiv0(q0 + block_q + off, block_k))
-        hi_full = jnp.minimum(hi_full, _div0(q0 + off + 1, block_k))
-    if kv_len_b is not None:
-        hi = jnp.minimum(hi, _cdiv0(kv_len_b, block_k))
-        hi_full = jnp.minimum(hi_full, _div0(kv_len_b, block_k))
-    if st.window is not None:  # first row sees keys > q0 + off - window; last row keys > q0 + block_q - 1 + off - w
-        lo = _div0(q0 + off - st.window + 1, block_k)
-        lo_full = _cdiv0(q0 + block_q + off - st.window, block_k)
-    lo = jnp.minimum(lo, hi)
-    lo_full = jnp.clip(lo_full, lo, hi)
-    hi_full = jnp.clip(hi_full, lo_full, hi)
-    return lo, lo_full, hi_full, hi
-
-
-def query_block_ranges(st: _Static, k0, block_q: int, block_k: int, n_qb: int, kv_len_b):
-    """Query-tile ranges that see keys ``[k0, k0 + block_k)``, split like :func:`key_block_ranges`."""
-    off = st.offset
-    lo = jnp.int32(0)
-    hi = jnp.int32(n_qb)
-    lo_full = jnp.int32(0)
-    hi_full = jnp.int32(st.q_len // block_q)  # a tile with padded rows must mask them
-    if st.causal:  # row r sees key c iff r + off >= c
-        lo = _div0(k0 - off, block_q)
-        lo_full = _cdiv0(k0 + block_k - 1 - off, block_q)
-    if st.window is not None:  # row r sees key c iff r + off - window < c
-        hi = jnp.minimum(hi, _cdiv0(k0 + block_k + st.window - off - 1, block_q))
-        hi_full = jnp.minimum(hi_full, _div0(k0 + st.window - off, block_q))
-    keys_full = k0 + block_k <= st.kv_len
-    if kv_len_b is not None:
-        hi = jnp.where(k0 < kv_len_b, hi, lo)  # a tile wholly past the length gets no gradient
-        keys_full = keys_full & (k0 + block_k <= kv_len_b)
-    hi = jnp.maximum(hi, lo)
-    lo_full = jnp.where(keys_full, jnp.clip(lo_full, lo, hi), hi)
-    hi_full = jnp.clip(hi_full, lo_full, hi)
-    return lo, lo_full, hi_full, hi
-
-
-def three_loops(body, ranges, carry, masked: bool):
-    """Run ``body(i, carry, masked=...)`` over the edge tiles with masks and the inner tiles without."""
-    lo, lo_full, hi_full, hi = ranges
-    if not masked:
-        return lax.fori_loop(lo, hi, functools.partial(body, masked=False), carry)
-    carry = lax.fori_loop(lo, lo_full, functools.partial(body, masked=True), carry)
-    carry = lax.fori_loop(lo_full, hi_full, functools.partial(body, masked=False), carry)
-    return lax.fori_loop(hi_full, hi, functools.partial(body, masked=True), carry)
-
-
 # ----------------------------------------------------------------------------------------------------- forward
 
 
 def flash_forward_kernel(*refs, st: _Static):
-    """One ``[block_q]`` tile of one query head. Refs: [lens []], q [bq, d], k, v [s, d] -> o [bq, d], lse [bq]."""
-    if st.has_lengths:
-        lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
-        kv_len_b = lens_ref[()]
-    else:
-        q_ref, k_ref, v_ref, o_ref, lse_ref = refs
-        kv_len_b = None
+    """One ``[block_q]`` tile of one query head. Refs: [lens []], [offs []], q [bq, d], k, v [s, d] -> o [bq, d],
+    lse [bq]."""
+    kv_len_b, off, (q_ref, k_ref, v_ref, o_ref, lse_ref) = split_row_refs(st, refs)
     bq, bk = st.block_q, st.block_k
     q0 = pl.program_id(0) * bq
     scale2 = st.sm_scale * LOG2E  # base-2 softmax: exp2 is the native instruction
@@ -261,7 +178,7 @@ def flash_forward_kernel(*refs, st: _Static):
         k0 = pl.multiple_of(kb * bk, bk)
         s = dot_nt(q, k_ref[pl.ds(k0, bk), :]) * scale2  # [bq, bk]
         if masked:
-            mask = tile_mask(st, rows, k0 + jnp.arange(bk), kv_len_b)
+            mask = tile_mask(st, rows, k0 + jnp.arange(bk), kv_len_b, off=off)
             s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp2(s - m_new[:, None])  # [bq, bk]
@@ -274,29 +191,28 @@ def flash_forward_kernel(*refs, st: _Static):
 
     carry = (jnp.zeros((bq, q_ref.shape[-1]), jnp.float32), jnp.full((bq,), MASK_VALUE, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
-    ranges = key_block_ranges(st, q0, bq, bk, k_ref.shape[0] // bk, kv_len_b)
+    ranges = key_block_ranges(st, q0, bq, bk, k_ref.shape[0] // bk, kv_len_b, off)
     acc, m, l = three_loops(body, ranges, carry, st.masked(bq, bk))
     empty = l == 0.0  # fully masked row: output 0, lse +inf so the backward's 2^(s - lse) is 0
     o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
 
-def lens_specs(st: _Static, index_map) -> list[pl.BlockSpec]:
-    """The in_spec of the ``[b]`` kv lengths when there are any: a 0-d block, read in-kernel as ``lens_ref[()]``."""
-    return [pl.BlockSpec((None,), index_map)] if st.has_lengths else []
+lens_specs = row_specs  # the older name (window_stats.py), from when lengths were the only per-row ints
 
 
-def flash_forward(q, k, v, lens, st: _Static):
-    """Padded ``q [b, t, h, d]``, ``k, v [b, s, k, d]`` -> ``o [b, t, h, d]``, base-2 ``lse [b, h, t]`` (fp32)."""
+def flash_forward(q, k, v, lens, st: _Static, offs=None):
+    """Padded ``q [b, t, h, d]``, ``k, v [b, s, k, d]``, ``lens, offs [b]`` int32 or None -> ``o [b, t, h, d]``,
+    base-2 ``lse [b, h, t]`` (fp32)."""
     b, t, h, d = q.shape
     s = k.shape[1]
     bq, g = st.block_q, st.groups
-    in_specs = lens_specs(st, lambda i, bi, hi: (bi,)) + [
+    in_specs = row_specs(st, lambda i, bi, hi: (bi,)) + [
         pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
         pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, lax.div(hi, g), 0)),  # KV head of query head
         pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, lax.div(hi, g), 0)),
     ]
-    args = ([lens] if st.has_lengths else []) + [q, k, v]
+    args = row_args(st, lens, offs) + [q, k, v]
     return pl.pallas_call(
         functools.partial(flash_forward_kernel, st=st),
         grid=(t // bq, b, h),  # query tiles fastest: neighbouring programs share the same K/V in L2
@@ -313,13 +229,9 @@ def flash_forward(q, k, v, lens, st: _Static):
 
 
 def flash_dq_kernel(*refs, st: _Static):
-    """dQ of one ``[block_q_dq]`` tile of one query head. Refs: [lens], q, do [bq, d], lse, delta [bq], k, v [s, d]."""
-    if st.has_lengths:
-        lens_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref = refs
-        kv_len_b = lens_ref[()]
-    else:
-        q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref = refs
-        kv_len_b = None
+    """dQ of one ``[block_q_dq]`` tile of one query head. Refs: [lens], [offs], q, do [bq, d], lse, delta [bq],
+    k, v [s, d]."""
+    kv_len_b, off, (q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref) = split_row_refs(st, refs)
     bq, bk = st.block_q_dq, st.block_k_dq
     q0 = pl.program_id(0) * bq
     scale2 = st.sm_scale * LOG2E
@@ -332,13 +244,13 @@ def flash_dq_kernel(*refs, st: _Static):
         k = k_ref[pl.ds(k0, bk), :]
         s = dot_nt(q, k) * scale2  # [bq, bk]
         if masked:
-            s = jnp.where(tile_mask(st, rows, k0 + jnp.arange(bk), kv_len_b), s, MASK_VALUE)
+            s = jnp.where(tile_mask(st, rows, k0 + jnp.arange(bk), kv_len_b, off=off), s, MASK_VALUE)
         p = jnp.exp2(s - lse[:, None])
         dp = dot_nt(do, v_ref[pl.ds(k0, bk), :])  # [bq, bk]
         ds = p * (dp - delta[:, None])
         return dq + dot_nn(ds.astype(k.dtype), k)
 
-    ranges = key_block_ranges(st, q0, bq, bk, k_ref.shape[0] // bk, kv_len_b)
+    ranges = key_block_ranges(st, q0, bq, bk, k_ref.shape[0] // bk, kv_len_b, off)
     dq = three_loops(body, ranges, jnp.zeros(q.shape, jnp.float32), st.masked(bq, bk))
     dq_ref[...] = (dq * st.sm_scale).astype(dq_ref.dtype)
 
@@ -346,21 +258,16 @@ def flash_dq_kernel(*refs, st: _Static):
 def flash_dkv_kernel(*refs, st: _Static):
     """dK, dV of one ``[block_k_dkv]`` key tile of one KV head, summed over the ``g`` query heads of its group.
 
-    Refs: [lens], q, do [t, g * d] (head j in columns ``j*d:(j+1)*d``), lse, delta [g, t], k, v [bk, d].
+    Refs: [lens], [offs], q, do [t, g * d] (head j in columns ``j*d:(j+1)*d``), lse, delta [g, t], k, v [bk, d].
     """
-    if st.has_lengths:
-        lens_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref = refs
-        kv_len_b = lens_ref[()]
-    else:
-        q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref = refs
-        kv_len_b = None
+    kv_len_b, off, (q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref) = split_row_refs(st, refs)
     bq, bk = st.block_q_dkv, st.block_k_dkv
     d = k_ref.shape[-1]
     k0 = pl.program_id(0) * bk
     scale2 = st.sm_scale * LOG2E
     k, v = k_ref[...], v_ref[...]  # [bk, d]
     cols = k0 + jnp.arange(bk)
-    ranges = query_block_ranges(st, k0, bq, bk, q_ref.shape[0] // bq, kv_len_b)
+    ranges = query_block_ranges(st, k0, bq, bk, q_ref.shape[0] // bq, kv_len_b, off)
     masked = st.masked(bq, bk, rows=True)
 
     def head(j, carry):
@@ -375,7 +282,8 @@ def flash_dkv_kernel(*refs, st: _Static):
             delta = delta_ref[j, pl.ds(r0, bq)]
             s = dot_nt(q, k) * scale2  # [bq, bk]
             if masked:
-                s = jnp.where(tile_mask(st, r0 + jnp.arange(bq), cols, kv_len_b, row_valid=True), s, MASK_VALUE)
+                mask = tile_mask(st, r0 + jnp.arange(bq), cols, kv_len_b, row_valid=True, off=off)
+                s = jnp.where(mask, s, MASK_VALUE)
             p = jnp.exp2(s - lse[:, None])
             dv = dv + dot_tn(p.astype(do.dtype), do)
             ds = p * (dot_nt(do, v) - delta[:, None])
@@ -389,7 +297,7 @@ def flash_dkv_kernel(*refs, st: _Static):
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def flash_backward(q, k, v, lens, o, lse, do, st: _Static):
+def flash_backward(q, k, v, lens, o, lse, do, st: _Static, offs=None):
     """Padded inputs as in :func:`flash_forward`, ``do [b, t, h, d]`` -> ``dq, dk, dv``."""
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
@@ -397,13 +305,13 @@ def flash_backward(q, k, v, lens, o, lse, do, st: _Static):
     # delta_i = sum_j P_ij dP_ij = do_i . o_i: an O(t h d) row statistic, cheapest as one fused XLA op.
     delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))  # [b, h, t]
     kw = pallas_call_kwargs(st.interpret, num_warps=st.num_warps, num_stages=st.num_stages_bwd)
-    lens_args = [lens] if st.has_lengths else []
+    row_arrays = row_args(st, lens, offs)
 
     bq, bk = st.block_q_dq, st.block_k_dq
     dq = pl.pallas_call(
         functools.partial(flash_dq_kernel, st=st),
         grid=(t // bq, b, h),
-        in_specs=lens_specs(st, lambda i, bi, hi: (bi,)) + [
+        in_specs=row_specs(st, lambda i, bi, hi: (bi,)) + [
             pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
             pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
             pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i)),
@@ -415,7 +323,7 @@ def flash_backward(q, k, v, lens, o, lse, do, st: _Static):
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         name="lcx_flash_backward_dq",
         **kw,
-    )(*lens_args, q, do, lse, delta, k, v)
+    )(*row_arrays, q, do, lse, delta, k, v)
 
     bq, bk = st.block_q_dkv, st.block_k_dkv
     # Free reshapes: the g heads of a KV group sit side by side in the last axis / a middle axis.
@@ -426,7 +334,7 @@ def flash_backward(q, k, v, lens, o, lse, do, st: _Static):
     dk, dv = pl.pallas_call(
         functools.partial(flash_dkv_kernel, st=st),
         grid=(s // bk, b, kvh),
-        in_specs=lens_specs(st, lambda i, bi, ki: (bi,)) + [
+        in_specs=row_specs(st, lambda i, bi, ki: (bi,)) + [
             pl.BlockSpec((None, t, None, g * d), lambda i, bi, ki: (bi, 0, ki, 0)),
             pl.BlockSpec((None, t, None, g * d), lambda i, bi, ki: (bi, 0, ki, 0)),
             pl.BlockSpec((None, None, g, t), lambda i, bi, ki: (bi, ki, 0, 0)),
@@ -438,27 +346,28 @@ def flash_backward(q, k, v, lens, o, lse, do, st: _Static):
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         name="lcx_flash_backward_dkv",
         **kw,
-    )(*lens_args, qg, dog, lseg, deltag, k, v)
+    )(*row_arrays, qg, dog, lseg, deltag, k, v)
     return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------------------------- custom VJP
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, lens, st: _Static):
-    return flash_forward(q, k, v, lens, st)[0]
+# lens and offs are int32 arrays (or None): primal inputs whose cotangent is None, i.e. not differentiable.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, lens, offs, st: _Static):
+    return flash_forward(q, k, v, lens, st, offs)[0]
 
 
-def _flash_fwd(q, k, v, lens, st: _Static):
-    o, lse = flash_forward(q, k, v, lens, st)
-    return o, (q, k, v, lens, o, lse)
+def _flash_fwd(q, k, v, lens, offs, st: _Static):
+    o, lse = flash_forward(q, k, v, lens, st, offs)
+    return o, (q, k, v, lens, offs, o, lse)
 
 
 def _flash_bwd(st: _Static, res, do):
-    q, k, v, lens, o, lse = res
-    dq, dk, dv = flash_backward(q, k, v, lens, o, lse, do, st)
-    return dq, dk, dv, None
+    q, k, v, lens, offs, o, lse = res
+    dq, dk, dv = flash_backward(q, k, v, lens, o, lse, do, st, offs)
+    return dq, dk, dv, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -482,7 +391,7 @@ def check_qkv(q, k, v) -> int:
 
 def make_static(q_len: int, kv_len: int, groups: int, head_dim: int, dtype, *, causal: bool, sm_scale: float | None,
                 window: int | None, has_lengths: bool, block_sizes: FlashBlockSizes | None,
-                interpret: bool | None) -> _Static:
+                interpret: bool | None, has_offsets: bool = False) -> _Static:
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"{window=} must be None or a positive int")
     bs = FlashBlockSizes.for_dtype(dtype) if block_sizes is None else block_sizes
@@ -496,7 +405,7 @@ def make_static(q_len: int, kv_len: int, groups: int, head_dim: int, dtype, *, c
         block_q_dkv=fit_block(bs.block_q_dkv, q_len), block_k_dkv=fit_block(bs.block_k_dkv, kv_len),
         block_q_dq=fit_block(bs.block_q_dq, q_len), block_k_dq=fit_block(bs.block_k_dq, kv_len),
         num_warps=bs.num_warps or (4 if dp <= 64 else 8), num_stages=bs.num_stages,
-        num_stages_bwd=bs.num_stages_bwd, interpret=interpret)
+        num_stages_bwd=bs.num_stages_bwd, interpret=interpret, has_offsets=has_offsets)
 
 
 def pad_inputs(q, k, v, st: _Static):
@@ -510,18 +419,34 @@ def pad_inputs(q, k, v, st: _Static):
     return q, k, v
 
 
+def row_ints(x, batch: int, name: str) -> jax.Array | None:
+    """``x`` as int32 ``[batch]`` (None stays None); ``name`` for the error."""
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if x.shape != (batch,):
+        raise ValueError(f"{name}.shape={x.shape} must be ({batch},)")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name}.dtype={x.dtype} must be an integer type")
+    return x.astype(jnp.int32)
+
+
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, sm_scale: float | None = None,
                     window: int | None = None, kv_lengths: jax.Array | None = None,
-                    block_sizes: FlashBlockSizes | None = None, interpret: bool | None = None) -> jax.Array:
+                    q_offsets: jax.Array | None = None, block_sizes: FlashBlockSizes | None = None,
+                    interpret: bool | None = None) -> jax.Array:
     """Tiled softmax attention with a Pallas forward and backward (``jax.grad`` works through it).
 
     Args:
       q: ``[batch, q_len, q_heads, head_dim]``.
       k, v: ``[batch, kv_len, kv_heads, head_dim]``; q_heads a multiple of kv_heads (GQA/MQA, no repeated K/V).
-      causal: query i sits at key position ``kv_len - q_len + i`` and sees keys up to it.
+      causal: query i sits at key position ``kv_len - q_len + i`` (or ``q_offsets[b] + i``) and sees keys up to it.
       sm_scale: score scale; default ``head_dim ** -0.5``.
       window: keep only the ``window`` most recent keys (own position included).
       kv_lengths: ``[batch]`` ints; keys at index >= length are padding.
+      q_offsets: ``[batch]`` ints, not differentiated: query i of row b sits at key position ``q_offsets[b] + i``
+        (``causal`` and ``window`` count from there). E.g. a prefill chunk of t tokens written to cache slots
+        ``[n_b, n_b + t)``: ``k, v`` = the cache, ``q_offsets = n``, ``kv_lengths = n + real tokens``.
       block_sizes: tiles and launch settings (:class:`FlashBlockSizes`).
       interpret: None = interpret unless the default backend is a GPU (``mode.py``).
 
@@ -530,17 +455,15 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     """
     g = check_qkv(q, k, v)
     b, t, _, d = q.shape
-    if kv_lengths is not None:
-        kv_lengths = jnp.asarray(kv_lengths)
-        if kv_lengths.shape != (b,):
-            raise ValueError(f"{kv_lengths.shape=} must be ({b},)")
-        kv_lengths = kv_lengths.astype(jnp.int32)
+    kv_lengths = row_ints(kv_lengths, b, "kv_lengths")
+    q_offsets = row_ints(q_offsets, b, "q_offsets")
     st = make_static(t, k.shape[1], g, d, q.dtype, causal=causal, sm_scale=sm_scale, window=window,
-                     has_lengths=kv_lengths is not None, block_sizes=block_sizes, interpret=interpret)
+                     has_lengths=kv_lengths is not None, block_sizes=block_sizes, interpret=interpret,
+                     has_offsets=q_offsets is not None)
     with jax.named_scope("lcx_flash_attention"):
         # One dtype for the dots (a cache kept in another dtype than the activations); a no-op when they agree.
         qp, kp, vp = pad_inputs(q, k.astype(q.dtype), v.astype(q.dtype), st)
-        o = _flash(qp, kp, vp, kv_lengths, st)
+        o = _flash(qp, kp, vp, kv_lengths, q_offsets, st)
     return o[:, :t, :, :d]
 
 

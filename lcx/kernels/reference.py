@@ -12,16 +12,21 @@ import jax.numpy as jnp
 
 
 def attention_mask(q_len: int, kv_len: int, *, causal: bool, window: int | None = None,
-                   kv_lengths: jax.Array | None = None, batch: int = 1) -> jax.Array:
+                   kv_lengths: jax.Array | None = None, batch: int = 1,
+                   q_offsets: jax.Array | None = None) -> jax.Array:
     """Boolean mask ``[batch, q_len, kv_len]``, True where a query may attend to a key.
 
     Causal alignment puts the queries at the end of the keys: query i sits at key position ``kv_len - q_len + i``
-    (a prefill chunk attending to the cache plus itself). ``window`` keeps that many keys back, the query's own
-    position included. ``kv_lengths [batch]`` marks keys at or past the length as padding.
+    (a prefill chunk attending to the cache plus itself), or at ``q_offsets[b] + i`` when ``q_offsets [batch]`` is
+    given (a chunk written at slot ``q_offsets[b]`` of a cache). ``window`` keeps that many keys back, the query's
+    own position included. ``kv_lengths [batch]`` marks keys at or past the length as padding.
     """
-    q_pos = jnp.arange(q_len)[:, None] + (kv_len - q_len)  # [t, 1]
-    k_pos = jnp.arange(kv_len)[None, :]  # [1, s]
-    mask = jnp.ones((q_len, kv_len), bool)
+    if q_offsets is None:
+        q_pos = jnp.arange(q_len)[None, :, None] + (kv_len - q_len)  # [1, t, 1]
+    else:
+        q_pos = jnp.arange(q_len)[None, :, None] + jnp.asarray(q_offsets)[:, None, None]  # [b, t, 1]
+    k_pos = jnp.arange(kv_len)[None, None, :]  # [1, 1, s]
+    mask = jnp.ones((1, q_len, kv_len), bool)
     if causal:
         mask &= k_pos <= q_pos
     if window is not None:
@@ -58,14 +63,15 @@ def masked_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: j
 
 def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                         sm_scale: float | None = None, window: int | None = None,
-                        kv_lengths: jax.Array | None = None) -> jax.Array:
-    """Reference for ``flash_attention``: ``q [b, t, h, d]``, ``k, v [b, s, k, d]`` -> ``[b, t, h, d]``."""
+                        kv_lengths: jax.Array | None = None, q_offsets: jax.Array | None = None) -> jax.Array:
+    """Reference for ``flash_attention``: ``q [b, t, h, d]``, ``k, v [b, s, k, d]`` -> ``[b, t, h, d]``; ``kv_lengths``,
+    ``q_offsets [b]`` as in :func:`attention_mask`."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [batch, len, heads, head_dim]; got {q.shape=}, {k.shape=}, {v.shape=}")
     mask = None
     if causal or window is not None or kv_lengths is not None:
         mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_lengths=kv_lengths,
-                              batch=q.shape[0])
+                              batch=q.shape[0], q_offsets=q_offsets)
     return masked_attention_reference(q, k, v, mask, sm_scale=sm_scale)
 
 
