@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+_HI = jax.lax.Precision.HIGHEST
+
 
 def attention_mask(q_len: int, kv_len: int, *, causal: bool, window: int | None = None,
                    kv_lengths: jax.Array | None = None, batch: int = 1,
@@ -37,18 +39,16 @@ def attention_mask(q_len: int, kv_len: int, *, causal: bool, window: int | None 
     return mask
 
 
-def masked_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
-                               *, sm_scale: float | None = None) -> jax.Array:
-    """Softmax attention with an explicit boolean ``mask [b, t, s]``; fully masked rows give 0, never NaN."""
+def masked_probs(q: jax.Array, k: jax.Array, mask: jax.Array | None, *, sm_scale: float | None = None) -> jax.Array:
+    """Softmax probabilities ``[b, k, g, t, s]`` (float32) of ``q [b, t, h, d]`` over ``k [b, s, k, d]`` with an
+    explicit boolean ``mask [b, t, s]``; fully masked rows are all 0, never NaN."""
     b, t, h, d = q.shape
     kv_heads = k.shape[2]
     if h % kv_heads:
         raise ValueError(f"{h=} query heads must be a multiple of {kv_heads=} key/value heads")
-    g = h // kv_heads
     scale = d ** -0.5 if sm_scale is None else sm_scale
-    hi = jax.lax.Precision.HIGHEST
-    qg = q.astype(jnp.float32).reshape(b, t, kv_heads, g, d)  # [b, t, k, g, d]
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32), precision=hi) * scale  # [b, k, g, t, s]
+    qg = q.astype(jnp.float32).reshape(b, t, kv_heads, h // kv_heads, d)  # [b, t, k, g, d]
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32), precision=_HI) * scale  # [b, k, g, t, s]
     if mask is not None:
         scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
@@ -56,8 +56,15 @@ def masked_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: j
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     p = jnp.exp(scores - row_max)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom == 0, 1.0, denom)
-    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32), precision=hi)  # [b, t, k, g, d]
+    return p / jnp.where(denom == 0, 1.0, denom)
+
+
+def masked_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
+                               *, sm_scale: float | None = None) -> jax.Array:
+    """Softmax attention with an explicit boolean ``mask [b, t, s]``; fully masked rows give 0, never NaN."""
+    b, t, h, d = q.shape
+    p = masked_probs(q, k, mask, sm_scale=sm_scale)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32), precision=_HI)  # [b, t, k, g, d]
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
@@ -106,18 +113,4 @@ def attention_column_sums_reference(q: jax.Array, k: jax.Array, *, causal: bool 
 def masked_column_sums_reference(q: jax.Array, k: jax.Array, mask: jax.Array | None, *,
                                  sm_scale: float | None = None) -> jax.Array:
     """Column sums with an explicit ``mask [b, t, s]``: ``[b, k, s]`` float32; fully masked rows add 0."""
-    b, t, h, d = q.shape
-    kv_heads = k.shape[2]
-    g = h // kv_heads
-    scale = d ** -0.5 if sm_scale is None else sm_scale
-    hi = jax.lax.Precision.HIGHEST
-    qg = q.astype(jnp.float32).reshape(b, t, kv_heads, g, d)  # [b, t, k, g, d]
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32), precision=hi) * scale  # [b, k, g, t, s]
-    if mask is not None:
-        scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    p = jnp.exp(scores - row_max)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom == 0, 1.0, denom)
-    return jnp.sum(p, axis=(2, 3))  # [b, k, s]
+    return jnp.sum(masked_probs(q, k, mask, sm_scale=sm_scale), axis=(2, 3))  # [b, k, s]
