@@ -4,8 +4,10 @@ from lcx.config import AttentionConfig, CacheConfig, Config, ConfigError, ModelC
 from lcx.generate import GenerateResult, Generator, generate
 from lcx.model import Decoder, init_params
 from lcx.sampling import SamplingConfig
+from lcx.sharding import MeshConfig, make_mesh
 
 __version__ = "0.1.0"
 
 __all__ = ["AttentionConfig", "CacheConfig", "Config", "ConfigError", "Decoder", "GenerateResult", "Generator",
-           "ModelConfig", "RopeConfig", "SamplingConfig", "generate", "init_params", "load_config"]
+           "MeshConfig", "ModelConfig", "RopeConfig", "SamplingConfig", "generate", "init_params", "load_config",
+           "make_mesh"]

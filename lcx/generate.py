@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lcx import sharding
 from lcx.cache.kv_cache import KVCache, init_cache, kv_bytes
 from lcx.cache.policy import EvictionPolicy
 from lcx.cache.schedule import evict_cache, evict_if_needed, layer_budgets
@@ -85,11 +86,13 @@ def _device_memory_limit() -> int | None:
     return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
-def plan_capacity(config: ModelConfig, cache: CacheConfig, batch: int, max_prompt: int, max_new_tokens: int) -> int:
+def plan_capacity(config: ModelConfig, cache: CacheConfig, batch: int, max_prompt: int, max_new_tokens: int,
+                  mesh=None) -> int:
     """Slots per layer and sequence for this generation; raises ``CacheCapacityError`` when it cannot fit.
 
     ``full``: prompt + new tokens (at most ``cache.budget`` when one is set). Evicting policies: the largest layer
-    budget + ``interval`` (or less when the whole generation is shorter).
+    budget + ``interval`` (or less when the whole generation is shorter). On a ``mesh`` the memory limit is checked
+    per device: the cache is split over all devices (KV heads replicated where the mesh needs it).
     """
     policy = cache.make_policy()
     needed = max_prompt + max_new_tokens
@@ -105,18 +108,25 @@ def plan_capacity(config: ModelConfig, cache: CacheConfig, batch: int, max_promp
                 f"but cache.budget={cache.budget} tokens; keep the budget with an eviction policy, e.g. "
                 f"CacheConfig(policy='streaming', budget={cache.max_budget}, sinks=4), or shorten the request")
     need_bytes = kv_bytes(config, capacity, batch, dtype)
+    shards = 1
+    if mesh is not None:  # batch over data, (replicated) KV heads over model: the same bytes on every device
+        need_bytes = kv_bytes(sharding.cache_model_config(config, mesh), capacity, batch, dtype) // mesh.size
+        shards = sharding.axis_size(mesh, "model")
     limit = cache.max_bytes
     source = f"cache.max_bytes={cache.max_bytes}"
     if limit is None and (device_limit := _device_memory_limit()) is not None:
-        limit, source = int(device_limit * 0.9) - _param_bytes(config), "90% of device memory less the weights"
+        limit = int(device_limit * 0.9) - _param_bytes(config) // shards
+        source = "90% of device memory less the weights"
     if limit is not None and need_bytes > limit:
         per_token = kv_bytes(config, 1, batch, dtype)
         fit = max(limit // per_token, 0)
         raise CacheCapacityError(
             f"the KV cache needs {_fmt(need_bytes)} ({capacity} tokens x batch {batch}, 2 x {config.n_layers} layers"
             f" x {config.n_kv_heads} kv heads x {config.head_dim} x {np.dtype(jnp.dtype(dtype)).itemsize} B), more "
-            f"than {source} = {_fmt(max(limit, 0))}; at most {fit} tokens fit: use an eviction budget, e.g. "
-            f"CacheConfig(policy='streaming', budget={max(fit - cache.interval, 1)}, sinks=4)")
+            f"than {source} = {_fmt(max(limit, 0))}; at most {fit} tokens fit: " + (
+                f"use an eviction budget, e.g. CacheConfig(policy='streaming', budget={fit - cache.interval}, "
+                f"sinks=4, interval={cache.interval})" if fit > cache.interval + 8
+                else "reduce the batch or the request, or raise the memory limit"))
     return capacity
 
 
@@ -132,10 +142,14 @@ def _fmt(n: int) -> str:
 
 
 # --------------------------------------------------------------------------------------------------- compiled steps
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=128)
 def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None, pad_id: int,
-              policy: EvictionPolicy, budgets: tuple[int, ...] | None):
-    """The jitted prefill-chunk, compress and decode-loop functions of one configuration (compiled once each)."""
+              policy: EvictionPolicy, budgets: tuple[int, ...] | None, mesh=None):
+    """The jitted prefill-chunk, compress and decode-loop functions of one configuration (compiled once each).
+
+    With a ``mesh`` they must be called under ``sharding.use_mesh(mesh)`` (the model reads it at trace time); the
+    cache keeps its sharding (batch over data, KV heads over model) through every step.
+    """
     stat = policy.attention_stat
     prefill_model = Decoder(config, policy.mode, "sum" if stat else None)
     decode_model = Decoder(config, policy.mode, stat)
@@ -144,6 +158,11 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
     def maybe_evict(cache: KVCache, room) -> KVCache:
         return cache if budgets is None else evict_if_needed(policy, cache, budget_array, room)
 
+    def pin(cache: KVCache) -> KVCache:
+        if mesh is None:
+            return cache
+        return jax.lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, mesh))
+
     def prefill_chunk(params, cache, ids, ok, last_index, last_logits, stat_weights):
         # last_index [b]: index of the row's last prompt token within this chunk, or -1
         cache = maybe_evict(cache, jnp.max(jnp.sum(ok, axis=1)))  # room for this chunk's real tokens
@@ -151,10 +170,10 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
                                             logits_index=jnp.maximum(last_index, 0),
                                             stat_weights=stat_weights if stat else None)
         last_logits = jnp.where((last_index >= 0)[:, None], logits[:, 0], last_logits)
-        return cache, last_logits
+        return pin(cache), last_logits
 
     def compress(cache):
-        return evict_cache(policy, cache, budget_array)
+        return pin(evict_cache(policy, cache, budget_array))
 
     def decode_loop(params, state: DecodeState, limit):
         def cond(s: DecodeState):
@@ -170,7 +189,7 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
             weights = jnp.ones((token.shape[0], 1), jnp.float32) if stat else None
             logits, cache = decode_model.apply({"params": params}, token[:, None], cache=cache,
                                                stat_weights=weights)
-            return DecodeState(cache=cache, logits=logits[:, 0], tokens=tokens, n_generated=n_generated,
+            return DecodeState(cache=pin(cache), logits=logits[:, 0], tokens=tokens, n_generated=n_generated,
                                done=done, step=s.step + 1, key=s.key)
 
         return jax.lax.while_loop(cond, body, state)
@@ -184,7 +203,7 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
             weights = jnp.ones((token.shape[0], 1), jnp.float32) if stat else None
             logits, cache = decode_model.apply({"params": params}, token[:, None], cache=cache,
                                                stat_weights=weights)
-            return (cache, logits[:, 0]), logprob
+            return (pin(cache), logits[:, 0]), logprob
 
         (cache, logits), logprobs = jax.lax.scan(body, (cache, logits), tokens.T)
         return cache, logits, logprobs.T
@@ -202,14 +221,25 @@ class Generator:
     >>> state = gen.decode(state, steps=10)   # any number of segments
     >>> gen.save(state, "ckpt"); state = gen.restore("ckpt")
     >>> result = gen.result(gen.decode(state))
+
+    ``mesh`` (``lcx.sharding.make_mesh``): params are placed by the sharding rules, the cache is split with the
+    batch over "data" and KV heads over "model", and the steps run under the mesh (kernels once per shard). The
+    batch must be a multiple of the data axis.
     """
 
     def __init__(self, config: ModelConfig, params, *, max_new_tokens: int, cache: CacheConfig | None = None,
                  sampling: SamplingConfig | None = None, eos_id: int | None = None, seed: int = 0,
-                 pad_id: int | None = None):
+                 pad_id: int | None = None, mesh=None, capacity: int | None = None):
+        """``capacity`` fixes the cache slots (at least what each request needs): requests of different lengths then
+        share one compiled prefill and decode (evaluation grids). ``mesh``: shard params and cache over it."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive integer")
-        self.config, self.params = config, params
+        self.config, self.params, self.mesh = config, params, mesh
+        self._cache_model = config  # the KV heads the cache stores (kv_heads x r when a mesh replicates them)
+        if mesh is not None:
+            sharding.mesh_topology(config, mesh)  # raises for a model axis that cannot split the KV heads
+            self._cache_model = sharding.cache_model_config(config, mesh)
+            self.params = sharding.shard_params(params, config, mesh)
         self.cache_config = cache or CacheConfig()
         self.policy = self.cache_config.make_policy()
         self.budgets = None
@@ -217,10 +247,30 @@ class Generator:
             self.budgets = layer_budgets(self.cache_config, config.n_layers)
             self.policy.check(config.n_layers, self.budgets)
         self.sampling = sampling or SamplingConfig()
+        self.capacity = capacity
         self.max_new_tokens, self.eos_id, self.seed = max_new_tokens, eos_id, seed
         self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
         self._prefill_chunk, self._compress, self._decode_loop, self._forced = _compiled(
-            config, self.sampling, eos_id, self.pad_id, self.policy, self.budgets)
+            config, self.sampling, eos_id, self.pad_id, self.policy, self.budgets, mesh)
+
+    def _put(self, x, batch_axis: bool = True):
+        """A host value as a step input: split by rows over "data" (or replicated) on the mesh."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        x = np.asarray(x)
+        spec = sharding.batch_sharding(self.mesh, x.ndim) if batch_axis else sharding.replicated(self.mesh)
+        return sharding.put(x, spec)
+
+    def _new_cache(self, batch: int, capacity: int) -> KVCache:
+        make = functools.partial(init_cache, self._cache_model, batch, capacity, self.cache_config.dtype)
+        if self.mesh is None:
+            return make()
+        data = sharding.axis_size(self.mesh, "data")
+        if batch % data:
+            raise ConfigError(f"batch={batch} is invalid on a mesh with data={data}: the batch must be a multiple "
+                              f"of the data axis; pass {-(-batch // data) * data} prompts or a smaller data axis")
+        # Created sharded: the whole cache never sits on one device.
+        return jax.jit(make, out_shardings=sharding.cache_shardings(jax.eval_shape(make), self.mesh))()
 
     # ----------------------------------------------------------------------------------------------- prefill
     def _stat_weights(self, lengths: np.ndarray, width: int) -> np.ndarray:
@@ -247,8 +297,13 @@ class Generator:
             bad = int(ids[(ids < 0) | (ids >= self.config.vocab_size)][0])
             raise ConfigError(f"prompt token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
         batch, max_len = ids.shape
-        capacity = plan_capacity(self.config, self.cache_config, batch, max_len, self.max_new_tokens)
-        cache = init_cache(self.config, batch, capacity, self.cache_config.dtype)
+        capacity = plan_capacity(self.config, self.cache_config, batch, max_len, self.max_new_tokens, self.mesh)
+        if self.capacity is not None:
+            if self.capacity < capacity:
+                raise CacheCapacityError(f"capacity={self.capacity} is too small: this request needs {capacity} "
+                                         f"cache slots (prompt {max_len} + max_new_tokens {self.max_new_tokens})")
+            capacity = self.capacity
+        cache = self._new_cache(batch, capacity)
         # One compiled chunk shape: the configured chunk, or the prompt rounded up to a power of two if shorter.
         chunk = min(self.cache_config.prefill_chunk, 1 << (max_len - 1).bit_length())
         if max_len > capacity:  # chunks must fit in the room an eviction frees
@@ -258,27 +313,31 @@ class Generator:
         padded[:, :max_len] = ids
         ok = np.arange(n_chunks * chunk)[None, :] < lengths[:, None]
         weights = self._stat_weights(lengths, n_chunks * chunk)
-        last_logits = jnp.zeros((batch, self.config.vocab_size), jnp.float32)
+        last_logits = self._put(np.zeros((batch, self.config.vocab_size), np.float32))
         for c in range(n_chunks):
             lo = c * chunk
             last = lengths - 1 - lo
             last_index = np.where((last >= 0) & (last < chunk), last, -1).astype(np.int32)
-            cache, last_logits = self._prefill_chunk(
-                self.params, cache, jnp.asarray(padded[:, lo:lo + chunk]), jnp.asarray(ok[:, lo:lo + chunk]),
-                jnp.asarray(last_index), last_logits, jnp.asarray(weights[:, lo:lo + chunk]))
+            with sharding.use_mesh(self.mesh):
+                cache, last_logits = self._prefill_chunk(
+                    self.params, cache, self._put(padded[:, lo:lo + chunk]), self._put(ok[:, lo:lo + chunk]),
+                    self._put(last_index), last_logits, self._put(weights[:, lo:lo + chunk]))
         if self._compress is not None:
-            cache = self._compress(cache)
+            with sharding.use_mesh(self.mesh):
+                cache = self._compress(cache)
         return DecodeState(
             cache=cache, logits=last_logits,
-            tokens=jnp.full((batch, self.max_new_tokens), self.pad_id, jnp.int32),
-            n_generated=jnp.zeros((batch,), jnp.int32), done=jnp.zeros((batch,), bool),
-            step=jnp.int32(0), key=jax.random.key_data(jax.random.key(self.seed)))
+            tokens=self._put(np.full((batch, self.max_new_tokens), self.pad_id, np.int32)),
+            n_generated=self._put(np.zeros((batch,), np.int32)), done=self._put(np.zeros((batch,), bool)),
+            step=self._put(np.int32(0), False),
+            key=self._put(jax.random.key_data(jax.random.key(self.seed)), False))
 
     # ----------------------------------------------------------------------------------------------- decode
     def decode(self, state: DecodeState, steps: int | None = None) -> DecodeState:
         """Sample up to ``steps`` more tokens (default: to ``max_new_tokens``) or until every row hit EOS."""
         limit = self.max_new_tokens if steps is None else min(int(state.step) + steps, self.max_new_tokens)
-        return self._decode_loop(self.params, state, jnp.int32(limit))
+        with sharding.use_mesh(self.mesh):
+            return self._decode_loop(self.params, state, self._put(np.int32(limit), False))
 
     def score(self, state: DecodeState, tokens) -> tuple[DecodeState, np.ndarray]:
         """Log-probabilities ``[b, n]`` of given continuation ``tokens [b, n]`` after ``state`` (teacher forcing
@@ -286,7 +345,7 @@ class Generator:
 
         Perplexity under an eviction policy: ``prefill`` a prefix, then ``score`` the rest of the text.
         """
-        tokens = jnp.asarray(tokens, jnp.int32)
+        tokens = np.asarray(tokens, np.int32)
         if not self.policy.evicts:
             need = int(jnp.max(state.cache.count)) + tokens.shape[1]
             if need > state.cache.capacity:
@@ -294,11 +353,12 @@ class Generator:
                     f"scoring {tokens.shape[1]} tokens needs {need} cache slots but the full cache was planned for "
                     f"{state.cache.capacity} (prompt + max_new_tokens): create the Generator with max_new_tokens >= "
                     f"{tokens.shape[1]} or use an eviction policy")
-        cache, logits, logprobs = self._forced(self.params, state.cache, state.logits, tokens)
-        return state.replace(cache=cache, logits=logits), np.asarray(logprobs)
+        with sharding.use_mesh(self.mesh):
+            cache, logits, logprobs = self._forced(self.params, state.cache, state.logits, self._put(tokens))
+        return state.replace(cache=cache, logits=logits), sharding.to_host(logprobs)
 
     def result(self, state: DecodeState) -> GenerateResult:
-        return GenerateResult(tokens=np.asarray(state.tokens), lengths=np.asarray(state.n_generated),
+        return GenerateResult(tokens=sharding.to_host(state.tokens), lengths=sharding.to_host(state.n_generated),
                               cache_bytes=state.cache.kv_bytes())
 
     def finished(self, state: DecodeState) -> bool:
@@ -341,11 +401,23 @@ class Generator:
                               f"{k}={mine[k]!r}: restore it with the same settings")
         b, capacity = meta["batch"], meta["capacity"]
         abstract = jax.eval_shape(lambda: self._empty_state(b, capacity))
+        # Restored straight onto this generator's mesh (or one device), whatever mesh saved it.
+        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                                self._state_shardings(abstract))
         return ocp.StandardCheckpointer().restore(path / "state", abstract)
+
+    def _state_shardings(self, state: DecodeState) -> DecodeState:
+        if self.mesh is None:
+            one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            return jax.tree.map(lambda _: one, state)
+        rows, mesh = sharding.batch_sharding, self.mesh
+        return DecodeState(cache=sharding.cache_shardings(state.cache, mesh), logits=rows(mesh, 2),
+                           tokens=rows(mesh, 2), n_generated=rows(mesh), done=rows(mesh),
+                           step=sharding.replicated(mesh), key=sharding.replicated(mesh))
 
     def _empty_state(self, batch: int, capacity: int) -> DecodeState:
         return DecodeState(
-            cache=init_cache(self.config, batch, capacity, self.cache_config.dtype),
+            cache=init_cache(self._cache_model, batch, capacity, self.cache_config.dtype),
             logits=jnp.zeros((batch, self.config.vocab_size), jnp.float32),
             tokens=jnp.zeros((batch, self.max_new_tokens), jnp.int32), n_generated=jnp.zeros((batch,), jnp.int32),
             done=jnp.zeros((batch,), bool), step=jnp.int32(0), key=jnp.zeros((2,), jnp.uint32))
@@ -357,12 +429,12 @@ def generate(config: ModelConfig, params, prompt_ids, *, max_new_tokens: int, te
     """Generate ``max_new_tokens`` per prompt. ``prompt_ids``: int array ``[batch, len]`` or a list of token lists.
 
     Returns ``.tokens [batch, max_new_tokens]`` (padded with ``eos_id`` after EOS) and ``.lengths``.
-    ``mesh`` is accepted for API stability; sharded generation arrives with the sharding issue.
+    ``mesh`` (``lcx.sharding.make_mesh``): generate sharded over it (see ``Generator``); the tokens equal the
+    single-device ones.
     """
-    del mesh
     gen = Generator(config, params, max_new_tokens=max_new_tokens, cache=cache,
                     sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p), eos_id=eos_id,
-                    seed=seed)
+                    seed=seed, mesh=mesh)
     return gen.result(gen.decode(gen.prefill(prompt_ids)))
 
 

@@ -57,10 +57,13 @@ class Ladder(EvictionPolicy):
     def check(self, n_layers, budgets):
         run, kept = ladder_shape(n_layers, self.span, self.overlap)
         if run <= kept:
+            valid = [(s, o) for s in range(n_layers - 1, 0, -1) for o in range(s)
+                     if ladder_shape(n_layers, s, o)[0] > ladder_shape(n_layers, s, o)[1]]
+            hint = f"e.g. span={valid[0][0]}, overlap={valid[0][1]}" if valid else "a model with more layers"
             raise ConfigError(
                 f"cache.policy='ladder' with span={self.span}, overlap={self.overlap} on {n_layers} layers cannot "
-                f"reduce anything (runs of G={run} keep A={kept} tokens per layer); use a smaller span or overlap "
-                f"so that G > A, e.g. span={max(self.overlap + 1, 2)}")
+                f"reduce anything (runs of G={run} keep A={kept} tokens per layer); the span must be below the "
+                f"layer count and G > A: {hint}")
         floor = self.sinks + self._recent(n_layers) + run
         small = [b for b in budgets if b < floor]
         if small:

@@ -7,16 +7,19 @@ sharding "heads" and "kv_heads" contiguously over the same mesh axis keeps each 
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lcx import kernels
+from lcx import kernels, sharding
 from lcx.cache.kv_cache import LayerCache
 from lcx.config import ModelConfig
 from lcx.model.cached_attention import attend_cache
 from lcx.model.params import as_dtype, declare, normal, zeros
 from lcx.model.rope import apply_rope
+from lcx.sharding import BSKD, BTHD
 
 
 class Attention(nn.Module):
@@ -49,11 +52,13 @@ class Attention(nn.Module):
             q = q + declare(self, "q_bias", (h, d), ("heads", "head_dim"), zeros, pdt).astype(dt)
             key = key + declare(self, "k_bias", (k, d), ("kv_heads", "head_dim"), zeros, pdt).astype(dt)
             val = val + declare(self, "v_bias", (k, d), ("kv_heads", "head_dim"), zeros, pdt).astype(dt)
+        key, val = sharding.replicate_kv_heads(key, val, n_heads=h)  # [b, t, k*r, d] when a mesh replicates
 
         with jax.named_scope(f"attention_{cfg.attention.impl}"):
             if cache is None:
                 q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
-                out = kernels.attention(q, key, val, impl=cfg.attention.impl, causal=True, sm_scale=d ** -0.5)
+                attend = functools.partial(kernels.attention, impl=cfg.attention.impl, causal=True, sm_scale=d ** -0.5)
+                out = sharding.per_shard(attend, (BTHD, BSKD, BSKD), BTHD)(q, key, val)  # no communication
             else:
                 out, cache = attend_cache(cfg, q, key, val, cos, sin, cache, positions, ok,
                                           position_mode=self.position_mode, stat_update=self.stat_update,

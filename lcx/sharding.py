@@ -1,0 +1,439 @@
+"""Device meshes and sharding: the mesh from config, one table of logical-axis rules, the GQA topology check, and
+running kernels once per shard.
+
+Mesh axes: ``"data"`` splits the batch, ``"model"`` is tensor parallelism (query heads, KV heads, MLP hidden).
+Model code names logical axes only; :data:`LOGICAL_RULES` maps them to mesh axes, and :func:`logical_to_mesh` turns
+a logical spec into a ``PartitionSpec``, raising when one mesh axis would split two dimensions of one array.
+
+The model learns the mesh at trace time from the context mesh (``with use_mesh(mesh): ...``, which is
+``jax.set_mesh``) through ``jax.sharding.get_abstract_mesh()``, so no model signature carries it. Without a context
+mesh every helper here is the identity and kernels are called directly.
+
+Communication. Query heads are ordered by KV group (head h belongs to KV head h // g), so splitting "heads" and
+"kv_heads" contiguously over "model" keeps each query head on the device of its KV head: attention (kernels and
+the cache write) runs per shard (:func:`per_shard`, ``jax.shard_map``) with no communication. What remains are the
+all-reduces of the row-parallel matmuls: after the output projection (heads contracted) and after the MLP down
+projection (mlp contracted). The vocabulary is not split: the embedding lookup and the logits need no collective.
+
+Topology (KV groups vs the model axis, :func:`check_topology`):
+- kv_heads a multiple of the model axis: "shard", each device owns kv_heads / model whole KV groups;
+- model axis a multiple of kv_heads (and a divisor of n_heads): "replicate", each KV head is repeated
+  r = model / kv_heads times after the K/V projection (:func:`replicate_kv_heads`), so the cache holds kv_heads x r
+  heads, one per device, each serving g / r query heads (as vLLM does). Cost: the cache and the K/V activations take
+  r x the bytes of an unreplicated cache over all devices (per device: one head, as ``lcx plan`` reports), and the
+  K/V projection weights, whose kv_heads axis cannot be split, are replicated on every model device;
+- neither: ``ConfigError`` naming kv_heads and the valid model-axis sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+# The module, not its names: lcx.config may import MeshConfig from here (a cycle that binds at call time).
+from lcx import config as _config
+
+if TYPE_CHECKING:
+    from lcx.config import ModelConfig
+
+log = logging.getLogger("lcx")
+
+MESH_AXES = ("data", "model")
+
+# Logical axis -> mesh axis (None: not split). The one table; model code never names a mesh axis.
+LOGICAL_RULES: Mapping[str, str | None] = types.MappingProxyType({
+    "batch": "data",
+    "heads": "model",
+    "kv_heads": "model",
+    "mlp": "model",
+    # Split, the vocabulary would need an all-gather of the logits (sampling reads every column); the embedding and
+    # lm_head (2 x vocab x embed) stay whole on every device instead.
+    "vocab": None,
+    "embed": None,
+    "head_dim": None,
+    "norm": None,
+    "layers": None,
+    "length": None,  # sequence positions and cache slots
+})
+
+# Logical layouts of the arrays that cross the kernel boundary (einsum letters of ``lcx.model.attention``).
+BTHD = ("batch", "length", "heads", "head_dim")  # queries and attention outputs [b, t, h, d]
+BSKD = ("batch", "length", "kv_heads", "head_dim")  # keys and values [b, s, k, d]
+BHD = ("batch", "heads", "head_dim")  # one decode query / output [b, h, d]
+BKS = ("batch", "kv_heads", "length")  # per-KV-head slot weights [b, k, s]
+ROWS = ("batch",)  # anything per row without heads: masks [b, t, s], lengths [b], offsets [b]
+
+
+# --------------------------------------------------------------------------------------------------- config
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """``mesh: {data: D, model: M}``: the device mesh. ``"auto"`` fills the devices the other axis leaves; with both
+    ``"auto"`` the model axis is the largest size that splits the KV heads without replication (see
+    :func:`resolve_mesh_shape`). ``data x model`` must equal the number of devices."""
+
+    data: int | str = "auto"
+    model: int | str = "auto"
+
+    def __post_init__(self):
+        for name in ("data", "model"):
+            object.__setattr__(self, name, _axis_value(getattr(self, name), f"mesh.{name}"))
+
+    def shape(self, n_devices: int, n_kv_heads: int | None = None, n_heads: int | None = None) -> tuple[int, int]:
+        return resolve_mesh_shape(self.data, self.model, n_devices, n_kv_heads, n_heads)
+
+    def make_mesh(self, devices: Sequence[Any] | None = None, n_kv_heads: int | None = None,
+                  n_heads: int | None = None) -> Mesh:
+        devices = list(jax.devices() if devices is None else devices)
+        data, model = self.shape(len(devices), n_kv_heads, n_heads)
+        return make_mesh(data, model, devices=devices)
+
+
+def _axis_value(value: Any, key: str) -> int | str:
+    """A mesh axis size: a positive int (digit strings from YAML or the environment accepted) or ``"auto"``."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if value == "auto" or (isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0):
+        return value if value == "auto" else int(value)
+    raise _config.ConfigError(f"{key}={value!r} is invalid: must be a positive integer or 'auto'")
+
+
+def _factorizations(n: int) -> list[tuple[int, int]]:
+    return [(n // m, m) for m in range(1, n + 1) if n % m == 0]
+
+
+def resolve_mesh_shape(data: int | str, model: int | str, n_devices: int, n_kv_heads: int | None = None,
+                       n_heads: int | None = None) -> tuple[int, int]:
+    """``(data, model)`` with ``"auto"`` resolved for ``n_devices``; raises ``ConfigError`` when they do not fit."""
+    if data == "auto" and model == "auto":
+        if n_kv_heads is None:
+            return 1, n_devices
+        # Largest model axis that divides both the device count and kv_heads: whole KV groups, no replication.
+        model = max(m for m in range(1, n_devices + 1) if n_devices % m == 0 and n_kv_heads % m == 0)
+        return n_devices // model, model
+    if data == "auto" or model == "auto":
+        fixed, name = (model, "model") if data == "auto" else (data, "data")
+        if n_devices % fixed:
+            raise _config.ConfigError(f"mesh.{name}={fixed} is invalid: it must divide the {n_devices} devices; valid "
+                                      f"(data, model): {_factorizations(n_devices)}")
+        other = n_devices // fixed
+        data, model = (other, fixed) if data == "auto" else (fixed, other)
+    if data * model != n_devices:
+        raise _config.ConfigError(f"mesh data={data} x model={model} = {data * model} devices, but {n_devices} "
+                                  f"devices are available: data x model must equal the device count; valid "
+                                  f"(data, model): {_factorizations(n_devices)}")
+    if n_kv_heads is not None:
+        check_topology(n_kv_heads, model, n_heads)
+    return data, model
+
+
+def make_mesh(data: int | str = "auto", model: int | str = "auto", devices: Sequence[Any] | None = None) -> Mesh:
+    """A ``("data", "model")`` mesh over ``devices`` (default: all devices of all processes).
+
+    ``data x model`` must equal the number of devices (``"auto"`` for one axis fills the rest). Axes are of type
+    ``Auto``: arrays carry shardings, XLA's partitioner propagates them, and ``per_shard`` regions are manual.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    data, model = _axis_value(data, "mesh.data"), _axis_value(model, "mesh.model")
+    data, model = resolve_mesh_shape(data, model, len(devices))
+    return jax.make_mesh((data, model), MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
+
+
+def use_mesh(mesh: Mesh | None):
+    """Context in which the model, ``jax.jit`` and ``per_shard`` see ``mesh`` (``jax.set_mesh``); None: no-op."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def axis_size(mesh, axis: str) -> int:
+    """Size of mesh axis ``axis`` (1 when the mesh has no such axis or is empty)."""
+    if mesh is None or mesh.empty:
+        return 1
+    return dict(zip(mesh.axis_names, mesh.axis_sizes)).get(axis, 1)
+
+
+# --------------------------------------------------------------------------------------------------- rules
+def logical_to_mesh(spec: Sequence[str | None] | PartitionSpec, rules: Mapping[str, Any] | None = None,
+                     mesh_axes: Sequence[str] | None = None) -> PartitionSpec:
+    """A ``PartitionSpec`` of mesh axes from one of logical names (``None`` entries stay ``None``).
+
+    Raises ``ValueError`` for a name the rules do not know and when two dimensions would map to the same mesh axis
+    (a collision). ``mesh_axes``: drop mesh axes the mesh does not have (they split nothing).
+    """
+    rules = LOGICAL_RULES if rules is None else rules
+    out, used = [], {}
+    for name in spec:
+        if name is None:
+            out.append(None)
+            continue
+        names = (name,) if isinstance(name, str) else tuple(name)
+        axes = []
+        for n in names:
+            if n not in rules:
+                raise ValueError(f"logical axis {n!r} in spec {tuple(spec)} has no sharding rule; "
+                                 f"known: {sorted(rules)}")
+            target = rules[n]
+            targets = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+            for axis in targets:
+                if mesh_axes is not None and axis not in mesh_axes:
+                    continue
+                if axis in used:
+                    raise ValueError(f"logical spec {tuple(spec)} maps both {used[axis]!r} and {n!r} to mesh axis "
+                                     f"{axis!r}: a mesh axis can split only one dimension of an array; change the "
+                                     f"rules so they map to different mesh axes")
+                used[axis] = n
+                axes.append(axis)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return PartitionSpec(*out)
+
+
+def check_rules(rules: Mapping[str, Any]) -> None:
+    """Every rule maps to ``None`` or to mesh axes of :data:`MESH_AXES`."""
+    for name, target in rules.items():
+        targets = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        bad = [t for t in targets if t not in MESH_AXES]
+        if bad:
+            raise ValueError(f"sharding rule {name!r} -> {target!r} names unknown mesh axes {bad}; "
+                             f"allowed: {list(MESH_AXES)} or None")
+
+
+check_rules(LOGICAL_RULES)
+
+
+# --------------------------------------------------------------------------------------------------- topology
+def valid_model_axis_sizes(n_kv_heads: int, n_heads: int | None = None, limit: int | None = None) -> list[int]:
+    """Model-axis sizes attention splits without communication: divisors of kv_heads, and multiples of kv_heads
+    (up to ``limit``, default 8 x kv_heads) that divide n_heads (KV heads replicated)."""
+    limit = 8 * n_kv_heads if limit is None else limit
+    sizes = {m for m in range(1, n_kv_heads + 1) if n_kv_heads % m == 0}
+    sizes |= {n_kv_heads * r for r in range(2, limit // n_kv_heads + 1)
+              if n_heads is None or n_heads % (n_kv_heads * r) == 0}
+    return sorted(sizes)
+
+
+def check_topology(n_kv_heads: int, model_axis: int, n_heads: int | None = None) -> str:
+    """``"shard"`` (kv_heads a multiple of the model axis) or ``"replicate"`` (the model axis a multiple of
+    kv_heads: each KV head repeated model / kv_heads times); otherwise ``ConfigError`` naming the valid sizes."""
+    if model_axis < 1:
+        raise _config.ConfigError(f"model axis={model_axis} is invalid: must be >= 1")
+    if n_kv_heads % model_axis == 0:
+        return "shard"
+    valid = valid_model_axis_sizes(n_kv_heads, n_heads, max(model_axis, 8 * n_kv_heads))
+    if model_axis % n_kv_heads == 0:
+        if n_heads is None or n_heads % model_axis == 0:
+            return "replicate"
+        raise _config.ConfigError(f"model axis={model_axis} is invalid for n_heads={n_heads}, "
+                                  f"kv_heads={n_kv_heads}: replicating KV heads {model_axis // n_kv_heads}x needs "
+                                  f"n_heads divisible by the model axis; valid model-axis sizes: {valid}")
+    raise _config.ConfigError(f"kv_heads={n_kv_heads} cannot be split over a model axis of {model_axis} devices: "
+                              f"the model axis must divide kv_heads (whole KV groups per device) or be a multiple "
+                              f"of it (KV heads replicated); valid model-axis sizes: {valid}")
+
+
+def kv_replication(n_kv_heads: int, model_axis: int, n_heads: int | None = None) -> int:
+    """Copies of each KV head over the model axis (1: sharded, no copies)."""
+    if check_topology(n_kv_heads, model_axis, n_heads) == "shard":
+        return 1
+    return model_axis // n_kv_heads
+
+
+_logged: set[tuple[int, int]] = set()
+
+
+def _log_replication(n_kv_heads: int, model_axis: int) -> None:
+    if (n_kv_heads, model_axis) in _logged:
+        return
+    _logged.add((n_kv_heads, model_axis))
+    r = model_axis // n_kv_heads
+    log.warning("kv_heads=%d on a model axis of %d devices: each KV head is replicated %dx (as vLLM does); the KV "
+                "cache takes %dx the memory of an unreplicated one over all devices (one head per device) and the "
+                "K/V projection weights are whole on every model device. A model axis of %d (or a divisor of it) "
+                "with a larger data axis avoids it.", n_kv_heads, model_axis, r, r, n_kv_heads)
+
+
+def mesh_topology(config: ModelConfig, mesh) -> str:
+    """:func:`check_topology` of ``config`` on ``mesh``'s model axis; logs a replication once."""
+    m = axis_size(mesh, "model")
+    topology = check_topology(config.n_kv_heads, m, config.n_heads)
+    if topology == "replicate":
+        _log_replication(config.n_kv_heads, m)
+    return topology
+
+
+def cache_model_config(config: ModelConfig, mesh) -> ModelConfig:
+    """The config whose ``n_kv_heads`` is the number of KV heads the model stores under ``mesh`` (kv_heads x r when
+    replicated): build caches with it (``init_cache(cache_model_config(config, mesh), ...)``)."""
+    r = kv_replication(config.n_kv_heads, axis_size(mesh, "model"), config.n_heads)
+    if r == 1:
+        return config
+    mesh_topology(config, mesh)
+    return dataclasses.replace(config, n_kv_heads=config.n_kv_heads * r)
+
+
+def replicate_kv_heads(key: jax.Array, val: jax.Array, n_heads: int) -> tuple[jax.Array, jax.Array]:
+    """``key, val [b, t, k, d]`` -> ``[b, t, k * r, d]`` with each KV head repeated r times under a context mesh
+    whose model axis is r x kv_heads; unchanged otherwise. Query head h then maps to KV head h // (g / r), a copy of
+    h // g: the attention is the same, and each device holds one KV head."""
+    mesh = jax.sharding.get_abstract_mesh()
+    k, m = key.shape[2], axis_size(mesh, "model")
+    if m == 1 or _manual(mesh) or check_topology(k, m, n_heads) == "shard":
+        return key, val
+    _log_replication(k, m)
+    r = m // k
+    return jnp.repeat(key, r, axis=2), jnp.repeat(val, r, axis=2)  # [b, t, k*r, d]
+
+
+# --------------------------------------------------------------------------------------------------- shardings
+def _spec_for(logical, shape, mesh, what: str, replicate_kv: bool = False) -> PartitionSpec:
+    spec = logical_to_mesh(tuple(logical), mesh_axes=mesh.axis_names)
+    out = list(spec) + [None] * (len(shape) - len(spec))
+    for i, (axis, size) in enumerate(zip(out, shape)):
+        if axis is None:
+            continue
+        n = math.prod(axis_size(mesh, a) for a in ((axis,) if isinstance(axis, str) else axis))
+        if size % n:
+            name = logical[i]
+            if replicate_kv and name == "kv_heads":
+                out[i] = None  # KV heads replicated over the model axis (see replicate_kv_heads)
+                continue
+            raise _config.ConfigError(f"{what}: dimension {i} ({name!r}) has size {size}, not divisible by mesh axis "
+                                      f"{axis!r} of size {n}; choose a mesh whose {axis!r} axis divides {size}")
+    return PartitionSpec(*out)
+
+
+def param_specs(config: ModelConfig, mesh: Mesh) -> Any:
+    """The ``PartitionSpec`` (mesh axes) of every parameter of ``Decoder(config)`` under ``mesh``."""
+    from lcx.model.decoder import abstract_params, param_axes
+
+    replicate = mesh_topology(config, mesh) == "replicate"
+    axes, shapes = param_axes(config), abstract_params(config)
+    paths = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    specs = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    out = [_spec_for(spec, leaf.shape, mesh, f"parameter {jax.tree_util.keystr(path)}", replicate)
+           for (path, leaf), spec in zip(paths, specs)]
+    return jax.tree.unflatten(jax.tree.structure(shapes), out)
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh) -> Any:
+    """``NamedSharding`` of every parameter (the rules applied to ``param_axes(config)``)."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(config, mesh),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+# KVCache fields: k, v [L, b, C, k, d]; pos, valid, score [L, b, C]; count [L, b]; lengths [b].
+_CACHE_AXES = {"k": ("layers",) + BSKD, "v": ("layers",) + BSKD, "pos": ("layers", "batch", "length"),
+               "valid": ("layers", "batch", "length"), "score": ("layers", "batch", "length"),
+               "count": ("layers", "batch"), "lengths": ("batch",)}
+# The per-layer view (LayerCache) the attention sees inside the layer scan.
+LAYER_CACHE_AXES = {name: axes[1:] for name, axes in _CACHE_AXES.items() if name != "lengths"}
+
+
+def cache_shardings(cache, mesh: Mesh):
+    """A ``KVCache`` of ``NamedSharding``: batch over "data", KV heads over "model" (``cache`` may be abstract)."""
+    def one(name):
+        leaf = getattr(cache, name)
+        return NamedSharding(mesh, _spec_for(_CACHE_AXES[name], leaf.shape, mesh, f"KV cache {name}"))
+
+    return cache.replace(**{name: one(name) for name in _CACHE_AXES})
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
+    """Leading axis over "data", the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec("data", *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def put(x, sharding: NamedSharding) -> jax.Array:
+    """A global array with ``sharding`` from a host value every process holds identically (multi-process safe:
+    each process fills only its own shards)."""
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def shard_params(params, config: ModelConfig, mesh: Mesh):
+    """``params`` placed on ``mesh`` by the rules."""
+    return jax.tree.map(put, params, param_shardings(config, mesh))
+
+
+def param_structs(config: ModelConfig, mesh: Mesh | None = None) -> Any:
+    """``jax.ShapeDtypeStruct`` of every parameter with the sharding it takes on ``mesh`` (None: one device): the
+    target of an orbax restore, so a checkpoint saved on any mesh restores onto this one."""
+    from lcx.model.decoder import abstract_params
+
+    shapes = abstract_params(config)
+    if mesh is None:
+        one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = jax.tree.map(lambda _: one, shapes)
+    else:
+        shardings = param_shardings(config, mesh)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+
+
+def to_host(x) -> np.ndarray:
+    """A numpy copy of a (possibly multi-process) array: every process gets the whole value."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+# --------------------------------------------------------------------------------------------------- per shard
+def _manual(mesh) -> bool:
+    return not mesh.empty and any(t == AxisType.Manual for t in mesh.axis_types)
+
+
+def _is_logical(x) -> bool:
+    return isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
+
+
+def _to_specs(tree, mesh):
+    return jax.tree.map(lambda s: logical_to_mesh(s, mesh_axes=mesh.axis_names), tree, is_leaf=_is_logical)
+
+
+def per_shard(fn: Callable, in_axes: Sequence[Any], out_axes: Any) -> Callable:
+    """``fn`` run once per shard of the context mesh (``jax.shard_map``), with no communication.
+
+    ``in_axes``: one logical layout per positional argument (a tuple such as :data:`BTHD`, or a pytree of them,
+    e.g. a ``LayerCache`` of tuples); ``out_axes`` likewise for the result. Each shard sees its rows ("batch" over
+    "data") and its heads ("heads" / "kv_heads" over "model"); ``fn`` must not mix rows or KV groups - true of the
+    attention kernels and the cache write. Without a context mesh (or inside a ``shard_map``) it is ``fn`` itself.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or _manual(mesh):
+        return fn
+    in_specs = tuple(_to_specs(a, mesh) for a in in_axes)
+    out_specs = _to_specs(out_axes, mesh)
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    def call(*args):
+        for i, (arg, axes) in enumerate(zip(args, in_axes)):
+            leaves = jax.tree.leaves(arg)
+            layouts = jax.tree.leaves(axes, is_leaf=_is_logical)
+            for leaf, layout in zip(leaves, layouts if len(layouts) == len(leaves) else []):
+                _spec_for(layout, leaf.shape, mesh, f"{getattr(fn, '__name__', 'kernel')} argument {i}")
+        return mapped(*args)
+
+    return call
+
+
+__all__ = ["BHD", "BKS", "BSKD", "BTHD", "LAYER_CACHE_AXES", "LOGICAL_RULES", "MESH_AXES", "ROWS", "MeshConfig",
+           "axis_size", "batch_sharding", "cache_model_config", "cache_shardings", "check_rules", "check_topology",
+           "kv_replication", "logical_to_mesh", "make_mesh", "mesh_topology", "param_shardings",
+           "param_specs", "param_structs", "per_shard", "put", "replicate_kv_heads", "replicated", "resolve_mesh_shape",
+           "shard_params", "to_host", "use_mesh", "valid_model_axis_sizes"]

@@ -1,0 +1,72 @@
+"""Sharded forward and greedy generate equal one device on every (data, model) mesh of 8 fake CPU devices, for
+kv_heads = 8 (sharded), kv_heads = 4 on model = 8 (replicated 2x); kv_heads = 6 on model = 4 raises."""
+
+from __future__ import annotations
+
+import pytest
+
+MESHES = [[1, 8], [2, 4], [4, 2], [8, 1]]
+NAMES = [f"{d}x{m}" for d, m in MESHES]
+
+
+@pytest.fixture(scope="module")
+def kv8(run_worker):
+    return run_worker("parity", impl="pallas", n_kv_heads=8, meshes=MESHES)[0]
+
+
+@pytest.fixture(scope="module")
+def kv4_on_model8(run_worker):
+    return run_worker("parity", impl="pallas", n_kv_heads=4, meshes=[[1, 8]])
+
+
+@pytest.mark.parametrize("mesh", NAMES)
+def test_sharding_forward_equals_single_device(kv8, mesh):
+    assert kv8["meshes"][mesh]["forward_max_abs_diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("mesh", NAMES)
+def test_sharding_generate_tokens_identical(kv8, mesh):
+    assert kv8["meshes"][mesh]["tokens"] == kv8["ref_tokens"]
+
+
+@pytest.mark.parametrize("mesh", NAMES)
+def test_sharding_cache_batch_over_data_kv_heads_over_model(kv8, mesh):
+    data, model = map(int, mesh.split("x"))
+    got = kv8["meshes"][mesh]
+    layers, batch, capacity, heads, head_dim = got["cache_k_shape"]
+    assert heads == 8
+    assert got["cache_k_shard_shape"] == [layers, batch // data, capacity, heads // model, head_dim]
+    spec = (got["cache_k_spec"] + [None] * 5)[:5]
+    assert spec[0] is None and spec[2] is None and spec[4] is None
+    assert spec[1] == "data" or (data == 1 and spec[1] is None)
+    assert spec[3] == "model" or (model == 1 and spec[3] is None)
+    assert kv8["lcx_warnings"] == []  # no replication anywhere
+
+
+def test_sharding_replicated_kv_heads_forward_and_tokens(kv4_on_model8):
+    result, _ = kv4_on_model8
+    got = result["meshes"]["1x8"]
+    assert got["forward_max_abs_diff"] <= 1e-5
+    assert got["tokens"] == result["ref_tokens"]
+
+
+def test_sharding_replicated_kv_heads_one_head_per_device(kv4_on_model8):
+    got = kv4_on_model8[0]["meshes"]["1x8"]
+    layers, batch, capacity, heads, head_dim = got["cache_k_shape"]
+    assert heads == 8  # 4 KV heads x 2 copies
+    assert got["cache_k_shard_shape"] == [layers, batch, capacity, 1, head_dim]
+
+
+def test_sharding_replication_logged_once(kv4_on_model8):
+    result = kv4_on_model8[0]
+    assert len(result["lcx_warnings"]) == 1  # forward, prefill and decode all traced; said once
+    message = result["lcx_warnings"][0]
+    assert "kv_heads=4" in message and "model axis of 8" in message and "replicated 2x" in message
+
+
+def test_sharding_kv6_on_model4_raises_naming_valid_sizes(run_worker):
+    errors = run_worker("topology_error", n_kv_heads=6, n_heads=12, mesh_shape=[2, 4])[0]["errors"]
+    for entry, message in errors.items():
+        assert message is not None, f"{entry} did not raise"
+        assert "kv_heads=6" in message and "model axis of 4" in message, message
+        assert "valid model-axis sizes: [1, 2, 3, 6, 12]" in message, message

@@ -1,0 +1,210 @@
+"""Scenarios the multi-device tests run in a fresh process, where XLA_FLAGS (the fake CPU device count) is set
+before jax starts: ``python tests/multidevice/worker.py SCENARIO JSON_ARGS``. The result is one stdout line
+``RESULT {json}`` (from process 0 only in a multi-process run); the tests assert on it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from lcx import distributed
+
+distributed.initialize_from_env()  # before anything touches a device; no-op without LCX_COORDINATOR
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import lcx  # noqa: E402
+from lcx import sharding  # noqa: E402
+from lcx.generate import Generator  # noqa: E402
+from lcx.model import Decoder  # noqa: E402
+
+VOCAB = 64
+
+
+def tiny(impl: str = "pallas", n_kv_heads: int = 8, n_heads: int = 8, d_model: int = 64) -> lcx.ModelConfig:
+    return lcx.ModelConfig(vocab_size=VOCAB, d_model=d_model, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                           d_ff=128, init_std=0.1, attention=lcx.AttentionConfig(impl=impl))
+
+
+def prompts(batch: int = 8, seed: int = 0) -> list[list[int]]:
+    """A ragged batch (lengths 5..7), so padding and per-row lengths are exercised."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, 5 + i % 3).tolist() for i in range(batch)]
+
+
+def forward_ids(batch: int = 8, length: int = 12) -> np.ndarray:
+    return np.random.default_rng(1).integers(0, VOCAB, (batch, length)).astype(np.int32)
+
+
+def forward(config, params, ids, mesh=None) -> np.ndarray:
+    """Logits of ``Decoder.apply`` (jitted) under ``mesh`` with params placed by the rules."""
+    model = Decoder(config)
+    if mesh is None:
+        return np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(ids)))
+    placed = sharding.shard_params(params, config, mesh)
+    with sharding.use_mesh(mesh):
+        ids = sharding.put(ids, sharding.batch_sharding(mesh, 2))
+        return sharding.to_host(jax.jit(model.apply)({"params": placed}, ids))
+
+
+class CountLcxWarnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+# --------------------------------------------------------------------------------------------------- scenarios
+def parity(impl: str, n_kv_heads: int, meshes: list[list[int]], new_tokens: int = 5) -> dict:
+    """Sharded forward and greedy generate vs one device, for each (data, model) mesh."""
+    logs = CountLcxWarnings()
+    logging.getLogger("lcx").addHandler(logs)
+    config = tiny(impl, n_kv_heads)
+    params = lcx.init_params(config, jax.random.key(0))
+    ids = forward_ids()
+    ref_logits = forward(config, params, ids)
+    ref_tokens = lcx.generate(config, params, prompts(), max_new_tokens=new_tokens).tokens
+    out = {"ref_tokens": ref_tokens.tolist(), "meshes": {}}
+    for shape in meshes:
+        mesh = sharding.make_mesh(*shape)
+        logits = forward(config, params, ids, mesh)
+        gen = Generator(config, params, max_new_tokens=new_tokens, mesh=mesh)
+        state = gen.decode(gen.prefill(prompts()))
+        cache_k = state.cache.k
+        out["meshes"][f"{shape[0]}x{shape[1]}"] = {
+            "forward_max_abs_diff": float(np.max(np.abs(logits - ref_logits))),
+            "tokens": gen.result(state).tokens.tolist(),
+            "cache_k_shape": list(cache_k.shape),
+            "cache_k_spec": [None if a is None else str(a) for a in cache_k.sharding.spec],
+            "cache_k_shard_shape": list(cache_k.addressable_shards[0].data.shape),
+        }
+    out["lcx_warnings"] = logs.messages
+    return out
+
+
+def topology_error(n_kv_heads: int, n_heads: int, mesh_shape: list[int]) -> dict:
+    """The error a model axis that neither divides nor is a multiple of kv_heads gives, from each entry point."""
+    config = tiny("xla", n_kv_heads, n_heads=n_heads, d_model=8 * n_heads)
+    params = lcx.init_params(config, jax.random.key(0))
+    mesh = sharding.make_mesh(*mesh_shape)
+    errors = {}
+    for name, call in {
+        "generate": lambda: lcx.generate(config, params, prompts(), max_new_tokens=2, mesh=mesh),
+        "shard_params": lambda: sharding.shard_params(params, config, mesh),
+        "apply_under_mesh": lambda: _apply_unsharded_params(config, params, mesh),
+    }.items():
+        try:
+            call()
+            errors[name] = None
+        except lcx.ConfigError as err:
+            errors[name] = str(err)
+    return {"errors": errors}
+
+
+def _apply_unsharded_params(config, params, mesh):
+    with sharding.use_mesh(mesh):
+        return jax.jit(Decoder(config).apply)({"params": params}, jnp.asarray(forward_ids()))
+
+
+def decode_hlo(impl: str, cases: list[list], directory: str) -> dict:
+    """For each ``[n_kv_heads, [data, model]]``: compile the sharded decode loop, write its HLO text, and report the
+    cache buffers' global, per-shard and per-layer-per-shard shapes."""
+    out = {}
+    for n_kv_heads, mesh_shape in cases:
+        config = tiny(impl, n_kv_heads)
+        params = lcx.init_params(config, jax.random.key(0))
+        mesh = sharding.make_mesh(*mesh_shape)
+        gen = Generator(config, params, max_new_tokens=4, mesh=mesh)
+        state = gen.prefill(prompts())
+        limit = sharding.put(np.int32(4), sharding.replicated(mesh))
+        with sharding.use_mesh(mesh):
+            text = gen._decode_loop.lower(gen.params, state, limit).compile().as_text()
+        name = f"kv{n_kv_heads}_{mesh_shape[0]}x{mesh_shape[1]}"
+        path = Path(directory) / f"{name}.hlo.txt"
+        path.write_text(text)
+        cache = {}
+        for field in ("k", "v", "pos", "valid", "count", "score"):
+            x = getattr(state.cache, field)
+            shard = list(x.addressable_shards[0].data.shape)
+            cache[field] = {"global": list(x.shape), "shard": shard, "layer_shard": shard[1:]}
+        out[name] = {"hlo": str(path), "cache": cache, "batch_shard": state.cache.batch // mesh_shape[0],
+                     "d_model": config.d_model}
+    return out
+
+
+def checkpoint_save(directory: str, mesh_shape: list[int]) -> dict:
+    """Save sharded params (orbax) and a decode state after 2 of 5 tokens; record single-device references."""
+    import orbax.checkpoint as ocp
+
+    config = tiny("xla")  # the checkpoint, not the kernels, is under test
+    params = lcx.init_params(config, jax.random.key(0))
+    mesh = sharding.make_mesh(*mesh_shape)
+    placed = sharding.shard_params(params, config, mesh)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(Path(directory).absolute() / "params", placed, force=True)
+    checkpointer.wait_until_finished()
+    gen = Generator(config, params, max_new_tokens=5, mesh=mesh)
+    state = gen.decode(gen.prefill(prompts()), steps=2)
+    gen.save(state, Path(directory) / "decode_state")
+    # the uninterrupted run (sharded = single-device tokens is test_sharding_parity's business)
+    return {"spec_q": str(placed["layers"]["attn"]["q"].sharding.spec),
+            "ref_tokens": gen.result(gen.decode(state)).tokens.tolist()}
+
+
+def checkpoint_restore(directory: str, mesh_shape: list[int] | None) -> dict:
+    """Restore the params onto ``mesh_shape`` (None: one device); logits vs the original params on that target."""
+    import orbax.checkpoint as ocp
+
+    config = tiny("xla")  # the checkpoint, not the kernels, is under test
+    original = lcx.init_params(config, jax.random.key(0))
+    mesh = None if mesh_shape is None else sharding.make_mesh(*mesh_shape)
+    target = sharding.param_structs(config, mesh)
+    restored = ocp.StandardCheckpointer().restore(Path(directory).absolute() / "params", target)
+    same_params = all(np.array_equal(np.asarray(a), np.asarray(b))
+                      for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(original)))
+    shardings_ok = all(a.sharding.is_equivalent_to(t.sharding, a.ndim)
+                       for a, t in zip(jax.tree.leaves(restored), jax.tree.leaves(target)))
+    ids = forward_ids()
+    model = Decoder(config)
+    with sharding.use_mesh(mesh):
+        ids_in = jnp.asarray(ids) if mesh is None else sharding.put(ids, sharding.batch_sharding(mesh, 2))
+        restored_logits = np.asarray(jax.jit(model.apply)({"params": restored}, ids_in))
+    original_logits = forward(config, original, ids, mesh)
+    single_logits = forward(config, original, ids)
+    gen = Generator(config, restored, max_new_tokens=5, mesh=mesh)
+    state = gen.restore(Path(directory) / "decode_state")
+    tokens = gen.result(gen.decode(state)).tokens
+    return {"devices": len(jax.devices()), "same_params": same_params, "shardings_ok": shardings_ok,
+            "logits_identical": bool(np.array_equal(restored_logits, original_logits)),
+            "max_abs_diff_vs_single_device": float(np.max(np.abs(restored_logits - single_logits))),
+            "resumed_tokens": tokens.tolist(),
+            "restored_q_sharding": str(jax.tree.leaves(restored)[0].sharding)}
+
+
+def generate_tokens(meshes: list[list[int]], impl: str = "xla") -> dict:
+    """Greedy generate on each mesh (over all processes' devices); tokens gathered on every process."""
+    config = tiny(impl)
+    params = lcx.init_params(config, jax.random.key(0))
+    out = {"processes": jax.process_count(), "devices": len(jax.devices()),
+           "local_devices": len(jax.local_devices()), "tokens": {}}
+    for shape in meshes:
+        mesh = sharding.make_mesh(*shape)
+        out["tokens"][f"{shape[0]}x{shape[1]}"] = lcx.generate(config, params, prompts(), max_new_tokens=5,
+                                                               mesh=mesh).tokens.tolist()
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (parity, topology_error, decode_hlo, checkpoint_save, checkpoint_restore,
+                                     generate_tokens)}
+
+if __name__ == "__main__":
+    result = SCENARIOS[sys.argv[1]](**json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}"))
+    if jax.process_index() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
