@@ -9,12 +9,13 @@ from lcx.config import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lcx import generate_cli, plan
+    from lcx import experiment, generate_cli, plan
 
     parser = argparse.ArgumentParser(prog="lcx", description="Long-context decoding experiments in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     plan.add_parser(sub)
     generate_cli.add_parser(sub)
+    experiment.add_parsers(sub)
     return parser
 
 

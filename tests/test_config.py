@@ -108,12 +108,14 @@ def test_config_every_experiment_yaml_loads():
     root = Path(__file__).resolve().parents[1] / "experiments" / "configs"
     paths = sorted(root.rglob("*.yaml"))
     assert paths, "experiments/configs holds no YAML"
+    from lcx.experiment import load_experiment
+
     for path in paths:
         data = load_dict(path)
-        if "model" in data and isinstance(data["model"], dict):
-            load_model_config(path)
+        if set(data) <= {"model"}:
+            load_model_config(path)  # a bare model shape (experiments/configs/models/)
         else:
-            load_config(path)
+            load_experiment(path)  # an experiment: every section validated
 
 
 def test_config_model_overrides_apply_to_flat_and_sectioned_files(tmp_path, tiny_yaml):

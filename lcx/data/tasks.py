@@ -1,0 +1,385 @@
+"""Synthetic long-context tasks generated from a seed, and the registry that looks them up by name.
+
+Every task turns a ``numpy.random.Generator`` into one ``Example``: byte-level token ids (``ByteTokenizer``, BOS
+first), a loss mask marking the answer tokens, the answer text and the reference strings an evaluation grades a
+generation against. An example holds at most ``seq_len + 1`` tokens, so that after the one-token shift of language
+modelling the model sees exactly ``seq_len`` input positions (the last token is only ever a target).
+
+Built-in tasks (templates: reference-notes section 6):
+- ``passkey``: the landmark-attention passkey retrieval prompt; answer = the digits of the key.
+- ``niah``: RULER-style needle in a haystack with several keys (distractors), values and queries.
+- ``mqar``: multi-query associative recall; key:value pairs, then queries of keys whose values are the answers.
+- ``corpus`` (``lcx.data.corpus``): windows of a folder of text files; every token is a target.
+
+Tasks are frozen dataclasses whose fields are their parameters, validated in ``__post_init__`` (``ConfigError``
+naming ``data.params.<field>``) and registered with ``@register``; ``make_task(name, params)`` builds one.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import difflib
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from lcx.config import ConfigError, from_dict
+from lcx.data.tokenizer import ByteTokenizer
+
+TOKENIZER = ByteTokenizer()
+SPLITS = {"train": 0, "validation": 1}
+_REGISTRY: dict[str, type["Task"]] = {}
+
+# The "noise" haystack of landmark attention and RULER: repetitive, so it carries no information to retrieve.
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Example:
+    """One sequence: ``ids [n]`` int32 (BOS first, n <= seq_len + 1) and ``loss_mask [n]`` bool on answer tokens.
+
+    ``answer`` is the answer text (passkey: the key's digits; niah: the values joined by ", "; mqar: the queried
+    values joined by spaces); ``references`` the strings a generation is graded against (``Task.score``);
+    ``prompt`` the text before the first answer token, so that an evaluation with another tokenizer can re-encode it.
+    """
+
+    ids: np.ndarray
+    loss_mask: np.ndarray
+    answer: str
+    references: tuple[str, ...]
+    prompt: str
+
+    @property
+    def prompt_len(self) -> int:
+        """Tokens before the first answer token (BOS included): ``ids[:prompt_len]`` is what a model is given."""
+        hits = np.flatnonzero(self.loss_mask)
+        return int(hits[0]) if hits.size else len(self.ids)
+
+    @property
+    def prompt_ids(self) -> np.ndarray:
+        return self.ids[: self.prompt_len]
+
+
+def text_example(prompt: str, answer_parts: Sequence[tuple[str, bool]], answer: str,
+                 references: Sequence[str], *, eos: bool) -> Example:
+    """Build an ``Example`` from the prompt and the following (text, is_answer) pieces; EOS (masked) if ``eos``."""
+    ids = [TOKENIZER.bos_id, *TOKENIZER.encode(prompt, bos=False)]
+    mask = [False] * len(ids)
+    for text, is_answer in answer_parts:
+        piece = TOKENIZER.encode(text, bos=False)
+        ids += piece
+        mask += [is_answer] * len(piece)
+    if eos:
+        ids.append(TOKENIZER.eos_id)
+        mask.append(True)
+    return Example(np.asarray(ids, np.int32), np.asarray(mask, bool), answer, tuple(references), prompt)
+
+
+def n_tokens(text: str) -> int:
+    return len(text.encode("utf-8"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Task(abc.ABC):
+    """Base class of tasks: ``examples(seed, index, count, seq_len, split)`` is a pure function of its arguments.
+
+    Synthetic tasks implement ``example(rng, seq_len)``; batch ``index`` of a split draws its examples in order from
+    ``np.random.default_rng([seed, split_id, index])``, so a data position is just an index (resume = same index).
+    """
+
+    name: ClassVar[str] = ""
+
+    def examples(self, seed: int, index: int, count: int, seq_len: int, split: str = "train") -> list[Example]:
+        rng = np.random.default_rng([seed, split_id(split), index])
+        return [self.example(rng, seq_len) for _ in range(count)]
+
+    @abc.abstractmethod
+    def example(self, rng: np.random.Generator, seq_len: int) -> Example:
+        """One example of at most ``seq_len + 1`` tokens; raise ``ConfigError`` if the parameters cannot fit."""
+
+    def score(self, example: Example, output: str) -> float:
+        """Grade a generation ``output`` (the text after ``example.prompt_ids``) in [0, 1]. Default: the share of
+        ``example.references`` found in it (RULER's string-match metric)."""
+        if not example.references:
+            raise ValueError(f"task {self.name!r} has no references to grade a generation against")
+        return sum(ref in output for ref in example.references) / len(example.references)
+
+
+def split_id(split: str) -> int:
+    if split not in SPLITS:
+        raise ConfigError(f"split={split!r} is invalid: must be one of {list(SPLITS)}")
+    return SPLITS[split]
+
+
+def register(cls: type[Task]) -> type[Task]:
+    if not cls.name or cls.name in _REGISTRY:
+        raise ValueError(f"task {cls.__name__} needs a unique non-empty name; got {cls.name!r}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def task_names() -> list[str]:
+    import lcx.data.corpus  # noqa: F401  (registers "corpus")
+
+    return sorted(_REGISTRY)
+
+
+def make_task(name: str, params: Mapping[str, Any] | None = None, prefix: str = "data.params") -> Task:
+    """The task registered as ``name`` with ``params`` (unknown names and keys: ``ConfigError`` with did-you-mean)."""
+    names = task_names()
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(str(name), names, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"data.task={name!r} is not a known task{hint} (allowed: {names})")
+    return from_dict(_REGISTRY[name], dict(params or {}), prefix=prefix)
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+def _positive(value: Any, key: str, *, zero: bool = False) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 0 if zero else value > 0)
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: must be a {'non-negative' if zero else 'positive'} integer")
+
+
+def _fraction(value: float | None, key: str) -> None:
+    if value is not None and not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{key}={value!r} is invalid: must be in [0, 1] (0 = start, 1 = end) or null (random)")
+
+
+def noise(n: int) -> str:
+    """Exactly ``n`` bytes of the repeated noise haystack."""
+    reps = n // len(NOISE) + 1
+    return (NOISE * reps)[:n]
+
+
+def sentence_starts(text: str) -> np.ndarray:
+    """Offsets where a sentence of the haystack begins, and its end: needles go there, never inside a word."""
+    starts = [0] + [i + 2 for i in range(len(text) - 1) if text[i] == "." and text[i + 1] == " "]
+    return np.unique(np.asarray([s for s in starts if s <= len(text)] + [len(text)]))
+
+
+def nearest_start(text: str, depth: float) -> int:
+    starts = sentence_starts(text)
+    return int(starts[np.argmin(np.abs(starts - depth * len(text)))])
+
+
+def filler_budget(seq_len: int, fixed: int, filler_tokens: int | None, key: str) -> int:
+    """Filler bytes: ``filler_tokens`` or, when null, whatever fills ``seq_len + 1`` after the ``fixed`` tokens."""
+    room = seq_len + 1 - fixed
+    if filler_tokens is None:
+        if room < 0:
+            raise ConfigError(f"seq_len={seq_len} is too short for data.task={key!r}: the template alone needs "
+                              f"{fixed - 1} input tokens; raise seq_len or shrink the task parameters")
+        return room
+    if filler_tokens > room:
+        raise ConfigError(f"data.params.filler_tokens={filler_tokens} does not fit seq_len={seq_len} for "
+                          f"data.task={key!r}: at most {max(room, 0)} filler tokens fit (the rest of the example "
+                          f"takes {fixed} tokens)")
+    return filler_tokens
+
+
+# --------------------------------------------------------------------------------------------------- passkey
+PASSKEY_INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
+                       "them. I will quiz you about the important information there.")
+PASSKEY_QUESTION = "What is the pass key? The pass key is"
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Passkey(Task):
+    """Passkey retrieval (landmark attention): the key K hides at ``depth`` of the filler; the answer is K's digits.
+
+    ``filler_tokens``: haystack length (null: fill to ``seq_len``); ``filler_min``: if set, each example's
+    haystack length is uniform in ``[filler_min, filler_tokens]`` instead (short examples are padded), which mixes
+    easy examples into training; ``depth`` in [0, 1] or null (uniform per example), snapped to the nearest sentence
+    start; K uniform in ``[key_min, key_max]``; ``instruction=false`` drops the opening instruction (about 150
+    tokens) for short training sequences.
+    """
+
+    name: ClassVar[str] = "passkey"
+    filler_tokens: int | None = None
+    filler_min: int | None = None
+    depth: float | None = None
+    key_min: int = 1
+    key_max: int = 50000
+    instruction: bool = True
+
+    def __post_init__(self):
+        if self.filler_tokens is not None:
+            _positive(self.filler_tokens, "data.params.filler_tokens", zero=True)
+        if self.filler_min is not None:
+            _positive(self.filler_min, "data.params.filler_min", zero=True)
+            if self.filler_tokens is not None and self.filler_min > self.filler_tokens:
+                raise ConfigError(f"data.params.filler_min={self.filler_min} is invalid: must be <= "
+                                  f"data.params.filler_tokens={self.filler_tokens}")
+        _fraction(self.depth, "data.params.depth")
+        _positive(self.key_min, "data.params.key_min", zero=True)
+        if not isinstance(self.key_max, int) or self.key_max < self.key_min:
+            raise ConfigError(f"data.params.key_max={self.key_max!r} is invalid: must be an integer >= "
+                              f"data.params.key_min={self.key_min}")
+
+    def example(self, rng: np.random.Generator, seq_len: int) -> Example:
+        key = str(int(rng.integers(self.key_min, self.key_max + 1)))
+        depth = float(rng.uniform()) if self.depth is None else self.depth
+        needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+        head = [PASSKEY_INSTRUCTION] if self.instruction else []
+        answer = " " + key
+        # BOS + head + "\n".join(prefix, needle, suffix, question) + answer + EOS, with the filler split in two
+        fixed = 1 + sum(n_tokens(h) + 1 for h in head) + n_tokens(needle) + n_tokens(PASSKEY_QUESTION) + 3
+        fixed += n_tokens(answer) + 1
+        n_filler = filler_budget(seq_len, fixed, self.filler_tokens, self.name)
+        if self.filler_min is not None:
+            if self.filler_min > n_filler:
+                raise ConfigError(f"data.params.filler_min={self.filler_min} does not fit seq_len={seq_len}: at "
+                                  f"most {n_filler} filler tokens fit")
+            n_filler = int(rng.integers(self.filler_min, n_filler + 1))
+        filler = noise(n_filler)
+        cut = nearest_start(filler, depth)
+        prompt = "\n".join([*head, filler[:cut], needle, filler[cut:], PASSKEY_QUESTION])
+        return text_example(prompt, [(answer, True)], key, (key,), eos=True)
+
+    def score(self, example: Example, output: str) -> float:
+        """1 if the first integer in ``output`` is the key (landmark attention's grading), else 0."""
+        found = re.search(r"\d+", output)
+        return float(found is not None and found.group(0) == example.answer)
+
+
+# --------------------------------------------------------------------------------------------------- niah
+NIAH_INSTRUCTION = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+                    "I will quiz you about the numbers afterwards.")
+_ADJECTIVES = ("amber", "bold", "calm", "dusty", "eager", "fancy", "gentle", "hollow", "icy", "jolly", "keen",
+               "lucky", "misty", "noble", "odd", "proud", "quiet", "rapid", "silent", "tiny", "upbeat", "vivid",
+               "wise", "young")
+_NOUNS = ("apple", "bridge", "castle", "desert", "engine", "forest", "garden", "harbor", "island", "jungle",
+          "kettle", "lantern", "meadow", "needle", "orchard", "pencil", "quarry", "river", "saddle", "tower",
+          "valley", "window", "yard", "zephyr")
+
+
+def _join_keys(keys: Sequence[str]) -> str:
+    if len(keys) <= 2:
+        return " and ".join(keys)
+    return ", ".join(keys[:-1]) + ", and " + keys[-1]
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class NeedleInHaystack(Task):
+    """RULER-style NIAH: ``num_keys`` keys (those not queried are distractors), each with ``num_values`` needles
+    "One of the special magic numbers for {key} is: {value}." at random sentence starts of the noise haystack;
+    ``num_queries`` keys are asked. Answer: the queried keys' values in document order, joined by ", ".
+    """
+
+    name: ClassVar[str] = "niah"
+    num_keys: int = 4
+    num_values: int = 1
+    num_queries: int = 1
+    value_digits: int = 7
+    filler_tokens: int | None = None
+    instruction: bool = True
+
+    def __post_init__(self):
+        for field in ("num_keys", "num_values", "num_queries", "value_digits"):
+            _positive(getattr(self, field), f"data.params.{field}")
+        if self.filler_tokens is not None:
+            _positive(self.filler_tokens, "data.params.filler_tokens", zero=True)
+        if self.num_queries > self.num_keys:
+            raise ConfigError(f"data.params.num_queries={self.num_queries} is invalid: must be <= "
+                              f"data.params.num_keys={self.num_keys} (queried keys are among the inserted keys)")
+        if self.num_keys > len(_ADJECTIVES) * len(_NOUNS):
+            raise ConfigError(f"data.params.num_keys={self.num_keys} is invalid: at most "
+                              f"{len(_ADJECTIVES) * len(_NOUNS)} distinct keys exist")
+
+    def example(self, rng: np.random.Generator, seq_len: int) -> Example:
+        combos = rng.choice(len(_ADJECTIVES) * len(_NOUNS), size=self.num_keys, replace=False)
+        keys = [f"{_ADJECTIVES[c // len(_NOUNS)]}-{_NOUNS[c % len(_NOUNS)]}" for c in combos]
+        lo, hi = 10 ** (self.value_digits - 1), 10 ** self.value_digits
+        values = rng.choice(hi - lo, size=self.num_keys * self.num_values, replace=False) + lo
+        needles = [(keys[i // self.num_values], str(v)) for i, v in enumerate(values)]
+        order = rng.permutation(len(needles))
+        needles = [needles[i] for i in order]  # document order
+        queries = [keys[i] for i in sorted(rng.choice(self.num_keys, size=self.num_queries, replace=False))]
+        texts = [f"One of the special magic numbers for {k} is: {v}. " for k, v in needles]
+        question = (f"What are all the special magic numbers for {_join_keys(queries)} mentioned in the provided "
+                    f"text? The special magic numbers for {_join_keys(queries)} mentioned in the provided text are")
+        refs = [v for k, v in needles if k in queries]
+        answer = ", ".join(refs)
+        head = [NIAH_INSTRUCTION] if self.instruction else []
+        fixed = 1 + sum(n_tokens(h) + 1 for h in head) + sum(map(n_tokens, texts)) + 1 + n_tokens(question)
+        fixed += n_tokens(" " + answer) + 1
+        haystack = noise(filler_budget(seq_len, fixed, self.filler_tokens, self.name))
+        starts = sentence_starts(haystack)
+        cuts = np.sort(rng.choice(starts, size=len(texts), replace=True))
+        pieces, last = [], 0
+        for cut, text in zip(cuts, texts):
+            pieces += [haystack[last:cut], text]
+            last = int(cut)
+        pieces.append(haystack[last:])
+        prompt = "\n".join([*head, "".join(pieces), question])
+        return text_example(prompt, [(" " + answer, True)], answer, refs, eos=True)
+
+
+# --------------------------------------------------------------------------------------------------- mqar
+_LETTERS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
+_DIGITS = np.frombuffer(b"0123456789", np.uint8)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class AssociativeRecall(Task):
+    """Multi-query associative recall: ``"ab:17 cd:42 ...\\n"`` (``num_pairs`` distinct keys of ``key_len``
+    letters, values of ``value_len`` digits), ``filler_tokens`` of noise, then ``num_queries`` queries
+    ``"cd:42 ab:17"`` whose values are the answer tokens (no EOS). ``answer`` = the values in query order joined by
+    spaces; the prompt for a generation is everything before the first queried value.
+    """
+
+    name: ClassVar[str] = "mqar"
+    num_pairs: int = 8
+    num_queries: int = 4
+    key_len: int = 2
+    value_len: int = 2
+    filler_tokens: int = 0
+
+    def __post_init__(self):
+        for field in ("num_pairs", "num_queries", "key_len", "value_len"):
+            _positive(getattr(self, field), f"data.params.{field}")
+        _positive(self.filler_tokens, "data.params.filler_tokens", zero=True)
+        if self.num_queries > self.num_pairs:
+            raise ConfigError(f"data.params.num_queries={self.num_queries} is invalid: must be <= "
+                              f"data.params.num_pairs={self.num_pairs} (each query asks a distinct key)")
+        if self.num_pairs > 26 ** self.key_len:
+            raise ConfigError(f"data.params.num_pairs={self.num_pairs} is invalid: key_len={self.key_len} gives "
+                              f"only {26 ** self.key_len} distinct keys")
+
+    def example(self, rng: np.random.Generator, seq_len: int) -> Example:
+        ids = rng.choice(26 ** self.key_len, size=self.num_pairs, replace=False)
+        keys = ["".join(chr(_LETTERS[(i // 26 ** j) % 26]) for j in range(self.key_len)) for i in ids]
+        values = [bytes(rng.choice(_DIGITS, size=self.value_len)).decode() for _ in keys]
+        asked = rng.choice(self.num_pairs, size=self.num_queries, replace=False)
+        context = " ".join(f"{k}:{v}" for k, v in zip(keys, values)) + "\n"
+        if self.filler_tokens:
+            context += noise(self.filler_tokens) + "\n"
+        parts: list[tuple[str, bool]] = []
+        for n, i in enumerate(asked):
+            if n:
+                parts.append((" ", False))
+            parts += [(f"{keys[i]}:", False), (values[i], True)]
+        prompt = context + parts[0][0]
+        example = text_example(prompt, parts[1:], " ".join(values[i] for i in asked),
+                               [values[i] for i in asked], eos=False)
+        if len(example.ids) > seq_len + 1:
+            raise ConfigError(f"data.task='mqar' needs {len(example.ids) - 1} input tokens with num_pairs="
+                              f"{self.num_pairs}, num_queries={self.num_queries}, filler_tokens={self.filler_tokens}; "
+                              f"seq_len={seq_len} is too short")
+        return example
+
+    def score(self, example: Example, output: str) -> float:
+        """A generation from ``prompt_ids`` answers the first query only: 1 if ``output`` starts with its value.
+        (All queries are graded teacher-forced: the training metric ``accuracy`` over answer tokens.)"""
+        return float(output.startswith(example.references[0]))
+
+
+__all__ = ["AssociativeRecall", "Example", "NeedleInHaystack", "Passkey", "Task", "make_task", "register",
+           "task_names", "text_example"]

@@ -1,0 +1,261 @@
+"""Config-driven experiments: one YAML -> train -> finetune -> eval -> ablate, in ``runs/NAME/``.
+
+    lcx run CONFIG [key=value ...]        the stages the config lists (``stages:``), in order
+    lcx train | eval | ablate CONFIG      one stage
+
+Run directory::
+
+    runs/NAME/config.yaml                 the resolved config
+    runs/NAME/train/                      metrics.jsonl, checkpoints/ (lcx.train)
+    runs/NAME/finetune/                   the same, started from train/ (or finetune.init_from)
+    runs/NAME/eval/, runs/NAME/ablate/    results.csv, results.md, *.png, done.json
+
+Rerunning a finished stage reuses its outputs: training resumes from its last checkpoint (nothing to do when it
+reached ``steps``), eval and ablate are skipped when ``done.json`` records the same settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lcx.config import (Config, ConfigError, ModelConfig, RopeConfig, from_dict, import_plugins,
+                        load_dict, to_dict)
+from lcx.eval.config import AblateConfig, EvalConfig
+from lcx.sharding import MeshConfig
+from lcx.train.config import DataConfig, TrainConfig
+
+STAGES = ("train", "finetune", "eval", "ablate")
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneConfig:
+    """Long-context fine-tuning: start from ``init_from`` (null: this run's ``train`` stage; or an lcx run /
+    checkpoint or a Hugging Face directory), change ``rope`` (RopeConfig fields, replacing the model's) and
+    ``max_position_embeddings``, and continue training with ``train`` / ``data`` overrides of those sections."""
+
+    init_from: str | None = None
+    rope: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int | None = None
+    train: tuple[tuple[str, Any], ...] = ()
+    data: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], prefix: str = "finetune") -> "FinetuneConfig":
+        data = dict(data)
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown key '{prefix}.{unknown[0]}' (allowed: {[f.name for f in dataclasses.fields(cls)]})")
+        out = {}
+        for key in ("rope", "train", "data"):
+            value = data.get(key)
+            if value is not None and not isinstance(value, Mapping):
+                raise ConfigError(f"{prefix}.{key}={value!r} is invalid: must be a mapping")
+            if value is not None:
+                out[key] = tuple(sorted(value.items()))
+        if "rope" in out:
+            from_dict(RopeConfig, dict(out["rope"]), prefix=f"{prefix}.rope")
+        mpe = data.get("max_position_embeddings")
+        if mpe is not None and (not isinstance(mpe, int) or mpe < 1):
+            raise ConfigError(f"{prefix}.max_position_embeddings={mpe!r} is invalid: must be a positive integer")
+        return cls(init_from=data.get("init_from"), max_position_embeddings=mpe, **out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"init_from": self.init_from, "rope": None if self.rope is None else dict(self.rope),
+                "max_position_embeddings": self.max_position_embeddings, "train": dict(self.train),
+                "data": dict(self.data)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig(Config):
+    """The root of an experiment file: the model and cache of ``Config`` plus the stages' sections."""
+
+    stages: tuple[str, ...] = ()
+    runs_dir: str = "runs"
+    mesh: MeshConfig | None = None
+    train: TrainConfig | None = None
+    data: DataConfig | None = None
+    finetune: FinetuneConfig | None = None
+    eval: EvalConfig | None = None
+    ablate: AblateConfig | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        bad = [s for s in self.stages if s not in STAGES]
+        if bad:
+            raise ConfigError(f"stages={list(self.stages)!r} is invalid: {bad[0]!r} is not a stage; allowed: "
+                              f"{list(STAGES)}")
+        for stage in self.stages:
+            self.require(stage)
+        if self.ablate is not None:  # every grid cell's policy must work with this model
+            from lcx.cache.schedule import layer_budgets
+
+            for cache in self.ablate.caches():
+                policy = cache.make_policy()
+                if policy.evicts:
+                    policy.check(self.model.n_layers, layer_budgets(cache, self.model.n_layers))
+        if self.train is not None and self.train.seq_len > self.model.max_position_embeddings:
+            raise ConfigError(f"train.seq_len={self.train.seq_len} is invalid: must be <= "
+                              f"model.max_position_embeddings={self.model.max_position_embeddings}")
+
+    def require(self, stage: str) -> None:
+        """Raise unless the sections ``stage`` needs are present."""
+        needs = {"train": ("train", "data"), "finetune": ("finetune",), "eval": ("eval",),
+                 "ablate": ("eval", "ablate")}[stage]
+        missing = [n for n in needs if getattr(self, n) is None]
+        if stage == "finetune" and self.finetune is not None and (self.train is None or self.data is None):
+            missing += [n for n in ("train", "data") if getattr(self, n) is None]
+        if missing:
+            raise ConfigError(f"stage {stage!r} needs the config section(s) {missing}")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / self.name
+
+
+def load_experiment(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Load and validate an experiment YAML with dotted ``key=value`` overrides."""
+    data = load_dict(path, overrides)
+    import_plugins(data.get("plugins") or ())
+    return from_dict(ExperimentConfig, data)
+
+
+# --------------------------------------------------------------------------------------------------- stages
+def _say(msg: str) -> None:
+    print(f"lcx: {msg}", file=sys.stderr, flush=True)
+
+
+def _mesh(cfg: ExperimentConfig):
+    if cfg.mesh is None:
+        return None
+    return cfg.mesh.make_mesh(n_kv_heads=cfg.model.n_kv_heads, n_heads=cfg.model.n_heads)
+
+
+def run_train(cfg: ExperimentConfig, progress: bool = True):
+    from lcx.train import run_training
+
+    cfg.require("train")
+    _say(f"train -> {cfg.run_dir / 'train'}")
+    return run_training(cfg.model, cfg.train, cfg.data, cfg.run_dir / "train", progress=progress, mesh=_mesh(cfg))
+
+
+def finetune_sections(cfg: ExperimentConfig) -> tuple[ModelConfig, TrainConfig, DataConfig]:
+    """The model, train and data sections of the finetune stage."""
+    ft = cfg.finetune
+    model = cfg.model
+    if ft.rope is not None:
+        model = dataclasses.replace(model, rope=from_dict(RopeConfig, dict(ft.rope), prefix="finetune.rope"))
+    if ft.max_position_embeddings is not None:
+        model = dataclasses.replace(model, max_position_embeddings=ft.max_position_embeddings)
+    init_from = ft.init_from or str(cfg.run_dir / "train")
+    train = from_dict(TrainConfig, {**to_dict(cfg.train), "init_from": init_from, **dict(ft.train)},
+                      prefix="finetune.train")
+    data = DataConfig(**{**{f.name: getattr(cfg.data, f.name) for f in dataclasses.fields(DataConfig)},
+                         **dict(ft.data)})
+    return model, train, data
+
+
+def run_finetune(cfg: ExperimentConfig, progress: bool = True):
+    from lcx.train import run_training
+
+    cfg.require("finetune")
+    model, train, data = finetune_sections(cfg)
+    _say(f"finetune (rope {model.rope.type}, seq_len {train.seq_len}) -> {cfg.run_dir / 'finetune'}")
+    return run_training(model, train, data, cfg.run_dir / "finetune", progress=progress, mesh=_mesh(cfg))
+
+
+def latest_params(cfg: ExperimentConfig):
+    """(model config, params) to evaluate: ``eval.checkpoint``, else the run's finetune or train stage."""
+    from lcx.train import load_checkpoint
+
+    source = cfg.eval.checkpoint if cfg.eval is not None else None
+    candidates = [Path(source)] if source else [cfg.run_dir / "finetune", cfg.run_dir / "train"]
+    for path in candidates:
+        if (path / "checkpoints").is_dir() or (source and path.exists()):
+            model, params = load_checkpoint(path)
+            # evaluate with the experiment's attention implementation and dtypes of the model section
+            model = dataclasses.replace(model, attention=cfg.model.attention, dtype=cfg.model.dtype)
+            return model, params, path
+    raise ConfigError(f"nothing to evaluate: no checkpoint under {[str(c) for c in candidates]}; run the train stage "
+                      "first or set eval.checkpoint")
+
+
+def _done(out_dir: Path, settings: dict) -> bool:
+    marker = out_dir / "done.json"
+    return marker.is_file() and json.loads(marker.read_text()) == settings
+
+
+def _finish(out_dir: Path, settings: dict) -> None:
+    (out_dir / "done.json").write_text(json.dumps(settings, indent=2, sort_keys=True))
+
+
+def _settings(cfg: ExperimentConfig, stage: str, source: Path) -> dict:
+    out = {"stage": stage, "source": str(source), "model": to_dict(cfg.model), "eval": cfg.eval.to_dict()}
+    out["cache" if stage == "eval" else "ablate"] = (cfg.cache.to_dict() if stage == "eval"
+                                                     else cfg.ablate.to_dict())
+    return json.loads(json.dumps(out, default=str))
+
+
+def run_eval_stage(cfg: ExperimentConfig, stage: str = "eval", progress: bool = True) -> Path:
+    from lcx.eval.grid import run_ablate, run_eval
+
+    cfg.require(stage)
+    model, params, source = latest_params(cfg)
+    out_dir = cfg.run_dir / stage
+    settings = _settings(cfg, stage, source)
+    if _done(out_dir, settings):
+        _say(f"{stage}: {out_dir / 'results.md'} is up to date (delete done.json to rerun)")
+        return out_dir
+    _say(f"{stage} {source} -> {out_dir}")
+    if stage == "eval":
+        run_eval(model, params, cfg.eval, cfg.cache, out_dir, progress=progress)
+    else:
+        run_ablate(model, params, cfg.eval, cfg.ablate, out_dir, progress=progress)
+    _finish(out_dir, settings)
+    print((out_dir / "results.md").read_text())
+    return out_dir
+
+
+def run(cfg: ExperimentConfig, stages: Sequence[str] | None = None, progress: bool = True) -> Path:
+    """Run ``stages`` (default: the config's ``stages``) in order; returns the run directory."""
+    stages = list(stages or cfg.stages)
+    if not stages:
+        raise ConfigError("stages is empty: list the stages to run (e.g. stages: [train, eval, ablate])")
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    for stage in stages:
+        if stage == "train":
+            run_train(cfg, progress)
+        elif stage == "finetune":
+            run_finetune(cfg, progress)
+        else:
+            run_eval_stage(cfg, stage, progress)
+    return cfg.run_dir
+
+
+# --------------------------------------------------------------------------------------------------- cli
+def add_parsers(subparsers) -> None:
+    for name, helptext in (("run", "run the stages a config lists (train -> finetune -> eval -> ablate)"),
+                           ("train", "run the train stage"), ("finetune", "run the finetune stage"),
+                           ("eval", "run the eval stage"), ("ablate", "run the ablate stage")):
+        p = subparsers.add_parser(name, help=helptext, description=helptext)
+        p.add_argument("config", metavar="CONFIG", help="experiment YAML")
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=100")
+        p.add_argument("--no-progress", action="store_true", help="no progress bars")
+        p.set_defaults(func=_cli, stage=None if name == "run" else name)
+
+
+def _cli(args) -> int:
+    cfg = load_experiment(args.config, args.overrides)
+    run(cfg, None if args.stage is None else [args.stage], progress=not args.no_progress)
+    return 0
+
+
+__all__ = ["ExperimentConfig", "FinetuneConfig", "STAGES", "add_parsers", "finetune_sections", "latest_params",
+           "load_experiment", "run"]

@@ -1,0 +1,156 @@
+"""``run_training``: the training loop - data, compiled step, metrics, checkpoints, resume and Ctrl-C.
+
+Run directory layout::
+
+    run_dir/config.yaml     model (as trained: compute dtype, float32 params), train and data sections
+    run_dir/metrics.jsonl   one row per logged step (see ``lcx.train.metrics``)
+    run_dir/checkpoints/    orbax: <step>/{params, train_state, meta}
+
+A run directory that already holds a checkpoint is resumed (``train.resume``): params, optimizer state, step and RNG
+are restored, and since batch i is a pure function of (data seed, i) the data position is the step - the resumed run
+continues the identical loss curve. Ctrl-C (``KeyboardInterrupt``) waits for a checkpoint being written to finish
+before it propagates, so the last checkpoint is always complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import yaml
+
+from lcx.config import ConfigError, ModelConfig, to_dict
+from lcx.data.batches import BatchSource
+from lcx.data.tasks import TOKENIZER
+from lcx.train import checkpoint as ckpt
+from lcx.train.config import DataConfig, TrainConfig
+from lcx.train.metrics import MetricsLogger, truncate_metrics
+from lcx.train.optim import make_optimizer
+from lcx.train.step import TrainState, compile_train_step, init_state, state_struct
+from lcx.train.warm_start import initial_params
+
+Callback = Callable[[int, dict[str, Any] | None], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """``params``: final float32 params; ``step``: steps done; ``model``: the config they were trained with."""
+
+    params: Any
+    step: int
+    model: ModelConfig
+    run_dir: Path
+    metrics_path: Path
+    checkpoint_dir: Path
+    compile_s: float
+
+
+def training_model(model: ModelConfig, train: TrainConfig) -> ModelConfig:
+    """The model as trained: ``train.compute_dtype`` compute, float32 master params, ``train.remat`` if set."""
+    remat = model.remat if train.remat is None else train.remat
+    return dataclasses.replace(model, dtype=train.compute_dtype, param_dtype="float32", remat=remat)
+
+
+def _check_fit(model: ModelConfig, train: TrainConfig) -> None:
+    if train.seq_len > model.max_position_embeddings:
+        raise ConfigError(f"train.seq_len={train.seq_len} is invalid: must be <= model.max_position_embeddings="
+                          f"{model.max_position_embeddings}; to train longer, raise max_position_embeddings (and "
+                          f"set model.rope scaling for a long-context fine-tune)")
+    if model.vocab_size < TOKENIZER.vocab_size:
+        raise ConfigError(f"model.vocab_size={model.vocab_size} is invalid for training on lcx data: the byte "
+                          f"tokenizer needs at least {TOKENIZER.vocab_size} ids")
+
+
+def _write_config(path: Path, model: ModelConfig, train: TrainConfig, data: DataConfig) -> None:
+    doc = {"model": to_dict(model), "train": to_dict(train), "data": to_dict(data)}
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+def _check_resume_model(path: Path, model: ModelConfig) -> None:
+    if not path.exists():
+        return
+    saved = (yaml.safe_load(path.read_text()) or {}).get("model", {})
+    current = to_dict(model)
+    diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    if diff:
+        pairs = ", ".join(f"model.{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in diff)
+        raise ConfigError(f"{str(path.parent)!r} holds a checkpoint of a different model ({pairs}); resume with the "
+                          f"same model config, or start a new run directory with train.init_from={str(path.parent)!r}")
+
+
+def run_training(model: ModelConfig, train: TrainConfig, data: DataConfig, run_dir: str | Path, *,
+                 progress: bool = True, max_steps: int | None = None, callback: Callback | None = None,
+                 mesh: jax.sharding.Mesh | None = None) -> TrainResult:
+    """Train ``model`` on ``data`` for ``train.steps`` steps (or stop after step ``max_steps``), in ``run_dir``.
+
+    ``callback(step, row)`` runs after every step (``row``: the metrics row logged at that step, else None); an
+    exception it raises - ``KeyboardInterrupt`` included - stops the run with the checkpoints intact.
+    A checkpoint is written every ``train.save_every`` steps and at the last step run.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model = training_model(model, train)
+    _check_fit(model, train)
+    data_seed = train.seed if data.seed is None else data.seed
+    source = BatchSource(data.make_task(), seq_len=train.seq_len, batch_size=train.batch_size, seed=data_seed,
+                         prompt_loss_weight=data.prompt_loss_weight)
+    optimizer = make_optimizer(train)
+
+    manager = ckpt.open_manager(run_dir / "checkpoints", keep=train.keep, async_save=train.async_save)
+    try:
+        state = _initial_state(manager, run_dir, model, train, optimizer)
+        start = int(state.step)
+        stop = train.steps if max_steps is None else min(train.steps, max_steps)
+        batch = source(start)  # also surfaces data errors (e.g. an empty corpus) before writing anything
+        _write_config(run_dir / "config.yaml", model, train, data)
+        metrics_path = run_dir / "metrics.jsonl"
+        truncate_metrics(metrics_path, start)
+        t0 = time.perf_counter()
+        step_fn = compile_train_step(model, train, mesh=mesh) if start < stop else None
+        compile_s = time.perf_counter() - t0
+
+        meta = ckpt.meta_for(model, data_seed, {"task": data.task})
+        logger = MetricsLogger(metrics_path, log_every=train.log_every, tokens_per_step=train.batch_size *
+                               train.seq_len, total_steps=train.steps, start_step=start, progress=progress)
+        try:
+            for index in range(start, stop):
+                batch = batch if index == start else source(index)
+                state, metrics = step_fn(state, batch)
+                step = index + 1
+                row = logger.add(step, metrics, force=step == stop)
+                if step % train.save_every == 0 or step == stop:
+                    ckpt.save(manager, state, meta)
+                if callback is not None:
+                    callback(step, row)
+        finally:
+            logger.close()
+        manager.wait_until_finished()
+    except BaseException:
+        # Ctrl-C or any failure: let an in-flight async save complete, so the last checkpoint stays restorable.
+        manager.wait_until_finished()
+        raise
+    finally:
+        manager.close()
+    return TrainResult(params=state.params, step=max(start, stop), model=model, run_dir=run_dir,
+                       metrics_path=metrics_path, checkpoint_dir=run_dir / "checkpoints", compile_s=compile_s)
+
+
+def _initial_state(manager, run_dir: Path, model: ModelConfig, train: TrainConfig, optimizer) -> TrainState:
+    """Restored from ``run_dir``'s latest checkpoint, else fresh (random or ``train.init_from`` params)."""
+    if manager.latest_step() is None:
+        params = initial_params(model, train.init_from, train.seed)
+        # One compiled init instead of one small compile per optimizer-state leaf shape run eagerly.
+        return jax.jit(lambda p: init_state(p, optimizer, train.seed))(params)
+    if not train.resume:
+        raise ConfigError(f"run directory {str(run_dir)!r} already holds checkpoints (latest step "
+                          f"{manager.latest_step()}) and train.resume=false; choose a new run directory")
+    _check_resume_model(run_dir / "config.yaml", model)
+    state, _meta = ckpt.restore_state(manager, state_struct(model, optimizer))
+    return state
+
+
+__all__ = ["TrainResult", "run_training", "training_model"]

@@ -1,0 +1,86 @@
+"""Initial parameters of a run: random, or from an lcx checkpoint or a Hugging Face directory (fine-tuning).
+
+Long-context fine-tuning keeps the architecture and changes only what does not touch parameter shapes - the
+``rope`` section (yarn / ntk / linear / llama3 / dynamic) and ``max_position_embeddings`` - then trains at a longer
+``train.seq_len``. ``finetune_config`` derives that config from the source's own; ``initial_params`` loads the
+weights and checks every shape against the config, naming the first mismatching parameter and both shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lcx.config import AttentionConfig, ModelConfig, RopeConfig
+from lcx.model.decoder import Decoder, abstract_params
+from lcx.train.checkpoint import CheckpointError, check_shapes, is_checkpoint, load_checkpoint
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def _kind(path: str | Path) -> str:
+    if is_hf_dir(path):
+        return "hf"
+    if is_checkpoint(path):
+        return "lcx"
+    raise CheckpointError(f"train.init_from={str(path)!r} is neither an lcx run/checkpoint directory (with "
+                          "checkpoints/<step>/params) nor a Hugging Face directory (with config.json)")
+
+
+def source_config(path: str | Path) -> ModelConfig:
+    """The model config stored with an lcx checkpoint or a Hugging Face directory."""
+    if _kind(path) == "hf":
+        from lcx.hf import read_hf_config
+
+        return read_hf_config(path)
+    return load_checkpoint(path)[0]
+
+
+def finetune_config(base: ModelConfig, *, rope: RopeConfig | None = None,
+                    max_position_embeddings: int | None = None) -> ModelConfig:
+    """``base`` with a new RoPE scaling and/or context length (everything that keeps parameter shapes)."""
+    changes = {}
+    if rope is not None:
+        changes["rope"] = rope
+    if max_position_embeddings is not None:
+        changes["max_position_embeddings"] = max_position_embeddings
+    return dataclasses.replace(base, **changes)
+
+
+@functools.lru_cache(maxsize=4)
+def _jit_init(model: ModelConfig):
+    # lcx.model.init_params jits a fresh function per call; keeping one per config lets repeated runs in one process
+    # (tests, sweeps) skip the recompile.
+    return jax.jit(Decoder(model).init)
+
+
+def _random_params(model: ModelConfig, seed: int) -> dict:
+    variables = _jit_init(model)(jax.random.key(seed), jnp.zeros((1, 1), jnp.int32))
+    return nn.meta.unbox(variables["params"])
+
+
+def initial_params(model: ModelConfig, init_from: str | Path | None, seed: int) -> dict:
+    """float32 params for ``model``: random from ``seed``, or loaded from ``init_from`` (shapes checked)."""
+    if init_from is None:
+        # Compute dtype, remat and attention kernel do not change the initial values: one init per architecture.
+        arch = dataclasses.replace(model, param_dtype="float32", dtype="float32", remat=False,
+                                   attention=AttentionConfig())
+        return _random_params(arch, seed)
+    if _kind(init_from) == "hf":
+        from lcx.hf import load_hf
+
+        _, params = load_hf(init_from, dtype="float32")
+    else:
+        _, params = load_checkpoint(init_from)
+    check_shapes(abstract_params(model), params, f"train.init_from={str(init_from)!r}")
+    return jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+
+
+__all__ = ["finetune_config", "initial_params", "is_hf_dir", "source_config"]
