@@ -131,3 +131,25 @@ def test_eval_markdown_table_layout():
     table = markdown_table(rows, "t")
     assert "| setting | 64 tokens | 128 tokens |" in table and "| full | 75% | 0% |" in table
     assert np.isclose(0.75, np.mean([1.0, 0.5]))
+
+
+def test_eval_perplexity_under_eviction_equals_full_when_budget_covers(tmp_path):
+    import jax
+
+    import lcx
+    from lcx.config import CacheConfig
+    from lcx.eval import perplexity
+
+    model = lcx.ModelConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, init_std=0.3,
+                            attention=lcx.AttentionConfig(impl="xla"))
+    params = lcx.init_params(model, jax.random.key(0))
+    for i in range(4):
+        (tmp_path / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 40)
+    task = make_task("corpus", {"path": str(tmp_path), "val_fraction": 0.5})
+    kw = dict(length=48, samples=2, batch_size=2, seed=0, prefix=16)
+    full = perplexity(model, params, task, cache=CacheConfig(), **{**kw, "seed": 0})
+    roomy = perplexity(model, params, task, cache=CacheConfig(policy="streaming", budget=64, interval=8), **kw)
+    tight = perplexity(model, params, task, cache=CacheConfig(policy="streaming", budget=12, sinks=2, interval=4),
+                       **kw)
+    assert np.isclose(full, roomy, rtol=1e-4) and 1.0 < full
+    assert not np.isclose(full, tight, rtol=1e-3)
