@@ -32,8 +32,9 @@ from lcx.train.optim import lr_schedule, make_optimizer
 class TrainState:
     """Everything a resumed run needs besides the data position (= ``step``, batches are a function of it).
 
-    ``rng`` is the raw uint32 key the step derives per-step keys from (``fold_in(rng, step)``), kept for
-    stochastic layers (dropout); the current decoder is deterministic.
+    ``rng`` is the run's base PRNG key (raw uint32), checkpointed so that stochastic layers added later (dropout)
+    resume identically by deriving a step's key as ``fold_in(rng, step)``; the current decoder is deterministic and
+    the step does not use it yet.
     """
 
     step: jax.Array  # int32 scalar: optimizer steps taken = index of the next batch
