@@ -69,12 +69,22 @@ def plot(rows: list[dict], out_dir: Path, title: str) -> list[Path]:
     metric = rows[0]["metric"]
     paths = []
     by_label: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    style: dict[str, dict] = {}
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    budgets = list(dict.fromkeys(str(r["budget"]) for r in rows))
+    ropes = list(dict.fromkeys(r["rope"] for r in rows))
+    colors = plt.get_cmap("tab10").colors
     for r in rows:
-        by_label[label(r)][r["length"]].append(r["value"])
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+        key = label(r)
+        by_label[key][r["length"]].append(r["value"])
+        # one colour per policy, a line style per budget, a marker per RoPE variant: 20+ lines stay readable
+        style[key] = dict(color=colors[policies.index(r["policy"]) % len(colors)],
+                          linestyle=("-", "--", ":", "-.")[budgets.index(str(r["budget"])) % 4],
+                          marker="osD^v"[ropes.index(r["rope"]) % 5])
+    fig, ax = plt.subplots(figsize=(8, 5))
     for key, series in by_label.items():
         xs = sorted(series)
-        ax.plot(xs, [np.mean(series[x]) for x in xs], marker="o", label=key)
+        ax.plot(xs, [np.mean(series[x]) for x in xs], label=key, alpha=0.85, **style[key])
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel(metric)
