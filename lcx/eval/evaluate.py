@@ -1,7 +1,7 @@
 """Measurements: retrieval accuracy (passkey / NIAH / MQAR) and perplexity, each under a cache policy.
 
-Retrieval: greedy generation from each example's prompt; passkey is graded by the first integer generated (the
-landmark-attention protocol), the other tasks by the share of reference strings found in the output (RULER).
+Retrieval: greedy generation from each example's prompt, graded by the task (``Task.score``: passkey by the first
+integer generated, NIAH by the share of reference strings found, MQAR by the first query's value).
 Perplexity: prefill a prefix, then score the rest of each window token by token through the cache (``Generator.
 score``), so an eviction policy is measured the way it would decode.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 
 import numpy as np
 
@@ -18,16 +17,9 @@ from lcx.config import CacheConfig, ConfigError, ModelConfig
 from lcx.data.tasks import TOKENIZER, Example, Task
 from lcx.generate import Generator
 
-_INT = re.compile(r"\d+")
-
-
 def grade(task: Task, output: str, example: Example) -> float:
-    """Score of one generation in [0, 1]."""
-    if task.name == "passkey":
-        match = _INT.search(output)
-        return float(match is not None and match.group() == example.answer)
-    refs = example.references
-    return float(np.mean([ref in output for ref in refs])) if refs else 0.0
+    """Score of one generation in [0, 1]: the task's own grading (``Task.score``)."""
+    return task.score(example, output)
 
 
 def with_depth(task: Task, depth: float | None) -> Task:
