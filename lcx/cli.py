@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lcx.config import ConfigError
+from lcx.config_base import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:

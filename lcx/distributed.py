@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import jax
 
 # The module, not its names: lcx.config may import DistributedConfig from here.
-from lcx import config as _config
+from lcx.config_base import ConfigError
 
 _ENV = {"coordinator": ("LCX_COORDINATOR", "JAX_COORDINATOR_ADDRESS"),
         "num_processes": ("LCX_NUM_PROCESSES", "JAX_NUM_PROCESSES"),
@@ -41,19 +41,19 @@ class DistributedConfig:
                  if f.name != "initialization_timeout" and getattr(self, f.name) is not None]
         if given and len(given) != 3:
             missing = sorted({"coordinator", "num_processes", "process_id"} - set(given))
-            raise _config.ConfigError(f"distributed.{missing[0]}=None is invalid: a multi-process run needs "
+            raise ConfigError(f"distributed.{missing[0]}=None is invalid: a multi-process run needs "
                                       f"coordinator, num_processes and process_id together (given: {given})")
         if self.coordinator is not None:
             host, _, port = str(self.coordinator).rpartition(":")
             if not host or not port.isdigit():
-                raise _config.ConfigError(f"distributed.coordinator={self.coordinator!r} is invalid: must be "
+                raise ConfigError(f"distributed.coordinator={self.coordinator!r} is invalid: must be "
                                           f"'host:port'")
         if self.num_processes is not None and (not isinstance(self.num_processes, int) or self.num_processes < 1):
-            raise _config.ConfigError(f"distributed.num_processes={self.num_processes!r} is invalid: must be an "
+            raise ConfigError(f"distributed.num_processes={self.num_processes!r} is invalid: must be an "
                                       f"integer >= 1")
         if self.process_id is not None and not (isinstance(self.process_id, int)
                                                 and 0 <= self.process_id < self.num_processes):
-            raise _config.ConfigError(f"distributed.process_id={self.process_id!r} is invalid: must be an integer in "
+            raise ConfigError(f"distributed.process_id={self.process_id!r} is invalid: must be an integer in "
                                       f"[0, num_processes={self.num_processes})")
 
     @property
@@ -68,7 +68,7 @@ class DistributedConfig:
             value = next((env[n] for n in names if env.get(n)), None)
             if value is not None and field != "coordinator":
                 if not value.strip().isdigit():
-                    raise _config.ConfigError(f"{names[0]}={value!r} is invalid: must be a non-negative integer")
+                    raise ConfigError(f"{names[0]}={value!r} is invalid: must be a non-negative integer")
                 value = int(value)
             values[field] = value
         return cls(**values)

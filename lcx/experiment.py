@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from lcx.config import (Config, ConfigError, ModelConfig, RopeConfig, from_dict, import_plugins,
+from lcx.config import (Config, ConfigError, ModelConfig, RopeConfig, check_cache, from_dict, import_plugins,
                         load_dict, to_dict)
 from lcx.eval.config import AblateConfig, EvalConfig
 from lcx.sharding import MeshConfig
@@ -94,12 +94,8 @@ class ExperimentConfig(Config):
         for stage in self.stages:
             self.require(stage)
         if self.ablate is not None:  # every grid cell's policy must work with this model
-            from lcx.cache.schedule import layer_budgets
-
             for cache in self.ablate.caches():
-                policy = cache.make_policy()
-                if policy.evicts:
-                    policy.check(self.model.n_layers, layer_budgets(cache, self.model.n_layers))
+                check_cache(cache, self.model)
         if self.train is not None and self.train.seq_len > self.model.max_position_embeddings:
             raise ConfigError(f"train.seq_len={self.train.seq_len} is invalid: must be <= "
                               f"model.max_position_embeddings={self.model.max_position_embeddings}")

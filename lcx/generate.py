@@ -4,9 +4,10 @@
     cache plus itself) -> logits of each row's last prompt token -> lax.while_loop: sample, append, forward one
     token -> tokens padded after EOS.
 
-The cache capacity is planned on the host before anything runs: with the ``full`` policy a prompt + new tokens
-that do not fit the budget or the memory limit are refused with the bytes needed, never truncated. Eviction
-policies plug in after prefill and every ``interval`` decode steps (``lcx.cache.policy``).
+The cache is any cache type behind the contract of ``lcx.cache.base``: this module calls ``kind.plan``,
+``kind.create``, ``kind.make_room`` before each model call, ``kind.end_prefill`` after the prompt and ``kind.sync``
+between jitted calls, and never looks inside. The capacity is planned on the host before anything runs: a prompt +
+new tokens that do not fit the budget or the memory limit are refused with the bytes needed, never truncated.
 
 A ``DecodeState`` (cache + sampler state) can be saved with orbax after any step and restored in another process;
 continuing gives bit-identical tokens because the sampler key of step s depends on (seed, s) only.
@@ -25,24 +26,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lcx import sharding
-from lcx.cache.kv_cache import KVCache, init_cache, kv_bytes
-from lcx.cache.policy import EvictionPolicy
-from lcx.cache.schedule import evict_cache, evict_if_needed, layer_budgets
-from lcx.config import CacheConfig, ConfigError, ModelConfig, to_dict
+from lcx import device_memory, sharding
+from lcx.cache.base import CacheCapacityError, CacheKind, CacheState
+from lcx.cache.config import CacheConfig
+from lcx.config_base import ConfigError, dtype_bytes, format_bytes, to_dict
 from lcx.model import Decoder
+from lcx.model.config import ModelConfig
+from lcx.model.placement import param_bytes_per_device, shard_params
 from lcx.sampling import SamplingConfig, sample
-
-
-class CacheCapacityError(ConfigError):
-    """The requested generation does not fit the cache budget or the memory limit."""
 
 
 @flax.struct.dataclass
 class DecodeState:
     """Everything decoding needs to continue: the cache and the sampler state after ``step`` tokens."""
 
-    cache: KVCache
+    cache: CacheState
     logits: jax.Array  # [b, V] float32: the distribution of the next token
     tokens: jax.Array  # [b, max_new_tokens] int32 generated so far (pad after EOS)
     n_generated: jax.Array  # [b] int32 tokens generated per row, EOS included
@@ -55,7 +53,8 @@ class DecodeState:
 class GenerateResult:
     tokens: np.ndarray  # [b, max_new_tokens] int32, padded with pad_id after EOS
     lengths: np.ndarray  # [b] int32 generated tokens per row, EOS included
-    cache_bytes: int  # bytes of the KV buffers that were allocated
+    cache_bytes: int  # bytes of the KV buffers held on the device
+    store_bytes: int = 0  # bytes of keys/values the cache keeps off the device (host memory or disk)
 
 
 # --------------------------------------------------------------------------------------------------- prompts
@@ -78,102 +77,81 @@ def pad_prompts(prompt_ids: Any, pad_id: int = 0) -> tuple[np.ndarray, np.ndarra
 
 
 # --------------------------------------------------------------------------------------------------- planning
-def _device_memory_limit() -> int | None:
-    try:
-        stats = jax.local_devices()[0].memory_stats()
-    except Exception:  # some backends do not implement memory_stats
-        return None
-    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+def cache_kind(config: ModelConfig, cache: CacheConfig, mesh=None) -> CacheKind:
+    """The cache type of ``cache`` for ``config`` (on a mesh that replicates KV heads: the replicated heads)."""
+    model = config if mesh is None else sharding.cache_model_config(config, mesh)
+    return cache.kind(model)
 
 
 def plan_capacity(config: ModelConfig, cache: CacheConfig, batch: int, max_prompt: int, max_new_tokens: int,
                   mesh=None) -> int:
     """Slots per layer and sequence for this generation; raises ``CacheCapacityError`` when it cannot fit.
 
-    ``full``: prompt + new tokens (at most ``cache.budget`` when one is set). Evicting policies: the largest layer
-    budget + ``interval`` (or less when the whole generation is shorter). On a ``mesh`` the memory limit is checked
-    per device: the cache is split over all devices (KV heads replicated where the mesh needs it).
+    The cache type plans its slots (``full``: prompt + new tokens, at most ``cache.budget``; evicting policies: the
+    largest layer budget + ``interval``, or less when the whole generation is shorter). Its device bytes are then
+    checked against ``cache.max_bytes``, else 90% of device memory less the weights; on a ``mesh`` per device (the
+    cache is split over all devices, KV heads replicated where the mesh needs it).
     """
-    policy = cache.make_policy()
-    needed = max_prompt + max_new_tokens
-    dtype = cache.dtype or config.dtype
-    if policy.evicts:
-        capacity = min(needed, cache.max_budget + cache.interval)
-    else:
-        capacity = needed
-        if cache.budget is not None and needed > cache.max_budget:
-            raise CacheCapacityError(
-                f"cache.policy='full' needs {needed} tokens per sequence (prompt {max_prompt} + max_new_tokens "
-                f"{max_new_tokens}) = {_fmt(kv_bytes(config, needed, batch, dtype))} of KV cache for batch {batch}, "
-                f"but cache.budget={cache.budget} tokens; keep the budget with an eviction policy, e.g. "
-                f"CacheConfig(policy='streaming', budget={cache.max_budget}, sinks=4), or shorten the request")
-    need_bytes = kv_bytes(config, capacity, batch, dtype)
-    shards = 1
+    kind = cache_kind(config, cache, mesh)
+    capacity = kind.plan(batch, max_prompt, max_new_tokens)
+    need_bytes = kind.nbytes(batch, capacity)
     if mesh is not None:  # batch over data, (replicated) KV heads over model: the same bytes on every device
-        need_bytes = kv_bytes(sharding.cache_model_config(config, mesh), capacity, batch, dtype) // mesh.size
-        shards = sharding.axis_size(mesh, "model")
+        need_bytes //= mesh.size
     limit = cache.max_bytes
     source = f"cache.max_bytes={cache.max_bytes}"
-    if limit is None and (device_limit := _device_memory_limit()) is not None:
-        limit = int(device_limit * 0.9) - _param_bytes(config) // shards
-        source = "90% of device memory less the weights"
+    if limit is None and (device_limit := device_memory.device_memory_bytes()) is not None:
+        weights = (config.num_params() * dtype_bytes(config.param_dtype) if mesh is None
+                   else param_bytes_per_device(config, mesh))  # the planner's placement arithmetic
+        limit = device_memory.usable_bytes(device_limit) - weights
+        source = f"{device_memory.UTILIZATION:.0%} of device memory less the weights"
     if limit is not None and need_bytes > limit:
-        per_token = kv_bytes(config, 1, batch, dtype)
+        per_token = max(kind.nbytes(batch, 1) // (mesh.size if mesh is not None else 1), 1)
         fit = max(limit // per_token, 0)
+        itemsize = np.dtype(jnp.dtype(kind.kv_dtype)).itemsize
         raise CacheCapacityError(
-            f"the KV cache needs {_fmt(need_bytes)} ({capacity} tokens x batch {batch}, 2 x {config.n_layers} layers"
-            f" x {config.n_kv_heads} kv heads x {config.head_dim} x {np.dtype(jnp.dtype(dtype)).itemsize} B), more "
-            f"than {source} = {_fmt(max(limit, 0))}; at most {fit} tokens fit: " + (
+            f"the KV cache needs {format_bytes(need_bytes)} ({capacity} tokens x batch {batch}, 2 x "
+            f"{config.n_layers} layers x {config.n_kv_heads} kv heads x {config.head_dim} x {itemsize} B), more "
+            f"than {source} = {format_bytes(max(limit, 0))}; at most {fit} tokens fit: " + (
                 f"use an eviction budget, e.g. CacheConfig(policy='streaming', budget={fit - cache.interval}, "
                 f"sinks=4, interval={cache.interval})" if fit > cache.interval + 8
                 else "reduce the batch or the request, or raise the memory limit"))
     return capacity
 
 
-def _param_bytes(config: ModelConfig) -> int:
-    return config.num_params() * np.dtype(jnp.dtype(config.param_dtype)).itemsize
-
-
-def _fmt(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
 # --------------------------------------------------------------------------------------------------- compiled steps
 @functools.lru_cache(maxsize=128)
-def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None, pad_id: int,
-              policy: EvictionPolicy, budgets: tuple[int, ...] | None, mesh=None):
-    """The jitted prefill-chunk, compress and decode-loop functions of one configuration (compiled once each).
+def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None, pad_id: int, kind: CacheKind,
+              mesh=None):
+    """The jitted prefill-chunk, end-of-prefill and decode-loop functions of one configuration (compiled once
+    each). The cache type is ``kind``; this code only calls its contract (``lcx.cache.base``).
 
     With a ``mesh`` they must be called under ``sharding.use_mesh(mesh)`` (the model reads it at trace time); the
     cache keeps its sharding (batch over data, KV heads over model) through every step.
     """
-    stat = policy.attention_stat
-    prefill_model = Decoder(config, policy.mode, "sum" if stat else None)
-    decode_model = Decoder(config, policy.mode, stat)
-    budget_array = None if budgets is None else jnp.asarray(budgets, jnp.int32)
+    model = Decoder(config)
 
-    def maybe_evict(cache: KVCache, room) -> KVCache:
-        return cache if budgets is None else evict_if_needed(policy, cache, budget_array, room)
-
-    def pin(cache: KVCache) -> KVCache:
+    def pin(cache: CacheState) -> CacheState:
         if mesh is None:
             return cache
-        return jax.lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, mesh))
+        return jax.lax.with_sharding_constraint(cache, kind.shardings(cache, mesh))
 
     def prefill_chunk(params, cache, ids, ok, last_index, last_logits, stat_weights):
         # last_index [b]: index of the row's last prompt token within this chunk, or -1
-        cache = maybe_evict(cache, jnp.max(jnp.sum(ok, axis=1)))  # room for this chunk's real tokens
-        logits, cache = prefill_model.apply({"params": params}, ids, cache=cache, ok=ok,
-                                            logits_index=jnp.maximum(last_index, 0),
-                                            stat_weights=stat_weights if stat else None)
+        cache = kind.make_room(cache, jnp.max(jnp.sum(ok, axis=1)))  # room for this chunk's real tokens
+        logits, cache = model.apply({"params": params}, ids, cache=cache, ok=ok,
+                                    logits_index=jnp.maximum(last_index, 0), stat_weights=stat_weights)
         last_logits = jnp.where((last_index >= 0)[:, None], logits[:, 0], last_logits)
         return pin(cache), last_logits
 
-    def compress(cache):
-        return pin(evict_cache(policy, cache, budget_array))
+    def end_prefill(cache):
+        return pin(kind.end_prefill(cache))
+
+    def step(params, cache, token):
+        """Append one token per row (making room first) and return the next logits ``[b, V]``."""
+        cache = kind.make_room(cache, 1)
+        weights = jnp.ones((token.shape[0], 1), jnp.float32)  # every decode query counts for statistics
+        logits, cache = model.apply({"params": params}, token[:, None], cache=cache, stat_weights=weights)
+        return pin(cache), logits[:, 0]
 
     def decode_loop(params, state: DecodeState, limit):
         def cond(s: DecodeState):
@@ -185,12 +163,9 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
             tokens = s.tokens.at[:, s.step].set(token)
             n_generated = s.n_generated + (~s.done).astype(jnp.int32)
             done = s.done | (token == eos_id) if eos_id is not None else s.done
-            cache = maybe_evict(s.cache, 1)
-            weights = jnp.ones((token.shape[0], 1), jnp.float32) if stat else None
-            logits, cache = decode_model.apply({"params": params}, token[:, None], cache=cache,
-                                               stat_weights=weights)
-            return DecodeState(cache=pin(cache), logits=logits[:, 0], tokens=tokens, n_generated=n_generated,
-                               done=done, step=s.step + 1, key=s.key)
+            cache, logits = step(params, s.cache, token)
+            return DecodeState(cache=cache, logits=logits, tokens=tokens, n_generated=n_generated, done=done,
+                               step=s.step + 1, key=s.key)
 
         return jax.lax.while_loop(cond, body, state)
 
@@ -199,16 +174,12 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
         def body(carry, token):
             cache, logits = carry
             logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)[:, 0]
-            cache = maybe_evict(cache, 1)
-            weights = jnp.ones((token.shape[0], 1), jnp.float32) if stat else None
-            logits, cache = decode_model.apply({"params": params}, token[:, None], cache=cache,
-                                               stat_weights=weights)
-            return (pin(cache), logits[:, 0]), logprob
+            return step(params, cache, token), logprob
 
         (cache, logits), logprobs = jax.lax.scan(body, (cache, logits), tokens.T)
         return cache, logits, logprobs.T
 
-    return (jax.jit(prefill_chunk, donate_argnums=(1,)), None if budgets is None else jax.jit(compress),
+    return (jax.jit(prefill_chunk, donate_argnums=(1,)), jax.jit(end_prefill, donate_argnums=(0,)),
             jax.jit(decode_loop, donate_argnums=(1,)), jax.jit(forced_loop))
 
 
@@ -235,23 +206,18 @@ class Generator:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive integer")
         self.config, self.params, self.mesh = config, params, mesh
-        self._cache_model = config  # the KV heads the cache stores (kv_heads x r when a mesh replicates them)
         if mesh is not None:
             sharding.mesh_topology(config, mesh)  # raises for a model axis that cannot split the KV heads
-            self._cache_model = sharding.cache_model_config(config, mesh)
-            self.params = sharding.shard_params(params, config, mesh)
+            self.params = shard_params(params, config, mesh)
         self.cache_config = cache or CacheConfig()
+        self.kind = cache_kind(config, self.cache_config, mesh)  # validates the policy against the model
         self.policy = self.cache_config.make_policy()
-        self.budgets = None
-        if self.policy.evicts:
-            self.budgets = layer_budgets(self.cache_config, config.n_layers)
-            self.policy.check(config.n_layers, self.budgets)
         self.sampling = sampling or SamplingConfig()
         self.capacity = capacity
         self.max_new_tokens, self.eos_id, self.seed = max_new_tokens, eos_id, seed
         self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
-        self._prefill_chunk, self._compress, self._decode_loop, self._forced = _compiled(
-            config, self.sampling, eos_id, self.pad_id, self.policy, self.budgets, mesh)
+        self._prefill_chunk, self._end_prefill, self._decode_loop, self._forced = _compiled(
+            config, self.sampling, eos_id, self.pad_id, self.kind, mesh)
 
     def _put(self, x, batch_axis: bool = True):
         """A host value as a step input: split by rows over "data" (or replicated) on the mesh."""
@@ -261,8 +227,8 @@ class Generator:
         spec = sharding.batch_sharding(self.mesh, x.ndim) if batch_axis else sharding.replicated(self.mesh)
         return sharding.put(x, spec)
 
-    def _new_cache(self, batch: int, capacity: int) -> KVCache:
-        make = functools.partial(init_cache, self._cache_model, batch, capacity, self.cache_config.dtype)
+    def _new_cache(self, batch: int, capacity: int) -> CacheState:
+        make = functools.partial(self.kind.create, batch, capacity)
         if self.mesh is None:
             return make()
         data = sharding.axis_size(self.mesh, "data")
@@ -270,27 +236,16 @@ class Generator:
             raise ConfigError(f"batch={batch} is invalid on a mesh with data={data}: the batch must be a multiple "
                               f"of the data axis; pass {-(-batch // data) * data} prompts or a smaller data axis")
         # Created sharded: the whole cache never sits on one device.
-        return jax.jit(make, out_shardings=sharding.cache_shardings(jax.eval_shape(make), self.mesh))()
+        return jax.jit(make, out_shardings=self.kind.shardings(self.kind.abstract(batch, capacity), self.mesh))()
 
     # ----------------------------------------------------------------------------------------------- prefill
-    def _stat_weights(self, lengths: np.ndarray, width: int) -> np.ndarray:
-        """Which prompt queries feed the eviction score (policy.prefill_queries), ``[b, width]`` float32."""
-        index = np.arange(width)[None, :]
-        last = lengths[:, None] - 1
-        which = self.policy.prefill_queries
-        if which == "last":
-            chosen = index == last
-        elif which == "window":
-            chosen = (index <= last) & (index > last - self.policy.window)
-        else:
-            chosen = index <= last
-        return chosen.astype(np.float32)
 
     def prefill(self, prompt_ids) -> DecodeState:
         """Run the prompts through the model in chunks; returns the state before the first sampled token.
 
         Evicting policies see the whole prompt with full attention and compress once at the end, unless the prompt
-        exceeds the capacity: then chunks of at most ``interval`` tokens are compressed between.
+        exceeds the capacity: then chunks of at most ``interval`` tokens are compressed between (the cache type
+        decides, ``kind.prefill_chunk`` / ``kind.make_room`` / ``kind.end_prefill``).
         """
         ids, lengths = pad_prompts(prompt_ids, pad_id=0)
         if np.any(ids < 0) or np.any(ids >= self.config.vocab_size):
@@ -304,15 +259,13 @@ class Generator:
                                          f"cache slots (prompt {max_len} + max_new_tokens {self.max_new_tokens})")
             capacity = self.capacity
         cache = self._new_cache(batch, capacity)
-        # One compiled chunk shape: the configured chunk, or the prompt rounded up to a power of two if shorter.
-        chunk = min(self.cache_config.prefill_chunk, 1 << (max_len - 1).bit_length())
-        if max_len > capacity:  # chunks must fit in the room an eviction frees
-            chunk = min(chunk, self.cache_config.interval)
+        # One compiled chunk shape for every chunk of the prompt.
+        chunk = self.kind.prefill_chunk(self.cache_config.prefill_chunk, max_len, capacity)
         n_chunks = -(-max_len // chunk)
         padded = np.zeros((batch, n_chunks * chunk), np.int32)
         padded[:, :max_len] = ids
         ok = np.arange(n_chunks * chunk)[None, :] < lengths[:, None]
-        weights = self._stat_weights(lengths, n_chunks * chunk)
+        weights = self.kind.prefill_weights(lengths, n_chunks * chunk)
         last_logits = self._put(np.zeros((batch, self.config.vocab_size), np.float32))
         for c in range(n_chunks):
             lo = c * chunk
@@ -321,10 +274,11 @@ class Generator:
             with sharding.use_mesh(self.mesh):
                 cache, last_logits = self._prefill_chunk(
                     self.params, cache, self._put(padded[:, lo:lo + chunk]), self._put(ok[:, lo:lo + chunk]),
-                    self._put(last_index), last_logits, self._put(weights[:, lo:lo + chunk]))
-        if self._compress is not None:
-            with sharding.use_mesh(self.mesh):
-                cache = self._compress(cache)
+                    self._put(last_index), last_logits,
+                    None if weights is None else self._put(weights[:, lo:lo + chunk]))
+            cache = self.kind.sync(cache)
+        with sharding.use_mesh(self.mesh):
+            cache = self.kind.sync(self._end_prefill(cache))
         return DecodeState(
             cache=cache, logits=last_logits,
             tokens=self._put(np.full((batch, self.max_new_tokens), self.pad_id, np.int32)),
@@ -336,8 +290,15 @@ class Generator:
     def decode(self, state: DecodeState, steps: int | None = None) -> DecodeState:
         """Sample up to ``steps`` more tokens (default: to ``max_new_tokens``) or until every row hit EOS."""
         limit = self.max_new_tokens if steps is None else min(int(state.step) + steps, self.max_new_tokens)
-        with sharding.use_mesh(self.mesh):
-            return self._decode_loop(self.params, state, self._put(np.int32(limit), False))
+        segment = self.kind.decode_segment
+        while True:  # one jitted loop per segment; the cache type syncs between (e.g. offloads blocks)
+            step = int(state.step)
+            stop = limit if segment is None else min(limit, step + segment)
+            with sharding.use_mesh(self.mesh):
+                state = self._decode_loop(self.params, state, self._put(np.int32(stop), False))
+            state = state.replace(cache=self.kind.sync(state.cache))
+            if stop >= limit or int(state.step) < stop:  # the limit, or every row hit EOS
+                return state
 
     def score(self, state: DecodeState, tokens) -> tuple[DecodeState, np.ndarray]:
         """Log-probabilities ``[b, n]`` of given continuation ``tokens [b, n]`` after ``state`` (teacher forcing
@@ -347,19 +308,25 @@ class Generator:
         """
         tokens = np.asarray(tokens, np.int32)
         if not self.policy.evicts:
-            need = int(jnp.max(state.cache.count)) + tokens.shape[1]
+            need = int(jnp.max(state.cache.lengths)) + tokens.shape[1]
             if need > state.cache.capacity:
                 raise CacheCapacityError(
                     f"scoring {tokens.shape[1]} tokens needs {need} cache slots but the full cache was planned for "
                     f"{state.cache.capacity} (prompt + max_new_tokens): create the Generator with max_new_tokens >= "
                     f"{tokens.shape[1]} or use an eviction policy")
-        with sharding.use_mesh(self.mesh):
-            cache, logits, logprobs = self._forced(self.params, state.cache, state.logits, self._put(tokens))
-        return state.replace(cache=cache, logits=logits), sharding.to_host(logprobs)
+        segment = self.kind.decode_segment or tokens.shape[1]
+        logprobs = []
+        for lo in range(0, tokens.shape[1], segment):  # the cache type syncs between segments
+            with sharding.use_mesh(self.mesh):
+                cache, logits, part = self._forced(self.params, state.cache, state.logits,
+                                                   self._put(tokens[:, lo:lo + segment]))
+            state = state.replace(cache=self.kind.sync(cache), logits=logits)
+            logprobs.append(sharding.to_host(part))
+        return state, np.concatenate(logprobs, axis=1)
 
     def result(self, state: DecodeState) -> GenerateResult:
         return GenerateResult(tokens=sharding.to_host(state.tokens), lengths=sharding.to_host(state.n_generated),
-                              cache_bytes=state.cache.kv_bytes())
+                              cache_bytes=state.cache.kv_bytes(), store_bytes=self.kind.store_bytes(state.cache))
 
     def finished(self, state: DecodeState) -> bool:
         return bool(int(state.step) >= self.max_new_tokens or bool(jnp.all(state.done)))
@@ -381,7 +348,8 @@ class Generator:
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(path / "state", state, force=True)
         checkpointer.wait_until_finished()
-        meta = dict(self._settings(), batch=state.cache.batch, capacity=state.cache.capacity, step=int(state.step))
+        meta = dict(self._settings(), batch=int(state.tokens.shape[0]), capacity=state.cache.capacity,
+                    step=int(state.step))
         (path / "meta.json").write_text(json.dumps(meta, indent=2))
 
     def restore(self, path: str | Path) -> DecodeState:
@@ -411,13 +379,13 @@ class Generator:
             one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             return jax.tree.map(lambda _: one, state)
         rows, mesh = sharding.batch_sharding, self.mesh
-        return DecodeState(cache=sharding.cache_shardings(state.cache, mesh), logits=rows(mesh, 2),
+        return DecodeState(cache=self.kind.shardings(state.cache, mesh), logits=rows(mesh, 2),
                            tokens=rows(mesh, 2), n_generated=rows(mesh), done=rows(mesh),
                            step=sharding.replicated(mesh), key=sharding.replicated(mesh))
 
     def _empty_state(self, batch: int, capacity: int) -> DecodeState:
         return DecodeState(
-            cache=init_cache(self._cache_model, batch, capacity, self.cache_config.dtype),
+            cache=self.kind.create(batch, capacity),
             logits=jnp.zeros((batch, self.config.vocab_size), jnp.float32),
             tokens=jnp.zeros((batch, self.max_new_tokens), jnp.int32), n_generated=jnp.zeros((batch,), jnp.int32),
             done=jnp.zeros((batch,), bool), step=jnp.int32(0), key=jnp.zeros((2,), jnp.uint32))
@@ -438,5 +406,5 @@ def generate(config: ModelConfig, params, prompt_ids, *, max_new_tokens: int, te
     return gen.result(gen.decode(gen.prefill(prompt_ids)))
 
 
-__all__ = ["CacheCapacityError", "DecodeState", "GenerateResult", "Generator", "generate", "pad_prompts",
-           "plan_capacity"]
+__all__ = ["CacheCapacityError", "DecodeState", "GenerateResult", "Generator", "cache_kind", "generate",
+           "pad_prompts", "plan_capacity"]

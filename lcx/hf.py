@@ -19,21 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from lcx.config import ConfigError, ModelConfig, RopeConfig, canonical_dtype, from_dict
+from lcx.config_base import ConfigError, canonical_dtype, from_dict
+from lcx.model import rope_scaling
+from lcx.model.config import ModelConfig, RopeConfig
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
-_HF_ROPE_TYPES = {"default": "default", "linear": "linear", "dynamic": "dynamic", "yarn": "yarn",
-                  "llama3": "llama3", "longrope": "longrope"}
-# HF rope keys that are RopeConfig fields of the same name (rope_type/type and rope_theta are handled separately).
-_ROPE_KEYS = frozenset({
-    "factor", "partial_rotary_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-    "mscale_all_dim", "attention_factor", "truncate", "low_freq_factor", "high_freq_factor", "short_factor",
-    "long_factor",
-})
 
 
 # --------------------------------------------------------------------------------------------------- config
@@ -50,18 +44,20 @@ def _rope_from_hf(hf: Mapping[str, Any], where: str) -> RopeConfig:
         raise _refuse(where, "per-layer-type rope_parameters are not supported by lcx")
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if rope_type not in _HF_ROPE_TYPES:
-        raise _refuse(where, f"rope_type={rope_type!r} is not supported; allowed: {sorted(_HF_ROPE_TYPES)}")
+    known = rope_scaling.hf_types()  # transformers' rope_type -> lcx type, from the RoPE registry
+    if rope_type not in known:
+        raise _refuse(where, f"rope_type={rope_type!r} is not supported; allowed: {sorted(known)}")
     theta = params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
     if "partial_rotary_factor" not in params and hf.get("partial_rotary_factor") is not None:
         params["partial_rotary_factor"] = hf["partial_rotary_factor"]
     if rope_type in ("yarn", "llama3", "longrope") and hf.get("original_max_position_embeddings"):
         # Phi-3 style: the top-level value takes priority (as transformers' standardize_rope_params)
         params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
-    fields = {"type": _HF_ROPE_TYPES[rope_type], "theta": float(theta)}
+    fields = {"type": known[rope_type], "theta": float(theta)}
+    keys = rope_scaling.hf_keys()
     for key, value in params.items():
-        if key not in _ROPE_KEYS:
-            raise _refuse(where, f"rope parameter {key!r}={value!r} is not supported; known: {sorted(_ROPE_KEYS)}")
+        if key not in keys:
+            raise _refuse(where, f"rope parameter {key!r}={value!r} is not supported; known: {sorted(keys)}")
         if value is not None:
             fields[key] = value
     return from_dict(RopeConfig, fields, prefix="rope")
@@ -129,27 +125,15 @@ def read_hf_config(path: str | Path) -> ModelConfig:
     return config_from_hf(hf, where=str(cfg_path))
 
 
-# Which RopeConfig fields each type writes to config.json (None values are left out).
-_ROPE_FIELDS_BY_TYPE = {
-    "default": (),
-    "linear": ("factor",),
-    "dynamic": ("factor",),
-    "yarn": ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
-             "original_max_position_embeddings"),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "longrope": ("factor", "short_factor", "long_factor", "attention_factor", "original_max_position_embeddings"),
-}
-
-
 def _rope_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """``rope_parameters`` of config.json: the type's registry entry says which fields it writes."""
     rope = config.rope
-    if rope.type == "ntk":
-        # Static NTK is the default RoPE with an enlarged base; transformers has no separate type for it.
-        dim = config.rotary_dim
-        out = {"rope_type": "default", "rope_theta": rope.theta * rope.factor ** (dim / (dim - 2))}
+    kind = rope_scaling.get(rope.type)
+    if kind.to_hf is not None:
+        out = kind.to_hf(rope, config.rotary_dim)
     else:
-        out = {"rope_type": rope.type, "rope_theta": rope.theta}
-        for field in _ROPE_FIELDS_BY_TYPE[rope.type]:
+        out = {"rope_type": kind.hf_name, "rope_theta": rope.theta}
+        for field in kind.hf_fields:
             value = getattr(rope, field)
             if field == "original_max_position_embeddings":
                 value = config.original_max_position_embeddings

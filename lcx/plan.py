@@ -1,13 +1,19 @@
 """``lcx plan``: KV-cache and memory arithmetic for a deployment, and the three decision checkpoints.
 
-Everything here is plain integer arithmetic on a ``ModelConfig``: no JAX, no devices. Pure functions first
-(``kv_bytes_per_token``, ``weight_bytes``, ``max_context``, ``checkpoints``, ``make_plan``, ``render``), then the
-command line (``add_parser``, ``run``).
+The planner calls the functions the runtime uses, so the two cannot drift: KV bytes from the cache's own buffer
+declaration (``lcx.cache.kv_cache.kv_bytes``), the GQA topology check and KV-head replication from
+``lcx.sharding``, weights per device from the model's parameter placement (``lcx.model.placement``), the usable
+share of device memory from ``lcx.device_memory``, byte formatting and overrides from the config plumbing. Pure
+functions first (``kv_bytes_per_token``, ``weight_bytes``, ``max_context``, ``checkpoints``, ``make_plan``,
+``render``), then the command line (``add_parser``, ``run``).
 
 The memory model, per device (stated in every plan's ``assumptions``):
-- tensor parallel over all ``devices``: weights are split evenly; KV heads are split, each device holding
-  ``ceil(kv_heads / devices)`` of them, so with more devices than KV heads every device holds one (replicated) head;
-- the batch is not split (no data parallelism);
+- the devices form a ``data x model`` mesh (``--devices`` in all, ``--data`` of them along the data axis): the
+  batch splits over ``data``; query heads, KV heads and MLP columns over ``model``; the vocabulary, embedding and
+  norms stay whole on every device, as ``lcx.sharding`` places them;
+- KV heads: kv_heads / model per device when the model axis divides them, one replicated head per device when the
+  model axis is a multiple of kv_heads (as vLLM does); other splits are invalid (checkpoint (b)) and are counted as
+  ceil(kv_heads / model), the padded worst case;
 - ``utilization`` (default 90%) of device memory is usable, the rest is left to the runtime (CUDA context,
   fragmentation), as serving stacks do; activations and workspace are not counted beyond that margin.
 
@@ -19,14 +25,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
-import re
 from pathlib import Path
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from lcx.config import ConfigError, ModelConfig, canonical_dtype, dtype_bytes, from_dict, load_model_config, to_dict
+from jax.sharding import AbstractMesh, AxisType
 
-UTILIZATION = 0.9
+from lcx import hf, sharding
+from lcx.cache.kv_cache import kv_bytes
+from lcx.config import ConfigError, ModelConfig, apply_model_overrides, load_model_config
+from lcx.config_base import canonical_dtype, dtype_bytes, format_bytes, parse_bytes
+from lcx.device_memory import UTILIZATION, usable_bytes
+from lcx.model.placement import param_bytes_per_device
+
 # fp16 keeps finite values up to 65504; past a few thousand tokens attention logits and residual activations of
 # models trained in bf16 are known to exceed it. 4096 is where the planner starts warning.
 FP16_SAFE_CONTEXT = 4096
@@ -34,51 +45,11 @@ FP16_SAFE_CONTEXT = 4096
 SUGGESTED_KV_HEADS = 8
 STATUSES = ("pass", "warn", "fail")
 
-_UNITS = {  # lower-cased unit -> bytes; decimal (KB) and binary (KiB) both, as drive and GPU vendors mix them
-    "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_BINARY = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
-
-
-# --------------------------------------------------------------------------------------------------- units
-def parse_bytes(text: str | int, name: str = "--gpu-mem") -> int:
-    """``"80GiB"`` -> 85899345920. Accepts B, KB/MB/GB/TB (powers of 10), KiB/MiB/GiB/TiB (powers of 2), any case,
-    an optional space and a decimal number; a plain integer is bytes. Raises ``ConfigError`` naming ``name``."""
-    allowed = (f"expected a positive number with a unit B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 80GiB) "
-               f"or a plain number of bytes")
-    if isinstance(text, bool):
-        raise ConfigError(f"{name}={text!r} is invalid: {allowed}")
-    if isinstance(text, int):
-        value, unit = float(text), "b"
-    else:
-        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-        if not match:
-            raise ConfigError(f"{name}={text!r} is invalid: {allowed}")
-        value, unit = float(match.group(1)), (match.group(2).lower() or "b")
-        if unit not in _UNITS:
-            raise ConfigError(f"{name}={text!r} is invalid: unknown unit {match.group(2)!r}; {allowed}")
-    n = int(value * _UNITS[unit])
-    if n <= 0:
-        raise ConfigError(f"{name}={text!r} is invalid: {allowed}")
-    return n
-
-
-def format_bytes(n: int | float) -> str:
-    """Binary units with two decimals: ``format_bytes(2 * 1024**3) == "2.00 GiB"``; below 1 KiB, whole bytes."""
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit, size in _BINARY:
-        if n >= size:
-            return f"{sign}{n / size:.2f} {unit}"
-    return f"{sign}{int(n)} B"
-
 
 # --------------------------------------------------------------------------------------------------- arithmetic
 def kv_bytes_per_token(model: ModelConfig, kv_dtype: str) -> int:
     """Bytes of K and V for one token of one sequence, all layers and all KV heads (no sharding, no replication)."""
-    return 2 * model.n_layers * model.n_kv_heads * model.head_dim * dtype_bytes(kv_dtype)
+    return kv_bytes(model, 1, 1, canonical_dtype(kv_dtype))
 
 
 def weight_bytes(model: ModelConfig, dtype: str) -> int:
@@ -86,53 +57,53 @@ def weight_bytes(model: ModelConfig, dtype: str) -> int:
     return model.num_params() * dtype_bytes(dtype)
 
 
-def kv_heads_per_device(model: ModelConfig, devices: int) -> int:
-    """KV heads each device holds under tensor parallelism over ``devices``.
-
-    ceil() covers the three topologies with one formula: kv_heads/devices when it divides, one (replicated) head when
-    devices > kv_heads, and, for splits that do not divide (checkpoint (b) fails them), the padded worst case."""
-    return -(-model.n_kv_heads // devices)
-
-
-def usable_bytes(gpu_mem_bytes: int, utilization: float = UTILIZATION) -> int:
-    return math.floor(gpu_mem_bytes * utilization)
+def kv_heads_per_device(model: ModelConfig, model_axis: int) -> int:
+    """KV heads each device holds when the model axis has ``model_axis`` devices (``lcx.sharding``'s topology:
+    split, or one replicated head each; an invalid split counts ceil(kv_heads / model_axis))."""
+    try:
+        copies = sharding.kv_replication(model.n_kv_heads, model_axis, model.n_heads)
+    except ConfigError:
+        return -(-model.n_kv_heads // model_axis)
+    return model.n_kv_heads * copies // model_axis
 
 
-def weight_bytes_per_device(total_weight_bytes: int, devices: int) -> int:
-    # Norm weights are replicated, not split; they are ~1e-5 of a Llama's parameters, so even split it is.
-    return -(-total_weight_bytes // devices)
+def kv_bytes_per_token_per_device(model: ModelConfig, kv_dtype: str, model_axis: int) -> int:
+    """Bytes one device holds for one token of one sequence (linear in the KV heads it holds)."""
+    return kv_bytes_per_token(model, kv_dtype) * kv_heads_per_device(model, model_axis) // model.n_kv_heads
 
 
-def kv_bytes_per_token_per_device(model: ModelConfig, kv_dtype: str, devices: int) -> int:
-    """Bytes one device holds for one token of one sequence."""
-    return 2 * model.n_layers * kv_heads_per_device(model, devices) * model.head_dim * dtype_bytes(kv_dtype)
+def abstract_mesh(data: int, model_axis: int) -> AbstractMesh:
+    return AbstractMesh((data, model_axis), sharding.MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def weight_bytes_per_device(model: ModelConfig, dtype: str, model_axis: int, data: int = 1) -> int:
+    """Bytes of the parameters one device holds, as ``lcx.model.placement`` places them on a ``data x model``
+    mesh (an invalid split, which checkpoint (b) fails, is counted padded)."""
+    return param_bytes_per_device(model, abstract_mesh(data, model_axis), canonical_dtype(dtype))
 
 
 def max_context(model: ModelConfig, *, batch: int, gpu_mem_bytes: int, devices: int, kv_dtype: str,
-                weight_dtype: str, utilization: float = UTILIZATION) -> int:
-    """The longest context (tokens per sequence) whose full cache fits next to the weights on every device; 0 when
-    the weights alone do not fit."""
-    free = (usable_bytes(gpu_mem_bytes, utilization)
-            - weight_bytes_per_device(weight_bytes(model, weight_dtype), devices))
-    per_token = kv_bytes_per_token_per_device(model, kv_dtype, devices) * batch
+                weight_dtype: str, utilization: float = UTILIZATION, data: int = 1) -> int:
+    """The longest context (tokens per sequence) whose full cache fits next to the weights on every device of a
+    ``data x (devices / data)`` mesh; 0 when the weights alone do not fit."""
+    model_axis = devices // data
+    free = usable_bytes(gpu_mem_bytes, utilization) - weight_bytes_per_device(model, weight_dtype, model_axis, data)
+    per_token = kv_bytes_per_token_per_device(model, kv_dtype, model_axis) * -(-batch // data)
     return max(free, 0) // per_token
 
 
 def valid_model_axis_sizes(model: ModelConfig, devices: int) -> list[int]:
-    """Model-axis (tensor-parallel) sizes that split the attention cleanly: the divisors of kv_heads (each device
-    holds whole KV groups) and the multiples of kv_heads up to ``devices`` that also divide n_heads (KV heads
-    replicated, query heads still split evenly)."""
-    k = model.n_kv_heads
-    sizes = {d for d in range(1, k + 1) if k % d == 0}
-    sizes |= {k * m for m in range(2, devices // k + 1) if model.n_heads % (k * m) == 0}
-    return sorted(sizes)
+    """Model-axis sizes that split the attention cleanly (``lcx.sharding.valid_model_axis_sizes``): the divisors of
+    kv_heads, and the multiples of kv_heads up to ``devices`` that also divide n_heads (KV heads replicated)."""
+    return sharding.valid_model_axis_sizes(model.n_kv_heads, model.n_heads, limit=max(devices, model.n_kv_heads))
 
 
 # --------------------------------------------------------------------------------------------------- inputs / plan
 @dataclasses.dataclass(frozen=True)
 class PlanInputs:
     """What to plan for. ``weight_dtype`` and ``kv_dtype`` default to the model's ``param_dtype`` and ``dtype``
-    (the cache stores K and V in the compute dtype). ``budget`` is an eviction budget in tokens per sequence."""
+    (the cache stores K and V in the compute dtype). ``budget`` is an eviction budget in tokens per sequence.
+    ``devices`` form a ``data x model`` mesh with ``data`` devices along the data axis (the batch splits over it)."""
 
     model: ModelConfig
     context: int
@@ -143,6 +114,7 @@ class PlanInputs:
     weight_dtype: str | None = None
     budget: int | None = None
     utilization: float = UTILIZATION
+    data: int = 1
 
     def __post_init__(self):
         if not isinstance(self.model, ModelConfig):
@@ -153,6 +125,10 @@ class PlanInputs:
             _positive_int(getattr(self, name), name, flag, what)
         if self.budget is not None:
             _positive_int(self.budget, "budget", "--budget", "tokens kept per sequence by the eviction policy")
+        _positive_int(self.data, "data", "--data", "devices along the data axis")
+        if self.devices % self.data:
+            raise ConfigError(f"data={self.data} is invalid: the data axis must divide --devices={self.devices} "
+                              f"(the mesh is data x model = devices)")
         if isinstance(self.utilization, bool) or not (isinstance(self.utilization, (int, float))
                                                       and 0 < self.utilization <= 1):
             raise ConfigError(f"utilization={self.utilization!r} is invalid: must be a fraction in (0, 1] "
@@ -217,6 +193,12 @@ class Plan:
     assumptions: tuple[str, ...]
     notes: tuple[str, ...]
 
+    data: int = 1  # devices along the data axis (the batch splits over it)
+
+    @property
+    def model_axis(self) -> int:
+        return self.devices // self.data
+
     @property
     def status(self) -> str:
         """The worst checkpoint status."""
@@ -268,24 +250,25 @@ def _memory_checkpoint(inputs: PlanInputs, n: dict[str, Any]) -> Checkpoint:
 
 
 def _devices_that_fit(inputs: PlanInputs) -> int | None:
-    """The smallest clean model-axis size above ``devices`` on which the full cache fits, if any."""
+    """The smallest clean model-axis size above the current one on which the full cache fits, if any."""
     model = inputs.model
-    candidates = [d for d in valid_model_axis_sizes(model, model.n_heads) if d > inputs.devices]
+    candidates = [d for d in valid_model_axis_sizes(model, model.n_heads) if d > inputs.devices // inputs.data]
     for d in candidates:
-        if max_context(model, batch=inputs.batch, gpu_mem_bytes=inputs.gpu_mem_bytes, devices=d,
-                       kv_dtype=inputs.kv_dtype, weight_dtype=inputs.weight_dtype,
-                       utilization=inputs.utilization) >= inputs.context:
+        if max_context(model, batch=inputs.batch, gpu_mem_bytes=inputs.gpu_mem_bytes, devices=d * inputs.data,
+                       kv_dtype=inputs.kv_dtype, weight_dtype=inputs.weight_dtype, utilization=inputs.utilization,
+                       data=inputs.data) >= inputs.context:
             return d
     return None
 
 
 def _gqa_checkpoint(inputs: PlanInputs, n: dict[str, Any]) -> Checkpoint:
-    """(b) GQA groups vs tensor-parallel degree."""
-    model, g = inputs.model, inputs.devices
+    """(b) GQA groups vs tensor-parallel degree (the model axis)."""
+    model, g = inputs.model, inputs.devices // inputs.data
     k, h = model.n_kv_heads, model.n_heads
     if g == 1:
+        where = "1 device" if inputs.devices == 1 else f"model axis of 1 ({inputs.devices} devices on the data axis)"
         return Checkpoint("gqa_vs_tensor_parallel", "pass",
-                          f"1 device: no tensor parallelism; all {k} KV heads on it")
+                          f"{where}: no tensor parallelism; all {k} KV heads on it")
     if g == k and h % g == 0:
         return Checkpoint("gqa_vs_tensor_parallel", "pass",
                           f"{k} KV heads over {g} devices: one KV group ({h // k} query heads) per device, "
@@ -296,10 +279,10 @@ def _gqa_checkpoint(inputs: PlanInputs, n: dict[str, Any]) -> Checkpoint:
                           f"communication (ideal: {k} devices, one group each)")
     valid = valid_model_axis_sizes(model, g)
     if g % k == 0 and h % g == 0:
-        extra = n["kv_dev"] * g - n["kv_total"]
+        extra = n["kv_dev"] * inputs.devices - n["kv_total"]
         return Checkpoint("gqa_vs_tensor_parallel", "warn",
                           f"{g} devices > {k} KV heads: each KV head is replicated {g // k}x (as vLLM does), "
-                          f"the cache takes {format_bytes(n['kv_dev'] * g)} over all devices instead of "
+                          f"the cache takes {format_bytes(n['kv_dev'] * inputs.devices)} over all devices instead of "
                           f"{format_bytes(n['kv_total'])} (+{format_bytes(extra)}); a model axis of {k} with a "
                           f"data axis of {g // k} avoids it")
     fitting = [d for d in valid if d <= g]
@@ -354,34 +337,39 @@ def _checkpoints(inputs: PlanInputs, n: dict[str, Any]) -> list[Checkpoint]:
 
 # --------------------------------------------------------------------------------------------------- plan
 def _numbers(inputs: PlanInputs) -> dict[str, Any]:
-    model, g = inputs.model, inputs.devices
+    model, m, data = inputs.model, inputs.devices // inputs.data, inputs.data
+    rows = -(-inputs.batch // data)  # sequences per device: the batch splits over the data axis
     usable = usable_bytes(inputs.gpu_mem_bytes, inputs.utilization)
     w_total = weight_bytes(model, inputs.weight_dtype)
-    w_dev = weight_bytes_per_device(w_total, g)
+    w_dev = weight_bytes_per_device(model, inputs.weight_dtype, m, data)
     per_token = kv_bytes_per_token(model, inputs.kv_dtype)
-    per_token_dev = kv_bytes_per_token_per_device(model, inputs.kv_dtype, g)
+    per_token_dev = kv_bytes_per_token_per_device(model, inputs.kv_dtype, m)
     cache_tokens = min(inputs.context, inputs.budget) if inputs.budget is not None else inputs.context
-    kv_dev = per_token_dev * inputs.context * inputs.batch
-    b_kv_dev = per_token_dev * cache_tokens * inputs.batch
+    kv_dev = per_token_dev * inputs.context * rows
+    b_kv_dev = per_token_dev * cache_tokens * rows
     return dict(
         usable=usable, w_total=w_total, w_dev=w_dev, per_token=per_token,
         kv_total=per_token * inputs.context * inputs.batch, kv_dev=kv_dev, total_dev=w_dev + kv_dev,
         fits=w_dev + kv_dev <= usable, cache_tokens=cache_tokens,
         b_kv_total=per_token * cache_tokens * inputs.batch, b_kv_dev=b_kv_dev, b_total_dev=w_dev + b_kv_dev,
         fits_budget=w_dev + b_kv_dev <= usable,
-        max_context=max_context(model, batch=inputs.batch, gpu_mem_bytes=inputs.gpu_mem_bytes, devices=g,
-                                kv_dtype=inputs.kv_dtype, weight_dtype=inputs.weight_dtype,
-                                utilization=inputs.utilization),
+        max_context=max_context(model, batch=inputs.batch, gpu_mem_bytes=inputs.gpu_mem_bytes,
+                                devices=inputs.devices, kv_dtype=inputs.kv_dtype, weight_dtype=inputs.weight_dtype,
+                                utilization=inputs.utilization, data=data),
     )
 
 
 def _assumptions(inputs: PlanInputs) -> tuple[str, ...]:
-    g = inputs.devices
+    g, data = inputs.devices // inputs.data, inputs.data
+    placement = ("weights placed as lcx places them: heads, KV heads and MLP columns split, vocabulary, embedding "
+                 "and norms whole on every device")
     return (
-        f"tensor parallel over all {g} device(s): weights split evenly, KV heads split "
-        f"(ceil(kv_heads / devices) per device, replicated when devices > kv_heads)" if g > 1
-        else "1 device: all weights and KV heads on it",
-        "batch not split across devices (no data parallelism)",
+        f"tensor parallel over all {g} device(s): {placement}; KV heads split (replicated when the model axis "
+        f"exceeds kv_heads)" if g > 1 and data == 1
+        else f"mesh data={data} x model={g}: {placement}" if g > 1
+        else "model axis of 1: all weights and KV heads on every device",
+        "batch not split across devices (no data parallelism)" if data == 1
+        else f"batch split over the data axis: ceil(batch / {data}) sequences per device",
         f"{inputs.utilization:.0%} of device memory usable (the rest for the runtime); activations and workspace "
         f"not counted",
         f"weights in {inputs.weight_dtype}, KV cache in {inputs.kv_dtype}; training dtype taken as model.param_dtype",
@@ -395,13 +383,19 @@ def _notes(inputs: PlanInputs) -> tuple[str, ...]:
                      f"(rope.type={model.rope.type}): beyond the trained length quality needs RoPE scaling "
                      f"(rope.type=yarn/llama3/...) or an eviction policy with cache-local positions")
     if model.attention.impl == "reference":
-        g = inputs.devices
-        heads = -(-model.n_heads // g)
-        scores = inputs.batch * heads * inputs.context * inputs.context * 4
+        heads = -(-model.n_heads // (inputs.devices // inputs.data))
+        scores = -(-inputs.batch // inputs.data) * heads * inputs.context * inputs.context * 4
         notes.append(f"attention.impl=reference materializes float32 scores [batch, heads, T, T] in prefill: "
                      f"{format_bytes(scores)} per device per layer for one {inputs.context}-token pass; use "
                      f"attention.impl=pallas (flash) for long prompts")
     return tuple(notes)
+
+
+def _replication(model: ModelConfig, model_axis: int) -> int:
+    try:
+        return sharding.kv_replication(model.n_kv_heads, model_axis, model.n_heads)
+    except ConfigError:
+        return 1
 
 
 def make_plan(inputs: PlanInputs, source: str = "") -> Plan:
@@ -415,12 +409,12 @@ def make_plan(inputs: PlanInputs, source: str = "") -> Plan:
         weight_dtype=inputs.weight_dtype, kv_dtype=inputs.kv_dtype, num_params=model.num_params(),
         weight_bytes=n["w_total"], weight_bytes_per_device=n["w_dev"],
         kv_bytes_per_token=n["per_token"], kv_bytes_total=n["kv_total"],
-        kv_heads_per_device=kv_heads_per_device(model, inputs.devices),
-        kv_replication=inputs.devices // model.n_kv_heads if inputs.devices % model.n_kv_heads == 0 else 1,
+        kv_heads_per_device=kv_heads_per_device(model, inputs.devices // inputs.data),
+        kv_replication=_replication(model, inputs.devices // inputs.data),
         kv_bytes_per_device=n["kv_dev"], total_bytes_per_device=n["total_dev"], fits=n["fits"],
         cache_tokens=n["cache_tokens"], budget_kv_bytes_total=n["b_kv_total"], budget_kv_bytes_per_device=n["b_kv_dev"],
         budget_total_bytes_per_device=n["b_total_dev"], fits_with_budget=n["fits_budget"],
-        max_context=n["max_context"],
+        max_context=n["max_context"], data=inputs.data,
         checkpoints=tuple(_checkpoints(inputs, n)),
         assumptions=_assumptions(inputs), notes=_notes(inputs),
     )
@@ -436,7 +430,7 @@ def render(plan: Plan) -> str:
     lines = [
         f"lcx plan: {plan.source or 'model'} -- {plan.n_layers} layers, {plan.n_heads} heads / {plan.n_kv_heads} KV "
         f"heads, head_dim {plan.head_dim}; context {plan.context} x batch {plan.batch} on {plan.devices} x "
-        f"{fb(plan.gpu_mem_bytes)}",
+        f"{fb(plan.gpu_mem_bytes)}" + (f" (mesh data={plan.data} x model={plan.model_axis})" if plan.data > 1 else ""),
         f"weights      {plan.num_params / 1e9:.2f}e9 params in {plan.weight_dtype}: {fb(plan.weight_bytes)} total, "
         f"{fb(plan.weight_bytes_per_device)} per device",
         f"KV cache     {fb(plan.kv_bytes_per_token)} per token (2 x {plan.n_layers} layers x {plan.n_kv_heads} KV heads "
@@ -476,12 +470,8 @@ def load_model(path: str | Path, overrides: Sequence[str] = ()) -> ModelConfig:
         if not (p / "config.json").is_file():
             raise ConfigError(f"CONFIG_OR_HF_DIR={str(path)!r} is a directory without config.json: expected a YAML "
                               f"model config or a Hugging Face checkpoint directory")
-        from lcx import hf  # lazy: only HF directories need it
-
         model = hf.read_hf_config(p)
     elif p.is_file() and p.name == "config.json":
-        from lcx import hf
-
         model = hf.read_hf_config(p.parent)
     elif p.is_file():
         model = load_model_config(p)
@@ -491,24 +481,7 @@ def load_model(path: str | Path, overrides: Sequence[str] = ()) -> ModelConfig:
     return apply_overrides(model, overrides)
 
 
-def apply_overrides(model: ModelConfig, overrides: Sequence[str]) -> ModelConfig:
-    """``model.n_kv_heads=8``-style overrides on a loaded ``ModelConfig`` (same for YAML and HF sources)."""
-    if not overrides:
-        return model
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    for item in overrides:
-        if "=" not in item or not item.startswith("model."):
-            raise ConfigError(f"override {item!r} is invalid: overrides are dotted model.key=value pairs, "
-                              f"e.g. model.n_kv_heads=8")
-    try:
-        merged = OmegaConf.merge(OmegaConf.create({"model": to_dict(model)}),
-                                 OmegaConf.from_dotlist(list(overrides)))
-        data = OmegaConf.to_container(merged, resolve=True)
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"overrides {list(overrides)}: {err}") from err
-    return from_dict(ModelConfig, data["model"], prefix="model")
+apply_overrides = apply_model_overrides  # ``model.n_kv_heads=8``-style overrides (lcx.config)
 
 
 # --------------------------------------------------------------------------------------------------- cli
@@ -524,7 +497,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, required=True, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     p.add_argument("--gpu-mem", required=True, help="memory per device, e.g. 80GiB, 24GB, 141GiB")
-    p.add_argument("--devices", type=int, default=1, help="devices, used as the tensor-parallel axis (default 1)")
+    p.add_argument("--devices", type=int, default=1, help="devices in all (default 1)")
+    p.add_argument("--data", type=int, default=1,
+                   help="devices along the data axis, splitting the batch (default 1: all devices on the model axis)")
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: model.dtype)")
     p.add_argument("--weight-dtype", default=None, help="weight dtype (default: model.param_dtype)")
     p.add_argument("--budget", type=int, default=None, metavar="TOKENS",
@@ -541,7 +516,7 @@ def run(args: argparse.Namespace) -> int:
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem")
     model = load_model(args.config, args.overrides)
     inputs = PlanInputs(model=model, context=args.context, batch=args.batch, gpu_mem_bytes=gpu_mem,
-                        devices=args.devices, kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype,
+                        devices=args.devices, data=args.data, kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype,
                         budget=args.budget, utilization=args.utilization)
     plan = make_plan(inputs, source=str(args.config))
     print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan))

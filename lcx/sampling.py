@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from lcx.config import ConfigError
+from lcx.config_base import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,19 +29,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import einops
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-# The module, not its names: lcx.config may import MeshConfig from here (a cycle that binds at call time).
-from lcx import config as _config
+from lcx.config_base import ConfigError
 
 if TYPE_CHECKING:
     from lcx.config import ModelConfig
@@ -64,7 +64,15 @@ LOGICAL_RULES: Mapping[str, str | None] = types.MappingProxyType({
     "norm": None,
     "layers": None,
     "length": None,  # sequence positions and cache slots
+    # Cache buffers: the KV heads that keep their own token set go with their KV heads (a size of 1 - one set shared
+    # by all heads of a layer - is replicated); long-term memory blocks stay whole per device.
+    "keep_heads": "model",
+    "blocks": None,
+    "block": None,
+    "topk": None,
 })
+# Dimensions of these logical axes are replicated when their size does not divide the mesh axis (a shared keep set).
+REPLICATE_IF_INDIVISIBLE = frozenset({"keep_heads"})
 
 # Logical layouts of the arrays that cross the kernel boundary (einsum letters of ``lcx.model.attention``).
 BTHD = ("batch", "length", "heads", "head_dim")  # queries and attention outputs [b, t, h, d]
@@ -104,7 +112,7 @@ def _axis_value(value: Any, key: str) -> int | str:
         value = int(value)
     if value == "auto" or (isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0):
         return value if value == "auto" else int(value)
-    raise _config.ConfigError(f"{key}={value!r} is invalid: must be a positive integer or 'auto'")
+    raise ConfigError(f"{key}={value!r} is invalid: must be a positive integer or 'auto'")
 
 
 def _factorizations(n: int) -> list[tuple[int, int]]:
@@ -123,12 +131,12 @@ def resolve_mesh_shape(data: int | str, model: int | str, n_devices: int, n_kv_h
     if data == "auto" or model == "auto":
         fixed, name = (model, "model") if data == "auto" else (data, "data")
         if n_devices % fixed:
-            raise _config.ConfigError(f"mesh.{name}={fixed} is invalid: it must divide the {n_devices} devices; valid "
+            raise ConfigError(f"mesh.{name}={fixed} is invalid: it must divide the {n_devices} devices; valid "
                                       f"(data, model): {_factorizations(n_devices)}")
         other = n_devices // fixed
         data, model = (other, fixed) if data == "auto" else (fixed, other)
     if data * model != n_devices:
-        raise _config.ConfigError(f"mesh data={data} x model={model} = {data * model} devices, but {n_devices} "
+        raise ConfigError(f"mesh data={data} x model={model} = {data * model} devices, but {n_devices} "
                                   f"devices are available: data x model must equal the device count; valid "
                                   f"(data, model): {_factorizations(n_devices)}")
     if n_kv_heads is not None:
@@ -223,17 +231,17 @@ def check_topology(n_kv_heads: int, model_axis: int, n_heads: int | None = None)
     """``"shard"`` (kv_heads a multiple of the model axis) or ``"replicate"`` (the model axis a multiple of
     kv_heads: each KV head repeated model / kv_heads times); otherwise ``ConfigError`` naming the valid sizes."""
     if model_axis < 1:
-        raise _config.ConfigError(f"model axis={model_axis} is invalid: must be >= 1")
+        raise ConfigError(f"model axis={model_axis} is invalid: must be >= 1")
     if n_kv_heads % model_axis == 0:
         return "shard"
     valid = valid_model_axis_sizes(n_kv_heads, n_heads, max(model_axis, 8 * n_kv_heads))
     if model_axis % n_kv_heads == 0:
         if n_heads is None or n_heads % model_axis == 0:
             return "replicate"
-        raise _config.ConfigError(f"model axis={model_axis} is invalid for n_heads={n_heads}, "
+        raise ConfigError(f"model axis={model_axis} is invalid for n_heads={n_heads}, "
                                   f"kv_heads={n_kv_heads}: replicating KV heads {model_axis // n_kv_heads}x needs "
                                   f"n_heads divisible by the model axis; valid model-axis sizes: {valid}")
-    raise _config.ConfigError(f"kv_heads={n_kv_heads} cannot be split over a model axis of {model_axis} devices: "
+    raise ConfigError(f"kv_heads={n_kv_heads} cannot be split over a model axis of {model_axis} devices: "
                               f"the model axis must divide kv_heads (whole KV groups per device) or be a multiple "
                               f"of it (KV heads replicated); valid model-axis sizes: {valid}")
 
@@ -287,12 +295,16 @@ def replicate_kv_heads(key: jax.Array, val: jax.Array, n_heads: int) -> tuple[ja
     if m == 1 or _manual(mesh) or check_topology(k, m, n_heads) == "shard":
         return key, val
     _log_replication(k, m)
-    r = m // k
-    return jnp.repeat(key, r, axis=2), jnp.repeat(val, r, axis=2)  # [b, t, k*r, d]
+    repeat = functools.partial(einops.repeat, pattern="b t k d -> b t (k r) d", r=m // k)
+    return repeat(key), repeat(val)  # [b, t, k*r, d]
 
 
 # --------------------------------------------------------------------------------------------------- shardings
-def _spec_for(logical, shape, mesh, what: str, replicate_kv: bool = False) -> PartitionSpec:
+def spec_for(logical: Sequence[str | None], shape: Sequence[int], mesh, what: str,
+             replicate_kv: bool = False) -> PartitionSpec:
+    """The ``PartitionSpec`` of an array of ``shape`` with ``logical`` axes on ``mesh``; ``ConfigError`` naming
+    ``what`` when a split dimension is not divisible by its mesh axis. ``replicate_kv``: a ``kv_heads`` dimension
+    that does not divide is replicated instead (KV heads repeated over the model axis, see ``replicate_kv_heads``)."""
     spec = logical_to_mesh(tuple(logical), mesh_axes=mesh.axis_names)
     out = list(spec) + [None] * (len(shape) - len(spec))
     for i, (axis, size) in enumerate(zip(out, shape)):
@@ -301,48 +313,18 @@ def _spec_for(logical, shape, mesh, what: str, replicate_kv: bool = False) -> Pa
         n = math.prod(axis_size(mesh, a) for a in ((axis,) if isinstance(axis, str) else axis))
         if size % n:
             name = logical[i]
-            if replicate_kv and name == "kv_heads":
-                out[i] = None  # KV heads replicated over the model axis (see replicate_kv_heads)
+            if (replicate_kv and name == "kv_heads") or name in REPLICATE_IF_INDIVISIBLE:
+                out[i] = None
                 continue
-            raise _config.ConfigError(f"{what}: dimension {i} ({name!r}) has size {size}, not divisible by mesh axis "
-                                      f"{axis!r} of size {n}; choose a mesh whose {axis!r} axis divides {size}")
+            raise ConfigError(f"{what}: dimension {i} ({name!r}) has size {size}, not divisible by mesh axis "
+                              f"{axis!r} of size {n}; choose a mesh whose {axis!r} axis divides {size}")
     return PartitionSpec(*out)
 
 
-def param_specs(config: ModelConfig, mesh: Mesh) -> Any:
-    """The ``PartitionSpec`` (mesh axes) of every parameter of ``Decoder(config)`` under ``mesh``."""
-    from lcx.model.decoder import abstract_params, param_axes
-
-    replicate = mesh_topology(config, mesh) == "replicate"
-    axes, shapes = param_axes(config), abstract_params(config)
-    paths = jax.tree_util.tree_flatten_with_path(shapes)[0]
-    specs = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    out = [_spec_for(spec, leaf.shape, mesh, f"parameter {jax.tree_util.keystr(path)}", replicate)
-           for (path, leaf), spec in zip(paths, specs)]
-    return jax.tree.unflatten(jax.tree.structure(shapes), out)
-
-
-def param_shardings(config: ModelConfig, mesh: Mesh) -> Any:
-    """``NamedSharding`` of every parameter (the rules applied to ``param_axes(config)``)."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(config, mesh),
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-
-# KVCache fields: k, v [L, b, C, k, d]; pos, valid, score [L, b, C]; count [L, b]; lengths [b].
-_CACHE_AXES = {"k": ("layers",) + BSKD, "v": ("layers",) + BSKD, "pos": ("layers", "batch", "length"),
-               "valid": ("layers", "batch", "length"), "score": ("layers", "batch", "length"),
-               "count": ("layers", "batch"), "lengths": ("batch",)}
-# The per-layer view (LayerCache) the attention sees inside the layer scan.
-LAYER_CACHE_AXES = {name: axes[1:] for name, axes in _CACHE_AXES.items() if name != "lengths"}
-
-
-def cache_shardings(cache, mesh: Mesh):
-    """A ``KVCache`` of ``NamedSharding``: batch over "data", KV heads over "model" (``cache`` may be abstract)."""
-    def one(name):
-        leaf = getattr(cache, name)
-        return NamedSharding(mesh, _spec_for(_CACHE_AXES[name], leaf.shape, mesh, f"KV cache {name}"))
-
-    return cache.replace(**{name: one(name) for name in _CACHE_AXES})
+def named_sharding(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh, what: str,
+                   replicate_kv: bool = False) -> NamedSharding:
+    """:func:`spec_for` as a ``NamedSharding`` on ``mesh``."""
+    return NamedSharding(mesh, spec_for(logical, shape, mesh, what, replicate_kv))
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
@@ -365,25 +347,6 @@ def put(x, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def shard_params(params, config: ModelConfig, mesh: Mesh):
-    """``params`` placed on ``mesh`` by the rules."""
-    return jax.tree.map(put, params, param_shardings(config, mesh))
-
-
-def param_structs(config: ModelConfig, mesh: Mesh | None = None) -> Any:
-    """``jax.ShapeDtypeStruct`` of every parameter with the sharding it takes on ``mesh`` (None: one device): the
-    target of an orbax restore, so a checkpoint saved on any mesh restores onto this one."""
-    from lcx.model.decoder import abstract_params
-
-    shapes = abstract_params(config)
-    if mesh is None:
-        one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        shardings = jax.tree.map(lambda _: one, shapes)
-    else:
-        shardings = param_shardings(config, mesh)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
-
-
 def to_host(x) -> np.ndarray:
     """A numpy copy of a (possibly multi-process) array: every process gets the whole value."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -402,38 +365,38 @@ def _is_logical(x) -> bool:
     return isinstance(x, tuple) and all(e is None or isinstance(e, str) for e in x)
 
 
-def _to_specs(tree, mesh):
-    return jax.tree.map(lambda s: logical_to_mesh(s, mesh_axes=mesh.axis_names), tree, is_leaf=_is_logical)
+def _shaped_specs(layouts, values, mesh, what: str):
+    """``PartitionSpec`` per leaf of ``values`` from the logical ``layouts`` (same tree structure, tuples as leaves),
+    with the shape checks and replication rules of :func:`spec_for`."""
+    return jax.tree.map(lambda layout, x: spec_for(layout, x.shape, mesh, what), layouts, values, is_leaf=_is_logical)
 
 
 def per_shard(fn: Callable, in_axes: Sequence[Any], out_axes: Any) -> Callable:
     """``fn`` run once per shard of the context mesh (``jax.shard_map``), with no communication.
 
     ``in_axes``: one logical layout per positional argument (a tuple such as :data:`BTHD`, or a pytree of them,
-    e.g. a ``LayerCache`` of tuples); ``out_axes`` likewise for the result. Each shard sees its rows ("batch" over
+    e.g. a cache state of tuples); ``out_axes`` likewise for the result. Each shard sees its rows ("batch" over
     "data") and its heads ("heads" / "kv_heads" over "model"); ``fn`` must not mix rows or KV groups - true of the
-    attention kernels and the cache write. Without a context mesh (or inside a ``shard_map``) it is ``fn`` itself.
+    attention kernels and the cache write. Specs are made from the arguments' shapes, so a dimension the rules
+    replicate when it does not divide (a shared keep set) is replicated. Without a context mesh (or inside a
+    ``shard_map``) it is ``fn`` itself.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or _manual(mesh):
         return fn
-    in_specs = tuple(_to_specs(a, mesh) for a in in_axes)
-    out_specs = _to_specs(out_axes, mesh)
-    mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    name = getattr(fn, "__name__", "kernel")
 
     def call(*args):
-        for i, (arg, axes) in enumerate(zip(args, in_axes)):
-            leaves = jax.tree.leaves(arg)
-            layouts = jax.tree.leaves(axes, is_leaf=_is_logical)
-            for leaf, layout in zip(leaves, layouts if len(layouts) == len(leaves) else []):
-                _spec_for(layout, leaf.shape, mesh, f"{getattr(fn, '__name__', 'kernel')} argument {i}")
-        return mapped(*args)
+        in_specs = tuple(_shaped_specs(axes, arg, mesh, f"{name} argument {i}")
+                         for i, (arg, axes) in enumerate(zip(args, in_axes)))
+        out_specs = _shaped_specs(out_axes, jax.eval_shape(fn, *args), mesh, f"{name} result")
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
     return call
 
 
-__all__ = ["BHD", "BKS", "BSKD", "BTHD", "LAYER_CACHE_AXES", "LOGICAL_RULES", "MESH_AXES", "ROWS", "MeshConfig",
-           "axis_size", "batch_sharding", "cache_model_config", "cache_shardings", "check_rules", "check_topology",
-           "kv_replication", "logical_to_mesh", "make_mesh", "mesh_topology", "param_shardings",
-           "param_specs", "param_structs", "per_shard", "put", "replicate_kv_heads", "replicated", "resolve_mesh_shape",
-           "shard_params", "to_host", "use_mesh", "valid_model_axis_sizes"]
+__all__ = ["BHD", "BKS", "BSKD", "BTHD", "LOGICAL_RULES", "MESH_AXES", "ROWS", "MeshConfig", "axis_size",
+           "batch_sharding", "cache_model_config", "check_rules", "check_topology", "kv_replication",
+           "logical_to_mesh", "make_mesh", "mesh_topology", "named_sharding", "per_shard", "put",
+           "replicate_kv_heads", "replicated", "resolve_mesh_shape", "spec_for", "to_host", "use_mesh",
+           "valid_model_axis_sizes"]

@@ -10,7 +10,7 @@ import pytest
 
 from lcx.cli import main
 from lcx.config import ConfigError
-from lcx.data.tasks import make_task
+from lcx.data import make_task
 from lcx.eval import grade, markdown_table, read_csv
 from lcx.experiment import finetune_sections, load_experiment
 from lcx.generate import CacheCapacityError

@@ -142,15 +142,39 @@ def test_plan_kv_total_scales_with_batch_and_sharding_with_devices():
     four = plan_for("llama3-70b", context=4096, batch=3, devices=4)
     assert four.kv_bytes_total == one.kv_bytes_total
     assert four.kv_bytes_per_device * 4 == one.kv_bytes_total  # 2 of 8 KV heads per device
-    assert four.weight_bytes_per_device == math.ceil(one.weight_bytes / 4)
+    assert four.weight_bytes_per_device == _closed_form_weights_per_device(model("llama3-70b"), 2, 4)
+    assert one.weight_bytes_per_device == one.weight_bytes
+
+
+def _closed_form_weights_per_device(m, itemsize, model_axis):
+    """lcx's placement: the vocabulary matrices (embedding, lm_head) and the norms are whole on every device, and so
+    are the K/V projections when KV heads are replicated (model axis a multiple of kv_heads); every other parameter
+    (attention and MLP projections) is split over the model axis (rounded up where it does not divide)."""
+    whole = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2) + m.d_model * (2 * m.n_layers + 1)
+    kv_proj = 2 * m.n_layers * m.d_model * m.n_kv_heads * m.head_dim
+    if model_axis > m.n_kv_heads and model_axis % m.n_kv_heads == 0:
+        whole += kv_proj
+        kv_proj = 0
+    q_o = 2 * m.n_layers * m.d_model * m.n_heads * m.head_dim
+    mlp = 3 * m.n_layers * m.d_model * m.d_ff
+    heads, kv_heads = -(-m.n_heads // model_axis), -(-m.n_kv_heads // model_axis)
+    split = (m.n_layers * m.d_model * 2 * heads * m.head_dim
+             + m.n_layers * m.d_model * 2 * kv_heads * m.head_dim * (kv_proj > 0)
+             + m.n_layers * m.d_model * 3 * -(-m.d_ff // model_axis))
+    bias = 0
+    if m.qkv_bias:  # Qwen2: q bias split with the heads, k/v biases with the KV heads
+        bias = m.n_layers * (m.n_heads + 2 * m.n_kv_heads) * m.head_dim
+        split += m.n_layers * (heads + 2 * kv_heads) * m.head_dim
+    assert whole + q_o + kv_proj + mlp + bias == m.num_params()
+    return (whole + split) * itemsize
 
 
 def _closed_form_max_context(m, *, batch, gpu, devices, kv_dtype, weight_dtype, util=0.9):
     heads_per_device = math.ceil(m.n_kv_heads / devices)
     per_token = 2 * m.n_layers * heads_per_device * m.head_dim * {"float16": 2, "bfloat16": 2, "float32": 4}[
         kv_dtype] * batch
-    free = math.floor(gpu * util) - math.ceil(m.num_params() * {"float16": 2, "bfloat16": 2, "float32": 4}[
-        weight_dtype] / devices)
+    free = math.floor(gpu * util) - _closed_form_weights_per_device(
+        m, {"float16": 2, "bfloat16": 2, "float32": 4}[weight_dtype], devices)
     return max(free, 0) // per_token
 
 
@@ -302,9 +326,9 @@ def test_cli_text_llama3_70b_128k_on_8_devices(capsys):
     rc, out, err = run_cli(capsys, MODELS / "llama3-70b.yaml", "--context", 131072, "--batch", 1,
                            "--gpu-mem", "80GiB", "--devices", 8)
     assert rc == 0 and err == ""
-    for fragment in ("131.42 GiB total, 16.43 GiB per device", "320.00 KiB per token",
+    for fragment in ("131.42 GiB total, 19.85 GiB per device", "320.00 KiB per token",
                      "40.00 GiB total for 131072 tokens x batch 1; 5.00 GiB per device",
-                     "21.43 GiB of 72.00 GiB usable (90%): fits", "pass  (a) context vs memory",
+                     "24.85 GiB of 72.00 GiB usable (90%): fits", "pass  (a) context vs memory",
                      "pass  (b) GQA vs tensor parallel", "pass  (c) precision",
                      "tensor parallel over all 8 device(s)", "batch not split",
                      "context 131072 > model.max_position_embeddings=8192"):
@@ -457,3 +481,37 @@ def test_plan_from_hf_directory_matches_the_yaml(capsys, tmp_path):
     assert rc == 0
     data = json.loads(out)
     assert data["kv_bytes_per_token"] == 320 * KiB and data["num_params"] == yaml_model.num_params()
+
+
+# --------------------------------------------------------------------------------------------------- data axis
+def test_plan_data_axis_splits_the_batch_and_shrinks_the_model_axis():
+    tp = plan_for("llama3-70b", context=8192, batch=4, devices=8)
+    mixed = plan_for("llama3-70b", context=8192, batch=4, devices=8, data=2)  # mesh 2 x 4
+    assert mixed.model_axis == 4 and mixed.kv_heads_per_device == 2
+    # half the rows per device, twice the KV heads: the same KV bytes per device as 8-way tensor parallel
+    assert mixed.kv_bytes_per_device == 320 * KiB * 8192 * 4 // 8 == tp.kv_bytes_per_device
+    assert mixed.weight_bytes_per_device == _closed_form_weights_per_device(model("llama3-70b"), 2, 4)
+    assert mixed.weight_bytes_per_device > tp.weight_bytes_per_device  # weights replicate over data
+    assert "batch split over the data axis: ceil(batch / 2) sequences per device" in mixed.assumptions
+    b = by_name(mixed)["gqa_vs_tensor_parallel"]
+    assert b.status == "pass" and "2 whole KV groups per device" in b.reason
+
+
+def test_plan_data_axis_must_divide_the_devices(capsys):
+    rc, _, err = run_cli(capsys, MODELS / "llama3-70b.yaml", "--context", 4096, "--gpu-mem", "80GiB",
+                         "--devices", 8, "--data", 3)
+    assert rc == 2 and "data=3 is invalid: the data axis must divide --devices=8" in err
+    rc, out, _ = run_cli(capsys, MODELS / "llama3-70b.yaml", "--context", 4096, "--gpu-mem", "80GiB",
+                         "--devices", 8, "--data", 2)
+    assert rc == 0 and "(mesh data=2 x model=4)" in out
+
+
+def test_plan_uses_the_runtime_arithmetic():
+    """One planner arithmetic: the KV bytes and the memory rule are the functions generation checks with."""
+    from lcx.cache import kv_bytes
+    from lcx.device_memory import usable_bytes
+
+    m = model("llama3-8b")
+    plan = plan_for("llama3-8b", context=1000, batch=2)
+    assert plan.kv_bytes_total == kv_bytes(m, 1000, 2, m.dtype)
+    assert plan.usable_bytes_per_device == usable_bytes(80 * GiB)

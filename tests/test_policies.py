@@ -105,10 +105,19 @@ def test_policies_knorm_keeps_smallest_keys():
     assert np.asarray(out.pos[0, :5]).tolist() == [11, 12, 13, 14, 15]
 
 
+def _attend_one_layer(cfg, q, k, cos, sin, positions, capacity, weights):
+    """One layer of the slot cache's attention with an attention-summing policy (h2o), from an empty cache; returns
+    that layer's buffers with the keep-head axis dropped (one shared keep set)."""
+    kind = lcx.CacheConfig(policy="h2o", budget=capacity).kind(cfg)
+    layer = jax.tree.map(lambda x: x[0], kind.create(1, capacity).layers())
+    _, layer = kind.attend(layer, jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), cos=cos, sin=sin,
+                           positions=positions, ok=jnp.ones(positions.shape, bool), stat_weights=jnp.asarray(weights))
+    return layer.replace(pos=layer.pos[:, 0], valid=layer.valid[:, 0], count=layer.count[:, 0],
+                         score=layer.score[:, 0])
+
+
 def test_policies_snapkv_keeps_the_needle_the_window_attends_to():
     """End to end through the cached attention: the last queries look at position 9; SnapKV keeps it."""
-    from lcx.cache import init_cache
-    from lcx.model.cached_attention import attend_cache
     from lcx.model.rope import rope_tables
 
     cfg = dataclasses.replace(CFG, n_layers=1)
@@ -121,10 +130,8 @@ def test_policies_snapkv_keeps_the_needle_the_window_attends_to():
     q[0, -6:] = 3 * needle  # the observation window attends to the needle
     positions = jnp.arange(t)[None]
     cos, sin = rope_tables(dataclasses.replace(cfg, rope=lcx.RopeConfig(theta=1e9)), positions)  # ~no rotation
-    layer = jax.tree.map(lambda x: x[0], init_cache(cfg, 1, 48).layers())
     window = (np.arange(t) >= t - 6).astype(np.float32)[None]
-    _, layer = attend_cache(cfg, jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), cos, sin, layer, positions,
-                            jnp.ones((1, t), bool), stat_update="sum", stat_weights=jnp.asarray(window))
+    layer = _attend_one_layer(cfg, q, k, cos, sin, positions, 48, window)
     view = SlotView(layer=jnp.int32(0), pos=layer.pos, valid=layer.valid, count=layer.count, k=layer.k, v=layer.v,
                     score=layer.score, n_layers=1)
     out = evict(make_policy("snapkv", {"window": 6, "kernel": 3}), view, jnp.int32(10))
@@ -135,8 +142,6 @@ def test_policies_snapkv_keeps_the_needle_the_window_attends_to():
 @pytest.mark.parametrize("impl", ["reference", "xla"])
 def test_policies_attention_stats_equal_numpy_softmax(impl):
     """The per-slot score is the attention mass the counted queries give each slot, summed over query heads."""
-    from lcx.cache import init_cache
-    from lcx.model.cached_attention import attend_cache
     from lcx.model.rope import rope_tables
 
     cfg = dataclasses.replace(CFG, n_layers=1, attention=lcx.AttentionConfig(impl=impl))
@@ -146,10 +151,8 @@ def test_policies_attention_stats_equal_numpy_softmax(impl):
     k = rng.normal(size=(1, t, kv, d)).astype(np.float32)
     positions = jnp.arange(t)[None]
     cos, sin = rope_tables(cfg, positions)
-    layer = jax.tree.map(lambda x: x[0], init_cache(cfg, 1, 16).layers())
     weights = (np.arange(t) % 3 == 0).astype(np.float32)[None]  # queries 0, 3, 6, 9 count
-    _, layer = attend_cache(cfg, jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), cos, sin, layer, positions,
-                            jnp.ones((1, t), bool), stat_update="sum", stat_weights=jnp.asarray(weights))
+    layer = _attend_one_layer(cfg, q, k, cos, sin, positions, 16, weights)
     from lcx.model.rope import apply_rope
 
     qr = np.asarray(apply_rope(jnp.asarray(q), cos, sin))[0]

@@ -125,3 +125,28 @@ def test_rope_partial_leaves_tail_untouched():
     y = apply_rope(x, cos, sin)
     np.testing.assert_array_equal(np.asarray(y[..., 4:]), np.asarray(x[..., 4:]))
     assert not np.allclose(np.asarray(y[..., :4]), np.asarray(x[..., :4]))
+
+
+def test_rope_registry_one_entry_serves_config_tables_and_hf_export():
+    """A scaling type registered from outside lcx is validated by the config, used by the RoPE tables and written
+    to config.json by its registry entry alone."""
+    from lcx.hf import config_to_hf
+    from lcx.model import rope_scaling
+
+    @rope_scaling.register("halved_base", required=("factor",), hf_fields=("factor",), hf_name="linear")
+    def _halved(rope, dim, max_pos, original, seq_len):
+        return rope_scaling.base_inv_freq(rope.theta, dim) / rope.factor, 1.0
+
+    try:
+        with pytest.raises(Exception, match="rope.factor is required for rope.type='halved_base'"):
+            RopeConfig(type="halved_base")
+        cfg = ModelConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=8,
+                          rope=RopeConfig(type="halved_base", factor=2.0))
+        linear = ModelConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=8,
+                             rope=RopeConfig(type="linear", factor=2.0))
+        positions = jnp.arange(12)[None]
+        for got, want in zip(rope_tables(cfg, positions), rope_tables(linear, positions)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert config_to_hf(cfg)["rope_parameters"] == {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    finally:
+        rope_scaling._REGISTRY.pop("halved_base")

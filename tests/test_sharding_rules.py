@@ -10,6 +10,7 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 import lcx
 from lcx import plan, sharding
+from lcx.model import placement
 from lcx.config import ConfigError, from_dict
 from lcx.distributed import DistributedConfig, initialize_from_env
 
@@ -66,7 +67,7 @@ def test_sharding_every_parameter_axis_has_a_rule():
 
 # --------------------------------------------------------------------------------------------------- params
 def test_sharding_param_specs_split_heads_and_mlp_over_model():
-    specs = sharding.param_specs(tiny(), abstract_mesh(2, 4))
+    specs = placement.param_specs(tiny(), abstract_mesh(2, 4))
     attn, mlp = specs["layers"]["attn"], specs["layers"]["mlp"]  # leading axis: layers (nn.scan)
     assert attn["q"] == P(None, None, "model", None) and attn["k"] == attn["v"] == P(None, None, "model", None)
     assert attn["o"] == P(None, "model", None, None)  # row-parallel: all-reduce after it
@@ -77,7 +78,7 @@ def test_sharding_param_specs_split_heads_and_mlp_over_model():
 
 
 def test_sharding_param_specs_replicated_kv_heads_keep_kv_projections_whole():
-    specs = sharding.param_specs(tiny(n_kv_heads=4), abstract_mesh(1, 8))
+    specs = placement.param_specs(tiny(n_kv_heads=4), abstract_mesh(1, 8))
     attn = specs["layers"]["attn"]
     assert attn["k"] == attn["v"] == P(None, None, None, None)
     assert attn["q"] == P(None, None, "model", None)
@@ -85,7 +86,7 @@ def test_sharding_param_specs_replicated_kv_heads_keep_kv_projections_whole():
 
 def test_sharding_param_specs_indivisible_dimension_raises():
     with pytest.raises(ConfigError, match=r"'mlp'\) has size 100, not divisible by mesh axis 'model' of size 8"):
-        sharding.param_specs(tiny(d_ff=100), abstract_mesh(1, 8))
+        placement.param_specs(tiny(d_ff=100), abstract_mesh(1, 8))
 
 
 def test_sharding_cache_model_config_repeats_kv_heads_only_when_replicating():

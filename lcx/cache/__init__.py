@@ -1,11 +1,19 @@
-"""KV cache and eviction: the cache pytree, the policy plug point and registry, built-in policies, simulation."""
+"""Caches behind one contract (``base``), the eviction policies that plug into the slot cache, and simulation.
 
-from lcx.cache import policies  # noqa: F401  (registers the built-in policies)
-from lcx.cache.kv_cache import KVCache, LayerCache, init_cache, kv_bytes
-from lcx.cache.policy import EvictionPolicy, SlotView, evict, make_policy, register, registered, top_budget
-from lcx.cache.schedule import evict_cache, evict_if_needed, layer_budgets
+Importing this package registers the built-in cache types and policies.
+"""
+
+from lcx.cache import ladder, policies  # noqa: F401  (register the built-in policies)
+from lcx.cache.base import CacheCapacityError, CacheKind, CacheState, kind_class, register_kind
+from lcx.cache.config import CacheConfig
+from lcx.cache.kv_cache import KVCache, SlotCacheKind, full_kind, init_cache, kv_bytes
+from lcx.cache.policy import (CachePolicy, EvictionPolicy, SlotView, compact, evict, make_policy, register,
+                              registered, top_budget)
+from lcx.cache.schedule import Left, evict_cache, evict_if_needed, layer_budgets
+from lcx.cache.schema import Field
 from lcx.cache.simulate import simulate
 
-__all__ = ["EvictionPolicy", "KVCache", "LayerCache", "SlotView", "evict", "evict_cache", "evict_if_needed",
-           "init_cache", "kv_bytes", "layer_budgets", "make_policy", "register", "registered", "simulate",
-           "top_budget"]
+__all__ = ["CacheCapacityError", "CacheConfig", "CacheKind", "CachePolicy", "CacheState", "EvictionPolicy", "Field",
+           "KVCache", "Left", "SlotCacheKind", "SlotView", "compact", "evict", "evict_cache", "evict_if_needed",
+           "full_kind", "init_cache", "kind_class", "kv_bytes", "layer_budgets", "make_policy", "register",
+           "register_kind", "registered", "simulate", "top_budget"]

@@ -1,108 +1,189 @@
-"""The KV cache: an immutable pytree of fixed capacity, threaded through the model as argument and return value.
+"""The slot cache: fixed-capacity key/value slots per layer with an eviction policy (``cache_type = "slots"``).
 
-Per layer and sequence it holds ``capacity`` slots of keys and values, the original token position of each slot,
-and a live-slot mask; ``count`` is the number of occupied slots (occupied slots are packed at the front; eviction
-compacts survivors back to the front), ``lengths`` the number of tokens each sequence has consumed (its next
-position). Shapes are static under jit: eviction changes masks and contents, never shapes.
+Per layer and sequence it holds ``capacity`` slots of keys and values; per layer, sequence and *keep head* the
+original token position of each slot, a live-slot mask, a per-slot policy statistic and the number of occupied
+slots. Occupied slots are packed at the front in position order (eviction compacts survivors back to the front);
+``lengths`` counts the tokens each sequence has consumed (its next position). Shapes are static under jit: eviction
+changes masks and contents, never shapes.
 
-Einsum legend / shape letters: L layers, b batch, C capacity (slots), t new tokens, k kv heads, d head dim.
+Keep heads: the KV heads that keep their own set of tokens. With ``H = 1`` every KV head of a layer keeps the same
+positions (structured policies such as StreamingLLM and the LaCache ladder); with ``H = kv_heads`` each head keeps
+its own (per-head selection as in SnapKV and kvpress). Keys and values are always per KV head.
+
+Shape letters: L layers, b batch, C capacity (slots), t new tokens, H keep heads, k kv heads, d head dim.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import ClassVar
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lcx.config import ModelConfig, canonical_dtype
+from lcx.cache import slot_attention
+from lcx.cache.base import CacheCapacityError, CacheKind, CacheState, register_kind
+from lcx.cache.policy import EvictionPolicy, make_policy
+from lcx.cache.schedule import evict_cache, layer_budgets
+from lcx.cache.schema import Field
+from lcx.config_base import canonical_dtype, format_bytes
+from lcx.model.config import ModelConfig
+
+FIELDS: Mapping[str, Field] = {
+    "k": Field(("layers", "batch", "length", "kv_heads", "head_dim"), "kv", 0, role="kv"),
+    "v": Field(("layers", "batch", "length", "kv_heads", "head_dim"), "kv", 0, role="kv"),
+    "pos": Field(("layers", "batch", "keep_heads", "length"), "int32", -1),  # original position; -1 when empty
+    "valid": Field(("layers", "batch", "keep_heads", "length"), "bool", False),  # live slots
+    "count": Field(("layers", "batch", "keep_heads"), "int32", 0),  # occupied slots
+    "score": Field(("layers", "batch", "keep_heads", "length"), "float32", 0.0),  # the policy's statistic
+    "lengths": Field(("batch",), "int32", 0),  # tokens consumed per sequence
+}
 
 
 @flax.struct.dataclass
-class LayerCache:
-    """One layer's slice of the cache (what a scanned block sees)."""
+class KVCache(CacheState):
+    """The buffers of :data:`FIELDS` (whole cache: ``[L, ...]``; inside the model's layer scan one layer's)."""
 
-    k: jax.Array  # [b, C, k, d]
-    v: jax.Array  # [b, C, k, d]
-    pos: jax.Array  # [b, C] int32 original token position; -1 in empty slots
-    valid: jax.Array  # [b, C] bool live slots
-    count: jax.Array  # [b] int32 occupied slots
-    score: jax.Array  # [b, C] float32 per-slot statistic owned by the eviction policy (attention mass, level)
-
-
-@flax.struct.dataclass
-class KVCache:
     k: jax.Array  # [L, b, C, k, d]
     v: jax.Array  # [L, b, C, k, d]
-    pos: jax.Array  # [L, b, C] int32
-    valid: jax.Array  # [L, b, C] bool
-    count: jax.Array  # [L, b] int32
-    score: jax.Array  # [L, b, C] float32 policy statistic per slot
-    lengths: jax.Array  # [b] int32 tokens consumed per sequence
+    pos: jax.Array  # [L, b, H, C] int32
+    valid: jax.Array  # [L, b, H, C] bool
+    count: jax.Array  # [L, b, H] int32
+    score: jax.Array  # [L, b, H, C] float32
+    lengths: jax.Array | None  # [b] int32 (None in the per-layer view)
+    kind: "SlotCacheKind" = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[-3]
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
-
-    def layers(self) -> LayerCache:
-        """The per-layer view, stacked on the leading axis (``nn.scan`` slices it)."""
-        return LayerCache(self.k, self.v, self.pos, self.valid, self.count, self.score)
-
-    def with_layers(self, layers: LayerCache, lengths: jax.Array | None = None) -> "KVCache":
-        lengths = self.lengths if lengths is None else lengths
-        return KVCache(layers.k, layers.v, layers.pos, layers.valid, layers.count, layers.score, lengths)
-
-    def kv_bytes(self) -> int:
-        """Bytes of the key and value buffers: 2 x layers x kv_heads x head_dim x capacity x bytes x batch."""
-        return int(self.k.size * self.k.dtype.itemsize + self.v.size * self.v.dtype.itemsize)
-
-    def metadata_bytes(self) -> int:
-        return int(sum(x.size * x.dtype.itemsize for x in (self.pos, self.valid, self.count, self.score, self.lengths)))
+        return self.k.shape[-4]
 
 
-def kv_bytes(config: ModelConfig, capacity: int, batch: int, dtype: str) -> int:
-    """Bytes of K and V for ``capacity`` slots: 2 x layers x kv_heads x head_dim x capacity x bytes x batch."""
-    itemsize = np.dtype(jnp.dtype(canonical_dtype(dtype))).itemsize
-    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * capacity * itemsize * batch
+@register_kind
+@dataclasses.dataclass(frozen=True)
+class SlotCacheKind(CacheKind):
+    """Slots with an eviction policy. ``model``: the config whose KV heads the cache stores; ``budgets``: one per
+    layer (None: the policy keeps everything, at most ``limit`` tokens when set); ``interval``: decode steps between
+    compactions."""
+
+    name: ClassVar[str] = "slots"
+    state_type: ClassVar[type] = KVCache
+
+    model: ModelConfig
+    policy: EvictionPolicy
+    budgets: tuple[int, ...] | None = None
+    dtype: str = "float32"
+    interval: int = 64
+    limit: int | None = None
+
+    @classmethod
+    def from_config(cls, model, cache, policy) -> "SlotCacheKind":
+        budgets = None
+        if policy.evicts:
+            budgets = layer_budgets(cache, model.n_layers)
+            policy.check(model.n_layers, budgets)
+        return cls(model=model, policy=policy, budgets=budgets, dtype=cache.dtype or model.dtype,
+                   interval=cache.interval, limit=None if policy.evicts else cache.max_budget)
+
+    # ------------------------------------------------------------------------------------------- declaration
+    def fields(self) -> Mapping[str, Field]:
+        return FIELDS
+
+    @property
+    def keep_heads(self) -> int:
+        return 1
+
+    def sizes(self, batch: int, capacity: int) -> dict[str, int]:
+        m = self.model
+        return {"layers": m.n_layers, "batch": batch, "length": capacity, "kv_heads": m.n_kv_heads,
+                "head_dim": m.head_dim, "keep_heads": self.keep_heads}
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.dtype
+
+    # ------------------------------------------------------------------------------------------- planning
+    def plan(self, batch: int, max_prompt: int, max_new_tokens: int) -> int:
+        needed = max_prompt + max_new_tokens
+        if self.budgets is not None:
+            return min(needed, max(self.budgets) + self.interval)
+        if self.limit is not None and needed > self.limit:
+            raise full_overflow(self.model, needed, self.limit, batch, max_prompt, max_new_tokens, self.dtype)
+        return needed
+
+    def prefill_chunk(self, requested: int, max_len: int, capacity: int) -> int:
+        chunk = super().prefill_chunk(requested, max_len, capacity)
+        if max_len > capacity:  # chunks must fit in the room an eviction frees
+            chunk = min(chunk, self.interval)
+        return chunk
+
+    def prefill_weights(self, lengths: np.ndarray, width: int) -> np.ndarray | None:
+        """Which prompt queries feed the eviction score (``policy.prefill_queries``), ``[b, width]`` float32."""
+        if self.policy.attention_stat is None:
+            return None
+        index = np.arange(width)[None, :]
+        last = lengths[:, None] - 1
+        which = self.policy.prefill_queries
+        if which == "last":
+            chosen = index == last
+        elif which == "window":
+            chosen = (index <= last) & (index > last - self.policy.window)
+        else:
+            chosen = index <= last
+        return chosen.astype(np.float32)
+
+    # ------------------------------------------------------------------------------------------- attention
+    def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
+        return slot_attention.attend(self, layer, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
+                                     stat_weights=stat_weights)
+
+    # ------------------------------------------------------------------------------------------- eviction
+    def evict(self, state: KVCache):
+        if self.budgets is None:
+            return state, None
+        return evict_cache(self.policy, state, jnp.asarray(self.budgets, jnp.int32))
+
+    def make_room(self, state: KVCache, n) -> KVCache:
+        if self.budgets is None:
+            return state
+        full = jnp.any(state.count + n > state.capacity)
+        return jax.lax.cond(full, lambda c: self.evict(c)[0], lambda c: c, state)
+
+    def end_prefill(self, state: KVCache) -> KVCache:
+        return self.evict(state)[0]
+
+
+def full_kind(config: ModelConfig, dtype: str | None = None) -> SlotCacheKind:
+    """A slot cache that keeps every token (the ``full`` policy)."""
+    return SlotCacheKind(model=config, policy=make_policy("full"),
+                         dtype=canonical_dtype(dtype or config.dtype, "cache.dtype"))
 
 
 def init_cache(config: ModelConfig, batch: int, capacity: int, dtype: str | None = None) -> KVCache:
-    """An empty cache of ``capacity`` slots per layer and sequence."""
-    if capacity <= 0 or batch <= 0:
-        raise ValueError(f"{capacity=} and {batch=} must be positive")
-    dt = jnp.dtype(canonical_dtype(dtype or config.dtype, "cache.dtype"))
-    shape = (config.n_layers, batch, capacity, config.n_kv_heads, config.head_dim)
-    return KVCache(
-        k=jnp.zeros(shape, dt),
-        v=jnp.zeros(shape, dt),
-        pos=jnp.full(shape[:3], -1, jnp.int32),
-        valid=jnp.zeros(shape[:3], bool),
-        count=jnp.zeros(shape[:2], jnp.int32),
-        score=jnp.zeros(shape[:3], jnp.float32),
-        lengths=jnp.zeros((batch,), jnp.int32),
-    )
+    """An empty ``full``-policy cache of ``capacity`` slots per layer and sequence."""
+    return full_kind(config, dtype).create(batch, capacity)
 
 
-def write(layer: LayerCache, k: jax.Array, v: jax.Array, positions: jax.Array, ok: jax.Array) -> LayerCache:
-    """Append new tokens ``k, v [b, t, k, d]`` at ``positions [b, t]`` where ``ok [b, t]`` (padding is skipped).
+def kv_bytes(config: ModelConfig, capacity: int, batch: int, dtype: str) -> int:
+    """Bytes of K and V for ``capacity`` slots: 2 x layers x kv_heads x head_dim x capacity x bytes x batch (from the
+    cache's own declaration)."""
+    return full_kind(config, dtype).nbytes(batch, capacity)
 
-    Tokens are appended after the occupied slots; the caller guarantees room (the capacity is planned on the host
-    before anything runs, and eviction compacts before it would overflow). Slots past the capacity are dropped by
-    the scatter, never wrapped.
-    """
-    capacity = layer.k.shape[1]
-    rank = jnp.cumsum(ok.astype(jnp.int32), axis=1) - 1  # [b, t] rank among this call's real tokens
-    slot = jnp.where(ok, layer.count[:, None] + rank, capacity)  # [b, t]; padding goes out of range
-    rows = jnp.arange(k.shape[0])[:, None]  # [b, 1]
-    return LayerCache(
-        k=layer.k.at[rows, slot].set(k.astype(layer.k.dtype), mode="drop"),
-        v=layer.v.at[rows, slot].set(v.astype(layer.v.dtype), mode="drop"),
-        pos=layer.pos.at[rows, slot].set(positions.astype(jnp.int32), mode="drop"),
-        valid=layer.valid.at[rows, slot].set(True, mode="drop"),
-        count=layer.count + jnp.sum(ok, axis=1, dtype=jnp.int32),
-        score=layer.score.at[rows, slot].set(0.0, mode="drop"),
-    )
+
+def full_overflow(config: ModelConfig, needed: int, budget: int, batch: int, max_prompt: int, max_new_tokens: int,
+                  dtype: str) -> CacheCapacityError:
+    """The error for a ``full`` cache asked to hold more than its budget."""
+    return CacheCapacityError(
+        f"cache.policy='full' needs {needed} tokens per sequence (prompt {max_prompt} + max_new_tokens "
+        f"{max_new_tokens}) = {format_bytes(kv_bytes(config, needed, batch, dtype))} of KV cache for batch {batch}, "
+        f"but cache.budget={budget} tokens; keep the budget with an eviction policy, e.g. "
+        f"CacheConfig(policy='streaming', budget={budget}, sinks=4), or shorten the request")
+
+
+__all__ = ["FIELDS", "KVCache", "SlotCacheKind", "full_kind", "full_overflow", "init_cache", "kv_bytes"]

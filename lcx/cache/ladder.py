@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from lcx.cache.policy import EvictionPolicy, SlotView, register
-from lcx.config import ConfigError
+from lcx.config_base import ConfigError
 
 MAX_ROUNDS = 8  # ladder levels processed per compaction; each level thins by G / A
 

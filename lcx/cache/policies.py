@@ -1,4 +1,5 @@
-"""The built-in eviction policies (reference-notes §4). Each scores one layer's slots; ``evict`` does the rest.
+"""The built-in eviction policies: full, window, StreamingLLM, H2O, TOVA, SnapKV, K-norm, random (the LaCache ladder
+is in ``ladder.py``). Each scores one layer's slots; ``evict`` does the rest.
 
 Slots are packed at the front in position order, so slot rank ``j`` counts tokens from the oldest live one and
 ``count - 1 - j`` from the newest.
@@ -13,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from lcx.cache.policy import EvictionPolicy, SlotView, register
-from lcx.config import ConfigError
+from lcx.config_base import ConfigError
 
 _PROTECT = 1e30  # score of slots a policy always keeps (sinks, recent window); finite so ties still sort by age
 
@@ -172,6 +173,3 @@ class Random(EvictionPolicy):
         key = jax.random.fold_in(jax.random.key(self.seed), view.layer)
         draw = jax.vmap(lambda p: jax.random.uniform(jax.random.fold_in(key, p)))
         return draw(view.pos.reshape(-1)).reshape(view.pos.shape)
-
-
-from lcx.cache import ladder as _ladder  # noqa: E402,F401  (registers "ladder")

@@ -1,8 +1,13 @@
-"""The eviction plug point: the ``EvictionPolicy`` ABC, its registry, and the shared compaction.
+"""The policy plug point: ``CachePolicy`` (what ``cache.policy`` names), the ``EvictionPolicy`` ABC, their
+registry, and the shared compaction.
 
-A policy is a frozen dataclass (its fields are the policy's parameters, set from ``CacheConfig``) registered by
-name. It is pure and jit-compatible: given one layer's slots (positions, live mask, keys, values, the per-slot
-statistic), the layer index and its budget, it scores the slots (``scores``) or picks the survivors directly
+``cache.policy`` names a registered ``CachePolicy``; its ``cache_type`` says which cache type implements it (the
+slot cache ``"slots"`` for eviction policies, ``"memory"`` for the tiered working/long-term memory, or a type a
+plugin registers, see ``lcx.cache.base``).
+
+An eviction policy is a frozen dataclass (its fields are the policy's parameters, set from ``CacheConfig``)
+registered by name. It is pure and jit-compatible: given one layer's slots (positions, live mask, keys, values, the
+per-slot statistic), the layer index and its budget, it scores the slots (``scores``) or picks the survivors directly
 (``select``); ``evict`` - shared by every policy - keeps the survivors and compacts them, in position order, to the
 front of the fixed capacity.
 
@@ -21,9 +26,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from lcx.config import ConfigError
+from lcx.config_base import ConfigError, from_dict
 
-_REGISTRY: dict[str, type["EvictionPolicy"]] = {}
+_REGISTRY: dict[str, type["CachePolicy"]] = {}
 POSITION_MODES = ("original", "cache")
 
 
@@ -42,7 +47,23 @@ class SlotView:
 
 
 @dataclasses.dataclass(frozen=True)
-class EvictionPolicy(abc.ABC):
+class CachePolicy(abc.ABC):
+    """What ``cache.policy`` names: a frozen dataclass of the policy's parameters, registered with ``@register``.
+
+    Class attributes: ``name`` (the registry key), ``cache_type`` (the registered cache type that implements it,
+    see ``lcx.cache.base``), ``evicts`` (whether it keeps a budget; ``full`` does not).
+    """
+
+    name: ClassVar[str] = ""
+    cache_type: ClassVar[str] = "slots"
+    evicts: ClassVar[bool] = True
+
+    def check(self, n_layers: int, budgets: tuple[int, ...]) -> None:
+        """Raise ``ConfigError`` for settings that cannot work with this model (called before anything runs)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionPolicy(CachePolicy):
     """Base class of eviction policies. Subclasses are frozen dataclasses registered with ``@register``.
 
     Class attributes:
@@ -55,11 +76,9 @@ class EvictionPolicy(abc.ABC):
     - ``prefill_queries``: which prompt queries feed the score: "all", "last" or "window" (``self.window``).
     """
 
-    name: ClassVar[str] = ""
     position_mode: ClassVar[str] = "original"
     attention_stat: ClassVar[str | None] = None
     prefill_queries: ClassVar[str] = "all"
-    evicts: ClassVar[bool] = True
 
     positions: str | None = None  # override of position_mode
 
@@ -75,9 +94,6 @@ class EvictionPolicy(abc.ABC):
         """Survivors ``keep [b, C]`` and the updated per-slot score. Default: the top ``budget`` of ``scores``."""
         return top_budget(self.scores(view, budget), view, budget), view.score
 
-    def check(self, n_layers: int, budgets: tuple[int, ...]) -> None:
-        """Raise ``ConfigError`` for settings that cannot work with this model (called before anything runs)."""
-
     def __post_init__(self):
         if self.positions is not None and self.positions not in POSITION_MODES:
             raise ConfigError(f"cache.positions={self.positions!r} is invalid: must be one of {list(POSITION_MODES)}")
@@ -91,8 +107,9 @@ def top_budget(scores: jax.Array, view: SlotView, budget: jax.Array) -> jax.Arra
     return view.valid & (rank < budget)
 
 
-def evict(policy: EvictionPolicy, view: SlotView, budget: jax.Array) -> SlotView:
-    """Apply ``policy`` to one layer: keep its survivors and compact them to the front, in position order."""
+def compact(policy: EvictionPolicy, view: SlotView, budget: jax.Array) -> tuple[SlotView, jax.Array]:
+    """Apply ``policy`` to one layer: ``(view, keep)`` - the survivors compacted to the front in position order, and
+    the mask ``keep [b, C]`` of the survivors in the slot layout before compaction."""
     keep, score = policy.select(view, budget)
     keep = keep & view.valid
     big = jnp.iinfo(jnp.int32).max
@@ -103,35 +120,36 @@ def evict(policy: EvictionPolicy, view: SlotView, budget: jax.Array) -> SlotView
         return jnp.take_along_axis(x, idx, axis=1)
 
     valid = gather(keep)
-    return view.replace(pos=jnp.where(valid, gather(view.pos), -1), valid=valid,
-                        count=jnp.sum(keep, axis=-1, dtype=jnp.int32), k=gather(view.k), v=gather(view.v),
-                        score=jnp.where(valid, gather(score), 0.0))
+    out = view.replace(pos=jnp.where(valid, gather(view.pos), -1), valid=valid,
+                       count=jnp.sum(keep, axis=-1, dtype=jnp.int32), k=gather(view.k), v=gather(view.v),
+                       score=jnp.where(valid, gather(score), 0.0))
+    return out, keep
 
 
-def register(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
+def evict(policy: EvictionPolicy, view: SlotView, budget: jax.Array) -> SlotView:
+    """Apply ``policy`` to one layer: keep its survivors and compact them to the front, in position order."""
+    return compact(policy, view, budget)[0]
+
+
+def register(cls: type[CachePolicy]) -> type[CachePolicy]:
     """Class decorator: make ``cls`` available under ``cls.name`` in ``CacheConfig(policy=...)``."""
     if not cls.name:
         raise TypeError(f"{cls.__name__} needs a class attribute name")
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise TypeError(f"an eviction policy named {cls.name!r} is already registered ({_REGISTRY[cls.name]})")
+        raise TypeError(f"a cache policy named {cls.name!r} is already registered ({_REGISTRY[cls.name]})")
     _REGISTRY[cls.name] = cls
     return cls
 
 
 def registered() -> list[str]:
-    _load_builtin()
+    """The registered policy names (the built-ins are registered by ``lcx.cache``, which imports them)."""
     return sorted(_REGISTRY)
 
 
-def _load_builtin() -> None:
-    import lcx.cache.policies  # noqa: F401  (registers the built-in policies)
-
-
-def make_policy(name: str, params: dict[str, Any] | None = None) -> EvictionPolicy:
+def make_policy(name: str, params: dict[str, Any] | None = None) -> CachePolicy:
     """Instantiate policy ``name`` with ``params``; unknown names or parameters raise ``ConfigError``."""
     import difflib
 
-    _load_builtin()
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, registered(), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -142,6 +160,4 @@ def make_policy(name: str, params: dict[str, Any] | None = None) -> EvictionPoli
     if unknown:
         raise ConfigError(f"cache.{unknown[0]} is not a parameter of cache.policy={name!r} "
                           f"(its parameters: {sorted(fields)})")
-    from lcx.config import from_dict
-
     return from_dict(cls, params or {}, prefix="cache")

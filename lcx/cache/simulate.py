@@ -1,10 +1,10 @@
 """Which positions an attention-free policy keeps, layer by layer, without running a model.
 
 ``simulate({"policy": "ladder", "budget": 64, "sinks": 4, "span": 4, "overlap": 0}, n_layers=16, length=512)``
-decodes ``length`` tokens one at a time through the same eviction code that generation uses (a cache with no
-key/value heads) and returns ``kept [n_layers, length]``: True where position p is still cached at the end.
-``interval`` defaults to 1 here (compact at every step, the policy's exact shape); pass ``interval`` to see the
-schedule generation uses.
+decodes ``length`` tokens one at a time through the slot cache that generation uses (its write and eviction code,
+with a one-element key per token) and returns ``kept [n_layers, length]``: True where position p is still cached at
+the end. ``interval`` defaults to 1 here (compact at every step, the policy's exact shape); pass ``interval`` to see
+the schedule generation uses.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lcx.cache.kv_cache import KVCache
-from lcx.cache.schedule import evict_if_needed, layer_budgets
-from lcx.config import CacheConfig, ConfigError
+from lcx.cache.config import CacheConfig
+from lcx.cache.slot_attention import write
+from lcx.config_base import ConfigError
+from lcx.model.config import ModelConfig
 
 
 def simulate(policy: dict, n_layers: int, length: int) -> np.ndarray:
@@ -24,36 +25,35 @@ def simulate(policy: dict, n_layers: int, length: int) -> np.ndarray:
     spec.setdefault("interval", 1)
     cache_cfg = CacheConfig.from_mapping(spec)
     pol = cache_cfg.make_policy()
-    if pol.attention_stat is not None or pol.name == "knorm":
+    if getattr(pol, "attention_stat", None) is not None or pol.name == "knorm" or pol.cache_type != "slots":
         raise ConfigError(f"cache.policy={pol.name!r} scores tokens from attention or keys; simulate() covers the "
                           "attention-free policies (full, window, streaming, ladder, random)")
     if not pol.evicts:
         return np.ones((n_layers, length), bool)
-    budgets = layer_budgets(cache_cfg, n_layers)
-    pol.check(n_layers, budgets)
-    capacity = max(budgets) + cache_cfg.interval
-    return np.asarray(_jit_run(pol, jnp.asarray(budgets, jnp.int32), n_layers, capacity, length))
+    # The smallest model the cache can hold: what is simulated is which slots survive, not their contents.
+    model = ModelConfig(vocab_size=1, d_model=2, n_layers=n_layers, n_heads=1, n_kv_heads=1, d_ff=1, head_dim=2)
+    kind = cache_cfg.kind(model)
+    capacity = max(kind.budgets) + cache_cfg.interval
+    return np.asarray(_jit_run(kind, capacity, length))
 
 
-def _run(policy, budgets, n_layers: int, capacity: int, length: int) -> jax.Array:
-    shape = (n_layers, 1, capacity)
-    cache = KVCache(k=jnp.zeros(shape + (0, 1)), v=jnp.zeros(shape + (0, 1)), pos=jnp.full(shape, -1, jnp.int32),
-                    valid=jnp.zeros(shape, bool), count=jnp.zeros(shape[:2], jnp.int32),
-                    score=jnp.zeros(shape, jnp.float32), lengths=jnp.zeros((1,), jnp.int32))
+def _run(kind, capacity: int, length: int) -> jax.Array:
+    cache = kind.create(1, capacity)
+    n_layers = cache.k.shape[0]
+    zeros = jnp.zeros((1, 1, 1, 2), cache.k.dtype)
+    write_all = jax.vmap(write, in_axes=(0, None, None, None, None))
 
-    def step(cache: KVCache, p):
-        cache = evict_if_needed(policy, cache, budgets, 1)
-        slot = cache.count[:, 0]  # [L]: append after the occupied slots
-        layers = jnp.arange(n_layers)
-        cache = cache.replace(pos=cache.pos.at[layers, 0, slot].set(p), valid=cache.valid.at[layers, 0, slot].set(True),
-                              score=cache.score.at[layers, 0, slot].set(0.0), count=cache.count + 1)
-        return cache, None
+    def step(cache, p):
+        cache = kind.make_room(cache, 1)
+        layers = write_all(cache.layers(), zeros, zeros, jnp.full((1, 1), p, jnp.int32), jnp.ones((1, 1), bool))
+        return cache.with_layers(layers, cache.lengths + 1), None
 
     cache, _ = jax.lax.scan(step, cache, jnp.arange(length, dtype=jnp.int32))
-    kept = jnp.zeros((n_layers, length), bool)
-    rows = jnp.broadcast_to(jnp.arange(n_layers)[:, None], (n_layers, capacity))
-    pos = jnp.where(cache.valid[:, 0], cache.pos[:, 0], length)  # empty slots point past the end: dropped
-    return kept.at[rows, pos].set(True, mode="drop")
+    pos = jnp.where(cache.valid[:, 0, 0], cache.pos[:, 0, 0], length)  # [L, C]; empty slots point past the end
+    rows = jnp.broadcast_to(jnp.arange(n_layers)[:, None], pos.shape)
+    return jnp.zeros((n_layers, length), bool).at[rows, pos].set(True, mode="drop")
 
 
-_jit_run = jax.jit(_run, static_argnums=(0, 2, 3, 4))
+_jit_run = jax.jit(_run, static_argnums=(0, 1, 2))
+
+__all__ = ["simulate"]

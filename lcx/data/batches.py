@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from lcx.config import ConfigError
-from lcx.data.tasks import TOKENIZER, Example, Task
+from lcx.config_base import ConfigError
+from lcx.data.task import TOKENIZER, Example, Task
 
 
 def pack(examples: list[Example], seq_len: int, prompt_loss_weight: float = 0.0) -> dict[str, np.ndarray]:

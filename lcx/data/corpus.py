@@ -23,8 +23,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from lcx.config import ConfigError
-from lcx.data.tasks import TOKENIZER, Example, Task, register, split_id
+from lcx.config_base import ConfigError
+from lcx.data.task import TOKENIZER, Example, Task, register, split_id
 
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 

@@ -1,140 +1,29 @@
-"""Synthetic long-context tasks generated from a seed, and the registry that looks them up by name.
+"""The built-in synthetic long-context tasks: passkey, RULER-style needle in a haystack, associative recall.
 
-Every task turns a ``numpy.random.Generator`` into one ``Example``: byte-level token ids (``ByteTokenizer``, BOS
-first), a loss mask marking the answer tokens, the answer text and the reference strings an evaluation grades a
-generation against. An example holds at most ``seq_len + 1`` tokens, so that after the one-token shift of language
-modelling the model sees exactly ``seq_len`` input positions (the last token is only ever a target).
-
-Built-in tasks (templates: reference-notes section 6):
 - ``passkey``: the landmark-attention passkey retrieval prompt; answer = the digits of the key.
 - ``niah``: RULER-style needle in a haystack with several keys (distractors), values and queries.
 - ``mqar``: multi-query associative recall; key:value pairs, then queries of keys whose values are the answers.
 - ``corpus`` (``lcx.data.corpus``): windows of a folder of text files; every token is a target.
 
-Tasks are frozen dataclasses whose fields are their parameters, validated in ``__post_init__`` (``ConfigError``
-naming ``data.params.<field>``) and registered with ``@register``; ``make_task(name, params)`` builds one.
+Templates: the passkey prompt of landmark attention (an instruction, a repetitive "noise" haystack, "The pass key is
+K. Remember it. K is the pass key." at a chosen depth, then "What is the pass key? The pass key is"); RULER's
+"One of the special magic numbers for {key} is: {value}." needles with distractor keys; MQAR's key:value pairs.
 """
 
 from __future__ import annotations
 
-import abc
 import dataclasses
-import difflib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
-from lcx.config import ConfigError, from_dict
-from lcx.data.tokenizer import ByteTokenizer
-
-TOKENIZER = ByteTokenizer()
-SPLITS = {"train": 0, "validation": 1}
-_REGISTRY: dict[str, type["Task"]] = {}
+from lcx.config_base import ConfigError
+from lcx.data.task import Example, Task, n_tokens, register, text_example
 
 # The "noise" haystack of landmark attention and RULER: repetitive, so it carries no information to retrieve.
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Example:
-    """One sequence: ``ids [n]`` int32 (BOS first, n <= seq_len + 1) and ``loss_mask [n]`` bool on answer tokens.
-
-    ``answer`` is the answer text (passkey: the key's digits; niah: the values joined by ", "; mqar: the queried
-    values joined by spaces); ``references`` the strings a generation is graded against (``Task.score``);
-    ``prompt`` the text before the first answer token, so that an evaluation with another tokenizer can re-encode it.
-    """
-
-    ids: np.ndarray
-    loss_mask: np.ndarray
-    answer: str
-    references: tuple[str, ...]
-    prompt: str
-
-    @property
-    def prompt_len(self) -> int:
-        """Tokens before the first answer token (BOS included): ``ids[:prompt_len]`` is what a model is given."""
-        hits = np.flatnonzero(self.loss_mask)
-        return int(hits[0]) if hits.size else len(self.ids)
-
-    @property
-    def prompt_ids(self) -> np.ndarray:
-        return self.ids[: self.prompt_len]
-
-
-def text_example(prompt: str, answer_parts: Sequence[tuple[str, bool]], answer: str,
-                 references: Sequence[str], *, eos: bool) -> Example:
-    """Build an ``Example`` from the prompt and the following (text, is_answer) pieces; EOS (masked) if ``eos``."""
-    ids = [TOKENIZER.bos_id, *TOKENIZER.encode(prompt, bos=False)]
-    mask = [False] * len(ids)
-    for text, is_answer in answer_parts:
-        piece = TOKENIZER.encode(text, bos=False)
-        ids += piece
-        mask += [is_answer] * len(piece)
-    if eos:
-        ids.append(TOKENIZER.eos_id)
-        mask.append(True)
-    return Example(np.asarray(ids, np.int32), np.asarray(mask, bool), answer, tuple(references), prompt)
-
-
-def n_tokens(text: str) -> int:
-    return len(text.encode("utf-8"))
-
-
-@dataclasses.dataclass(frozen=True)
-class Task(abc.ABC):
-    """Base class of tasks: ``examples(seed, index, count, seq_len, split)`` is a pure function of its arguments.
-
-    Synthetic tasks implement ``example(rng, seq_len)``; batch ``index`` of a split draws its examples in order from
-    ``np.random.default_rng([seed, split_id, index])``, so a data position is just an index (resume = same index).
-    """
-
-    name: ClassVar[str] = ""
-
-    def examples(self, seed: int, index: int, count: int, seq_len: int, split: str = "train") -> list[Example]:
-        rng = np.random.default_rng([seed, split_id(split), index])
-        return [self.example(rng, seq_len) for _ in range(count)]
-
-    @abc.abstractmethod
-    def example(self, rng: np.random.Generator, seq_len: int) -> Example:
-        """One example of at most ``seq_len + 1`` tokens; raise ``ConfigError`` if the parameters cannot fit."""
-
-    def score(self, example: Example, output: str) -> float:
-        """Grade a generation ``output`` (the text after ``example.prompt_ids``) in [0, 1]. Default: the share of
-        ``example.references`` found in it (RULER's string-match metric)."""
-        if not example.references:
-            raise ValueError(f"task {self.name!r} has no references to grade a generation against")
-        return sum(ref in output for ref in example.references) / len(example.references)
-
-
-def split_id(split: str) -> int:
-    if split not in SPLITS:
-        raise ConfigError(f"split={split!r} is invalid: must be one of {list(SPLITS)}")
-    return SPLITS[split]
-
-
-def register(cls: type[Task]) -> type[Task]:
-    if not cls.name or cls.name in _REGISTRY:
-        raise ValueError(f"task {cls.__name__} needs a unique non-empty name; got {cls.name!r}")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def task_names() -> list[str]:
-    import lcx.data.corpus  # noqa: F401  (registers "corpus")
-
-    return sorted(_REGISTRY)
-
-
-def make_task(name: str, params: Mapping[str, Any] | None = None, prefix: str = "data.params") -> Task:
-    """The task registered as ``name`` with ``params`` (unknown names and keys: ``ConfigError`` with did-you-mean)."""
-    names = task_names()
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(str(name), names, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"data.task={name!r} is not a known task{hint} (allowed: {names})")
-    return from_dict(_REGISTRY[name], dict(params or {}), prefix=prefix)
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -381,5 +270,4 @@ class AssociativeRecall(Task):
         return float(output.startswith(example.references[0]))
 
 
-__all__ = ["AssociativeRecall", "Example", "NeedleInHaystack", "Passkey", "Task", "make_task", "register",
-           "task_names", "text_example"]
+__all__ = ["NOISE", "PASSKEY_INSTRUCTION", "PASSKEY_QUESTION", "AssociativeRecall", "NeedleInHaystack", "Passkey"]

@@ -48,7 +48,7 @@ class EvalConfig:
         if self.samples % self.batch_size and self.samples > self.batch_size:
             raise ConfigError(f"eval.samples={self.samples} is invalid: must be a multiple of eval.batch_size="
                               f"{self.batch_size} (batches share one compiled shape)")
-        from lcx.data.tasks import make_task
+        from lcx.data import make_task
 
         make_task(self.task, dict(self.params), prefix="eval.params")  # unknown task or parameter: fail at load
 
@@ -57,7 +57,7 @@ class EvalConfig:
         return "perplexity" if self.task == "corpus" else "accuracy"
 
     def make_task(self):
-        from lcx.data.tasks import make_task
+        from lcx.data import make_task
 
         return make_task(self.task, dict(self.params), prefix="eval.params")
 

@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from lcx.config import CacheConfig, ConfigError, ModelConfig
-from lcx.data.tasks import TOKENIZER, Example, Task
+from lcx.data.task import TOKENIZER, Example, Task
 from lcx.generate import Generator
 
 def grade(task: Task, output: str, example: Example) -> float:

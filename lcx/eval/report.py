@@ -52,7 +52,7 @@ def markdown_table(rows: list[dict], title: str) -> str:
         if key not in cells:
             order.append(key)
         cells[key][r["length"]].append(r["value"])
-    head = f"| setting | " + " | ".join(f"{n} tokens" for n in lengths) + " |"
+    head = "| setting | " + " | ".join(f"{n} tokens" for n in lengths) + " |"
     lines = [f"### {title} ({metric})", "", head, "|---" * (len(lengths) + 1) + "|"]
     for key in order:
         values = [(_fmt(metric, float(np.mean(cells[key][n]))) if cells[key][n] else "-") for n in lengths]

@@ -22,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import einops
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from lcx.kernels.flash import LOG2E, MASK_VALUE, dot_nn, dot_nt, fit_block, pad_axis, padded_head_dim
+from lcx.kernels.common import LN2, LOG2E, MASK_VALUE, dot_nn, dot_nt, fit_block, pad_axis, padded_head_dim
 from lcx.kernels.mode import pallas_call_kwargs
 from lcx.kernels.reference import decode_attention_reference
 
@@ -108,7 +109,8 @@ def decode_kernel(*refs, st: _Static):
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Array | None = None,
                      lengths: jax.Array | None = None, return_weights: bool = False, sm_scale: float | None = None,
-                     block_sizes: DecodeBlockSizes | None = None, interpret: bool | None = None):
+                     block_sizes: DecodeBlockSizes | None = None, interpret: bool | None = None,
+                     return_residuals: bool = False):
     """Attention of one new token per sequence over a KV cache.
 
     Args:
@@ -120,11 +122,14 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
       sm_scale: default ``head_dim ** -0.5``.
       block_sizes: :class:`DecodeBlockSizes`.
       interpret: None = interpret unless the default backend is a GPU (``mode.py``).
+      return_residuals: also return the row max ``m`` of the logits and the sum of exponentials ``l = sum exp(s -
+        m)`` (``[batch, q_heads]`` float32, natural log base; ``-inf`` and 0 for a sequence with no live slot), the
+        partial-attention state :func:`lcx.kernels.merge_partials` combines.
 
     Returns:
-      ``out [batch, q_heads, head_dim]`` in ``q.dtype`` (0 for a sequence with no live slot), and with
+      ``out [batch, q_heads, head_dim]`` in ``q.dtype`` (0 for a sequence with no live slot); with
       ``return_weights`` also ``weights [batch, kv_heads, cache_len]`` float32 (each query head's row sums to 1, so
-      a slot's weight is in ``[0, g]``).
+      a slot's weight is in ``[0, g]``); with ``return_residuals`` then ``(m, l)``.
     """
     if q.ndim != 3 or k.ndim != 4 or v.ndim != 4 or k.shape != v.shape:
         raise ValueError(f"q must be [batch, heads, head_dim], k and v equal [batch, cache_len, kv_heads, head_dim];"
@@ -158,7 +163,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
         live = live & (jnp.arange(s)[None, :] < lengths[:, None])
     live = pad_axis(live.astype(jnp.int32), 1, s_pad)  # [b, s_pad]; padded slots are dead
     # The query is cast to the cache dtype, not the cache to the query's: that would copy the whole cache.
-    qg = pad_axis(pad_axis(q.astype(k.dtype).reshape(b, kvh, g, d), 3, dp), 2, rows)  # [b, k, r, dp]
+    qg = einops.rearrange(q.astype(k.dtype), "b (k g) d -> b k g d", k=kvh)  # heads grouped by KV head
+    qg = pad_axis(pad_axis(qg, 3, dp), 2, rows)  # [b, k, r, dp]
     kp = pad_axis(pad_axis(k, 3, dp), 1, s_pad)  # [b, s_pad, k, dp]
     vp = pad_axis(pad_axis(v.astype(k.dtype), 3, dp), 1, s_pad)
 
@@ -195,19 +201,25 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
         )(*args)
         acc, m, l = outs[:3]  # [b, k, n, r, dp], [b, k, n, r], [b, k, n, r]
         m_all = jnp.max(m, axis=2)  # [b, k, r]
-        # Without the barrier XLA may fuse the max into the rescale below and produce NaNs (see reference notes).
+        # Without the barrier XLA may fuse the max into the rescale below and produce NaNs (a known failure of
+        # split-K decode kernels under jit).
         m_all = lax.optimization_barrier(m_all)
         w = jnp.exp2(m - m_all[:, :, None])  # [b, k, n, r]
         l_all = jnp.sum(w * l, axis=2)  # [b, k, r]
         empty = l_all == 0.0
         o = jnp.sum(w[..., None] * acc, axis=2) / jnp.where(empty, 1.0, l_all)[..., None]  # [b, k, r, dp]
-        out = o[:, :, :g, :d].reshape(b, h, d).astype(q.dtype)
-        if not st.return_weights:
-            return out
-        lse = jnp.where(empty, jnp.inf, m_all + jnp.log2(jnp.where(empty, 1.0, l_all)))[:, :, :g]  # [b, k, g]
-        scores = outs[3][:, :, :g, :s]  # [b, k, g, s]
-        p = jnp.where(live[:, None, None, :s] != 0, jnp.exp2(scores - lse[..., None]), 0.0)
-        return out, jnp.sum(p, axis=2)  # [b, k, s]
+        merge_heads = functools.partial(einops.rearrange, pattern="b k g ... -> b (k g) ...")
+        out = merge_heads(o[:, :, :g, :d]).astype(q.dtype)
+        results = [out]
+        if st.return_weights:
+            lse = jnp.where(empty, jnp.inf, m_all + jnp.log2(jnp.where(empty, 1.0, l_all)))[:, :, :g]  # [b, k, g]
+            scores = outs[3][:, :, :g, :s]  # [b, k, g, s]
+            p = jnp.where(live[:, None, None, :s] != 0, jnp.exp2(scores - lse[..., None]), 0.0)
+            results.append(jnp.sum(p, axis=2))  # [b, k, s]
+        if return_residuals:  # base-2 scaled logits -> natural: m_nat = m_2 * ln 2, and 2^(s2 - m2) = e^(s - m)
+            m_nat = jnp.where(empty, -jnp.inf, m_all * LN2)[:, :, :g]
+            results += [merge_heads(m_nat), merge_heads(l_all[:, :, :g])]
+        return results[0] if len(results) == 1 else tuple(results)
 
 
 __all__ = ["DecodeBlockSizes", "decode_attention", "decode_attention_reference"]

@@ -23,147 +23,25 @@ powers of two >= 16 (the smallest ``tl.dot``).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
+import einops
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from lcx.kernels.flash_masks import (key_block_ranges, query_block_ranges, row_args, row_specs, split_row_refs,
-                                     three_loops, tile_mask)
+from lcx.kernels.common import LN2, LOG2E, MASK_VALUE, check_qkv, dot_nn, dot_nt, dot_tn, row_ints
+from lcx.kernels.flash_masks import (FlashBlockSizes, FlashStatic, key_block_ranges, make_static, pad_inputs,
+                                     query_block_ranges, row_args, row_specs, split_row_refs, three_loops, tile_mask)
 from lcx.kernels.mode import pallas_call_kwargs
 from lcx.kernels.reference import attention_reference
-
-LOG2E = math.log2(math.e)
-# Finite, so the running max of a row that has seen only masked keys stays finite (no inf - inf = NaN).
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-
-
-def _is_pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
-@dataclasses.dataclass(frozen=True)
-class FlashBlockSizes:
-    """Tile sizes (rows of Q, rows of K/V) per kernel and Triton launch settings; defaults aim at H100/H200, bf16.
-
-    Tiles are clipped to the (power-of-two rounded) sequence length, never below 16. ``num_warps=None`` picks 4 for
-    head_dim <= 64 and 8 above. ``block_sizes=None`` in the kernels means :meth:`for_dtype` of the input dtype.
-    Untuned on hardware so far (see docs/benchmarks.md).
-    """
-
-    block_q: int = 128
-    block_k: int = 64
-    block_q_dkv: int = 64
-    block_k_dkv: int = 64
-    block_q_dq: int = 64
-    block_k_dq: int = 64
-    num_warps: int | None = None
-    num_stages: int = 3
-    num_stages_bwd: int = 2
-
-    @classmethod
-    def for_dtype(cls, dtype) -> "FlashBlockSizes":
-        """Defaults for an input dtype: 4-byte inputs get half the K/V tile and two stages, so the pipelined tiles
-        fit the same shared memory (~227 KiB on H100/H200) as with bf16."""
-        if jnp.dtype(dtype).itemsize >= 4:
-            return cls(block_q=64, block_k=32, block_q_dkv=32, block_k_dkv=64, block_q_dq=64, block_k_dq=32,
-                       num_stages=2, num_stages_bwd=2)
-        return cls()
-
-    def __post_init__(self):
-        for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
-            x = getattr(self, f)
-            if not (isinstance(x, int) and _is_pow2(x) and x >= 16):
-                raise ValueError(f"FlashBlockSizes.{f}={x!r} must be a power of two >= 16")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    """Everything the kernels specialise on (hashable: it is a ``nondiff_argnums`` of the custom VJP)."""
-
-    q_len: int  # true lengths, before padding
-    kv_len: int
-    groups: int  # g = q_heads // kv_heads
-    causal: bool
-    window: int | None
-    has_lengths: bool
-    sm_scale: float
-    block_q: int
-    block_k: int
-    block_q_dkv: int
-    block_k_dkv: int
-    block_q_dq: int
-    block_k_dq: int
-    num_warps: int
-    num_stages: int
-    num_stages_bwd: int
-    interpret: bool | None
-    has_offsets: bool = False  # per-row q_offsets [b] replace ``offset`` (a traced scalar in the kernels)
-
-    @property
-    def offset(self) -> int:
-        """Key position of query 0 without q_offsets (causal alignment to the end of the keys)."""
-        return self.kv_len - self.q_len
-
-    def masked(self, block_q: int, block_k: int, *, rows: bool = False) -> bool:
-        """Whether any tile can need a mask; ``rows``: also hide padded query rows (the dK/dV sum needs that)."""
-        return (self.causal or self.window is not None or self.has_lengths or self.kv_len % block_k != 0
-                or (rows and self.q_len % block_q != 0))
-
-
-def fit_block(block: int, length: int) -> int:
-    """A tile no longer than the power-of-two rounded length, and >= 16 (smallest Triton dot)."""
-    return max(16, min(block, pl.next_power_of_2(max(length, 1))))
-
-
-def padded_head_dim(d: int) -> int:
-    """Triton tensors need power-of-two sizes: 80 and 96 become 128."""
-    return max(16, pl.next_power_of_2(d))
-
-
-def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
-
-
-def round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def _dot(a, b, contract):
-    # fp32 inputs get IEEE fp32 products: Triton's default for them is TF32 (~1e-3 relative), too coarse for an fp32
-    # kernel checked to 1e-4. bf16/fp16 inputs use the tensor cores either way; accumulation is always fp32.
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32)
-
-
-def dot_nt(a, b):
-    """``a @ b.T`` with fp32 accumulation."""
-    return _dot(a, b, ((1,), (1,)))
-
-
-def dot_tn(a, b):
-    """``a.T @ b`` with fp32 accumulation."""
-    return _dot(a, b, ((0,), (0,)))
-
-
-def dot_nn(a, b):
-    """``a @ b`` with fp32 accumulation."""
-    return _dot(a, b, ((1,), (0,)))
 
 
 # ----------------------------------------------------------------------------------------------------- forward
 
 
-def flash_forward_kernel(*refs, st: _Static):
+def flash_forward_kernel(*refs, st: FlashStatic):
     """One ``[block_q]`` tile of one query head. Refs: [lens []], [offs []], q [bq, d], k, v [s, d] -> o [bq, d],
     lse [bq]."""
     kv_len_b, off, (q_ref, k_ref, v_ref, o_ref, lse_ref) = split_row_refs(st, refs)
@@ -198,10 +76,7 @@ def flash_forward_kernel(*refs, st: _Static):
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
 
-lens_specs = row_specs  # the older name (window_stats.py), from when lengths were the only per-row ints
-
-
-def flash_forward(q, k, v, lens, st: _Static, offs=None):
+def flash_forward(q, k, v, lens, st: FlashStatic, offs=None):
     """Padded ``q [b, t, h, d]``, ``k, v [b, s, k, d]``, ``lens, offs [b]`` int32 or None -> ``o [b, t, h, d]``,
     base-2 ``lse [b, h, t]`` (fp32)."""
     b, t, h, d = q.shape
@@ -228,7 +103,7 @@ def flash_forward(q, k, v, lens, st: _Static, offs=None):
 # ---------------------------------------------------------------------------------------------------- backward
 
 
-def flash_dq_kernel(*refs, st: _Static):
+def flash_dq_kernel(*refs, st: FlashStatic):
     """dQ of one ``[block_q_dq]`` tile of one query head. Refs: [lens], [offs], q, do [bq, d], lse, delta [bq],
     k, v [s, d]."""
     kv_len_b, off, (q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref) = split_row_refs(st, refs)
@@ -255,7 +130,7 @@ def flash_dq_kernel(*refs, st: _Static):
     dq_ref[...] = (dq * st.sm_scale).astype(dq_ref.dtype)
 
 
-def flash_dkv_kernel(*refs, st: _Static):
+def flash_dkv_kernel(*refs, st: FlashStatic):
     """dK, dV of one ``[block_k_dkv]`` key tile of one KV head, summed over the ``g`` query heads of its group.
 
     Refs: [lens], [offs], q, do [t, g * d] (head j in columns ``j*d:(j+1)*d``), lse, delta [g, t], k, v [bk, d].
@@ -297,7 +172,7 @@ def flash_dkv_kernel(*refs, st: _Static):
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def flash_backward(q, k, v, lens, o, lse, do, st: _Static, offs=None):
+def flash_backward(q, k, v, lens, o, lse, do, st: FlashStatic, offs=None):
     """Padded inputs as in :func:`flash_forward`, ``do [b, t, h, d]`` -> ``dq, dk, dv``."""
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
@@ -327,10 +202,8 @@ def flash_backward(q, k, v, lens, o, lse, do, st: _Static, offs=None):
 
     bq, bk = st.block_q_dkv, st.block_k_dkv
     # Free reshapes: the g heads of a KV group sit side by side in the last axis / a middle axis.
-    qg = q.reshape(b, t, kvh, g * d)  # [b, t, k, g*d]
-    dog = do.reshape(b, t, kvh, g * d)
-    lseg = lse.reshape(b, kvh, g, t)  # [b, k, g, t]
-    deltag = delta.reshape(b, kvh, g, t)
+    qg, dog = (einops.rearrange(x, "b t (k g) d -> b t k (g d)", k=kvh) for x in (q, do))  # [b, t, k, g*d]
+    lseg, deltag = (einops.rearrange(x, "b (k g) t -> b k g t", k=kvh) for x in (lse, delta))  # [b, k, g, t]
     dk, dv = pl.pallas_call(
         functools.partial(flash_dkv_kernel, st=st),
         grid=(s // bk, b, kvh),
@@ -355,16 +228,16 @@ def flash_backward(q, k, v, lens, o, lse, do, st: _Static, offs=None):
 
 # lens and offs are int32 arrays (or None): primal inputs whose cotangent is None, i.e. not differentiable.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, lens, offs, st: _Static):
+def _flash(q, k, v, lens, offs, st: FlashStatic):
     return flash_forward(q, k, v, lens, st, offs)[0]
 
 
-def _flash_fwd(q, k, v, lens, offs, st: _Static):
+def _flash_fwd(q, k, v, lens, offs, st: FlashStatic):
     o, lse = flash_forward(q, k, v, lens, st, offs)
     return o, (q, k, v, lens, offs, o, lse)
 
 
-def _flash_bwd(st: _Static, res, do):
+def _flash_bwd(st: FlashStatic, res, do):
     q, k, v, lens, offs, o, lse = res
     dq, dk, dv = flash_backward(q, k, v, lens, o, lse, do, st, offs)
     return dq, dk, dv, None, None
@@ -373,68 +246,10 @@ def _flash_bwd(st: _Static, res, do):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def check_qkv(q, k, v) -> int:
-    """Validate ``q [b, t, h, d]``, ``k, v [b, s, k, d]``; return g = h // k."""
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q, k, v must be [batch, len, heads, head_dim]; got {q.shape=}, {k.shape=}, {v.shape=}")
-    if k.shape != v.shape:
-        raise ValueError(f"{k.shape=} must equal {v.shape=}")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"{q.shape=} and {k.shape=} must agree on batch and head_dim")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"q_heads={q.shape[2]} must be a multiple of kv_heads={k.shape[2]}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"{name}.dtype={x.dtype} must be a floating type")
-    return q.shape[2] // k.shape[2]
-
-
-def make_static(q_len: int, kv_len: int, groups: int, head_dim: int, dtype, *, causal: bool, sm_scale: float | None,
-                window: int | None, has_lengths: bool, block_sizes: FlashBlockSizes | None,
-                interpret: bool | None, has_offsets: bool = False) -> _Static:
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise ValueError(f"{window=} must be None or a positive int")
-    bs = FlashBlockSizes.for_dtype(dtype) if block_sizes is None else block_sizes
-    if not isinstance(bs, FlashBlockSizes):
-        raise ValueError(f"{block_sizes=} must be a FlashBlockSizes or None")
-    dp = padded_head_dim(head_dim)
-    return _Static(
-        q_len=q_len, kv_len=kv_len, groups=groups, causal=bool(causal), window=window, has_lengths=has_lengths,
-        sm_scale=float(head_dim ** -0.5 if sm_scale is None else sm_scale),
-        block_q=fit_block(bs.block_q, q_len), block_k=fit_block(bs.block_k, kv_len),
-        block_q_dkv=fit_block(bs.block_q_dkv, q_len), block_k_dkv=fit_block(bs.block_k_dkv, kv_len),
-        block_q_dq=fit_block(bs.block_q_dq, q_len), block_k_dq=fit_block(bs.block_k_dq, kv_len),
-        num_warps=bs.num_warps or (4 if dp <= 64 else 8), num_stages=bs.num_stages,
-        num_stages_bwd=bs.num_stages_bwd, interpret=interpret, has_offsets=has_offsets)
-
-
-def pad_inputs(q, k, v, st: _Static):
-    """Zero-pad lengths to every tile size used and head_dim to a power of two."""
-    dp = padded_head_dim(q.shape[-1])
-    t_pad = round_up(st.q_len, max(st.block_q, st.block_q_dkv, st.block_q_dq))
-    s_pad = round_up(st.kv_len, max(st.block_k, st.block_k_dkv, st.block_k_dq))
-    q = pad_axis(pad_axis(q, 3, dp), 1, t_pad)  # [b, t_pad, h, dp]
-    k = pad_axis(pad_axis(k, 3, dp), 1, s_pad)  # [b, s_pad, k, dp]
-    v = pad_axis(pad_axis(v, 3, dp), 1, s_pad)
-    return q, k, v
-
-
-def row_ints(x, batch: int, name: str) -> jax.Array | None:
-    """``x`` as int32 ``[batch]`` (None stays None); ``name`` for the error."""
-    if x is None:
-        return None
-    x = jnp.asarray(x)
-    if x.shape != (batch,):
-        raise ValueError(f"{name}.shape={x.shape} must be ({batch},)")
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise ValueError(f"{name}.dtype={x.dtype} must be an integer type")
-    return x.astype(jnp.int32)
-
-
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, sm_scale: float | None = None,
                     window: int | None = None, kv_lengths: jax.Array | None = None,
                     q_offsets: jax.Array | None = None, block_sizes: FlashBlockSizes | None = None,
-                    interpret: bool | None = None) -> jax.Array:
+                    interpret: bool | None = None, return_residuals: bool = False):
     """Tiled softmax attention with a Pallas forward and backward (``jax.grad`` works through it).
 
     Args:
@@ -449,6 +264,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
         ``[n_b, n_b + t)``: ``k, v`` = the cache, ``q_offsets = n``, ``kv_lengths = n + real tokens``.
       block_sizes: tiles and launch settings (:class:`FlashBlockSizes`).
       interpret: None = interpret unless the default backend is a GPU (``mode.py``).
+      return_residuals: also return each row's logit max ``m`` and sum of exponentials ``l`` (``[batch, q_len,
+        q_heads]`` float32, natural log base; here ``m`` is the log-sum-exp and ``l`` is 1, or ``-inf`` and 0 for a
+        row that sees no key) for :func:`lcx.kernels.merge_partials`. Forward only (inference).
 
     Returns:
       ``[batch, q_len, q_heads, head_dim]`` in ``q.dtype``; rows with no visible key are 0.
@@ -463,8 +281,12 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     with jax.named_scope("lcx_flash_attention"):
         # One dtype for the dots (a cache kept in another dtype than the activations); a no-op when they agree.
         qp, kp, vp = pad_inputs(q, k.astype(q.dtype), v.astype(q.dtype), st)
-        o = _flash(qp, kp, vp, kv_lengths, q_offsets, st)
-    return o[:, :t, :, :d]
+        if not return_residuals:
+            return _flash(qp, kp, vp, kv_lengths, q_offsets, st)[:, :t, :, :d]
+        o, lse = flash_forward(qp, kp, vp, kv_lengths, st, q_offsets)  # lse [b, h, t_pad], base 2
+    lse = jnp.swapaxes(lse[:, :, :t], 1, 2)  # [b, t, h]
+    seen = jnp.isfinite(lse)
+    return (o[:, :t, :, :d], jnp.where(seen, lse * LN2, -jnp.inf), seen.astype(jnp.float32))
 
 
 # The oracle: same signature minus the kernel knobs.

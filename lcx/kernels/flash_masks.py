@@ -1,4 +1,7 @@
-"""Masks and tile ranges of the flash kernels (``flash.py``, ``window_stats.py``).
+"""Tiles, masks and tile ranges of the flash kernels (``flash.py``, ``window_stats.py``).
+
+Tiles: :class:`FlashBlockSizes` (the user-facing knobs) and :class:`FlashStatic` (everything a kernel specialises
+on, derived once by :func:`make_static`); :func:`pad_inputs` zero-pads the inputs to those tiles.
 
 Positions: query row ``r`` of batch row ``b`` sits at key position ``r + off``. ``off`` is the static
 ``kv_len - q_len`` (queries aligned to the end of the keys) or, with ``q_offsets``, a traced int32 read in the kernel
@@ -14,15 +17,113 @@ skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-if TYPE_CHECKING:
-    from lcx.kernels.flash import _Static
+from lcx.kernels.common import fit_block, is_pow2, pad_axis, padded_head_dim, round_up
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashBlockSizes:
+    """Tile sizes (rows of Q, rows of K/V) per kernel and Triton launch settings; defaults aim at H100/H200, bf16.
+
+    Tiles are clipped to the (power-of-two rounded) sequence length, never below 16. ``num_warps=None`` picks 4 for
+    head_dim <= 64 and 8 above. ``block_sizes=None`` in the kernels means :meth:`for_dtype` of the input dtype.
+    Untuned on hardware so far (see docs/benchmarks.md).
+    """
+
+    block_q: int = 128
+    block_k: int = 64
+    block_q_dkv: int = 64
+    block_k_dkv: int = 64
+    block_q_dq: int = 64
+    block_k_dq: int = 64
+    num_warps: int | None = None
+    num_stages: int = 3
+    num_stages_bwd: int = 2
+
+    @classmethod
+    def for_dtype(cls, dtype) -> "FlashBlockSizes":
+        """Defaults for an input dtype: 4-byte inputs get half the K/V tile and two stages, so the pipelined tiles
+        fit the same shared memory (~227 KiB on H100/H200) as with bf16."""
+        if jnp.dtype(dtype).itemsize >= 4:
+            return cls(block_q=64, block_k=32, block_q_dkv=32, block_k_dkv=64, block_q_dq=64, block_k_dq=32,
+                       num_stages=2, num_stages_bwd=2)
+        return cls()
+
+    def __post_init__(self):
+        for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
+            x = getattr(self, f)
+            if not (isinstance(x, int) and is_pow2(x) and x >= 16):
+                raise ValueError(f"FlashBlockSizes.{f}={x!r} must be a power of two >= 16")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashStatic:
+    """Everything the kernels specialise on (hashable: it is a ``nondiff_argnums`` of the custom VJP)."""
+
+    q_len: int  # true lengths, before padding
+    kv_len: int
+    groups: int  # g = q_heads // kv_heads
+    causal: bool
+    window: int | None
+    has_lengths: bool
+    sm_scale: float
+    block_q: int
+    block_k: int
+    block_q_dkv: int
+    block_k_dkv: int
+    block_q_dq: int
+    block_k_dq: int
+    num_warps: int
+    num_stages: int
+    num_stages_bwd: int
+    interpret: bool | None
+    has_offsets: bool = False  # per-row q_offsets [b] replace ``offset`` (a traced scalar in the kernels)
+
+    @property
+    def offset(self) -> int:
+        """Key position of query 0 without q_offsets (causal alignment to the end of the keys)."""
+        return self.kv_len - self.q_len
+
+    def masked(self, block_q: int, block_k: int, *, rows: bool = False) -> bool:
+        """Whether any tile can need a mask; ``rows``: also hide padded query rows (the dK/dV sum needs that)."""
+        return (self.causal or self.window is not None or self.has_lengths or self.kv_len % block_k != 0
+                or (rows and self.q_len % block_q != 0))
+
+
+def make_static(q_len: int, kv_len: int, groups: int, head_dim: int, dtype, *, causal: bool, sm_scale: float | None,
+                window: int | None, has_lengths: bool, block_sizes: FlashBlockSizes | None,
+                interpret: bool | None, has_offsets: bool = False) -> FlashStatic:
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"{window=} must be None or a positive int")
+    bs = FlashBlockSizes.for_dtype(dtype) if block_sizes is None else block_sizes
+    if not isinstance(bs, FlashBlockSizes):
+        raise ValueError(f"{block_sizes=} must be a FlashBlockSizes or None")
+    dp = padded_head_dim(head_dim)
+    return FlashStatic(
+        q_len=q_len, kv_len=kv_len, groups=groups, causal=bool(causal), window=window, has_lengths=has_lengths,
+        sm_scale=float(head_dim ** -0.5 if sm_scale is None else sm_scale),
+        block_q=fit_block(bs.block_q, q_len), block_k=fit_block(bs.block_k, kv_len),
+        block_q_dkv=fit_block(bs.block_q_dkv, q_len), block_k_dkv=fit_block(bs.block_k_dkv, kv_len),
+        block_q_dq=fit_block(bs.block_q_dq, q_len), block_k_dq=fit_block(bs.block_k_dq, kv_len),
+        num_warps=bs.num_warps or (4 if dp <= 64 else 8), num_stages=bs.num_stages,
+        num_stages_bwd=bs.num_stages_bwd, interpret=interpret, has_offsets=has_offsets)
+
+
+def pad_inputs(q, k, v, st: FlashStatic):
+    """Zero-pad lengths to every tile size used and head_dim to a power of two."""
+    dp = padded_head_dim(q.shape[-1])
+    t_pad = round_up(st.q_len, max(st.block_q, st.block_q_dkv, st.block_q_dq))
+    s_pad = round_up(st.kv_len, max(st.block_k, st.block_k_dkv, st.block_k_dq))
+    q = pad_axis(pad_axis(q, 3, dp), 1, t_pad)  # [b, t_pad, h, dp]
+    k = pad_axis(pad_axis(k, 3, dp), 1, s_pad)  # [b, s_pad, k, dp]
+    v = pad_axis(pad_axis(v, 3, dp), 1, s_pad)
+    return q, k, v
 
 
 def _div0(x, n: int):
@@ -35,18 +136,18 @@ def _cdiv0(x, n: int):
     return lax.div(jnp.maximum(x, 0) + (n - 1), n)
 
 
-def row_specs(st: _Static, index_map) -> list[pl.BlockSpec]:
+def row_specs(st: FlashStatic, index_map) -> list[pl.BlockSpec]:
     """In_specs of the per-batch-row ints that are given (``[b]`` kv lengths, then ``[b]`` query offsets): 0-d
     blocks, read in the kernel as ``ref[()]`` by :func:`split_row_refs`."""
     return [pl.BlockSpec((None,), index_map)] * (int(st.has_lengths) + int(st.has_offsets))
 
 
-def row_args(st: _Static, lens, offs) -> list:
+def row_args(st: FlashStatic, lens, offs) -> list:
     """The arrays matching :func:`row_specs`."""
     return ([lens] if st.has_lengths else []) + ([offs] if st.has_offsets else [])
 
 
-def split_row_refs(st: _Static, refs):
+def split_row_refs(st: FlashStatic, refs):
     """Peel the refs of :func:`row_specs` off a kernel's refs: ``(kv_len_b or None, off, other refs)``.
 
     ``off`` is the traced query offset of this batch row, or the static ``st.offset`` (a Python int, so the
@@ -59,7 +160,7 @@ def split_row_refs(st: _Static, refs):
     return kv_len_b, off, refs
 
 
-def tile_mask(st: _Static, rows, cols, kv_len_b, *, row_valid: bool = False, off=None):
+def tile_mask(st: FlashStatic, rows, cols, kv_len_b, *, row_valid: bool = False, off=None):
     """``[len(rows), len(cols)]`` bool: query index ``rows`` may see key index ``cols``; ``off`` None = static."""
     off = st.offset if off is None else off
     pos = rows[:, None] + off  # [bq, 1] key-space position of each query
@@ -76,7 +177,7 @@ def tile_mask(st: _Static, rows, cols, kv_len_b, *, row_valid: bool = False, off
     return jnp.broadcast_to(mask, (rows.shape[0], cols.shape[0]))
 
 
-def key_block_ranges(st: _Static, q0, block_q: int, block_k: int, n_kb: int, kv_len_b, off=None):
+def key_block_ranges(st: FlashStatic, q0, block_q: int, block_k: int, n_kb: int, kv_len_b, off=None):
     """Key-tile ranges for query rows ``[q0, q0 + block_q)``: ``lo <= lo_full <= hi_full <= hi`` in ``[0, n_kb]``.
 
     Tiles in ``[lo_full, hi_full)`` are fully visible to every row; the rest of ``[lo, hi)`` needs the mask.
@@ -101,7 +202,7 @@ def key_block_ranges(st: _Static, q0, block_q: int, block_k: int, n_kb: int, kv_
     return lo, lo_full, hi_full, hi
 
 
-def query_block_ranges(st: _Static, k0, block_q: int, block_k: int, n_qb: int, kv_len_b, off=None):
+def query_block_ranges(st: FlashStatic, k0, block_q: int, block_k: int, n_qb: int, kv_len_b, off=None):
     """Query-tile ranges that see keys ``[k0, k0 + block_k)``, split like :func:`key_block_ranges`."""
     off = st.offset if off is None else off
     lo = jnp.int32(0)
@@ -134,5 +235,5 @@ def three_loops(body, ranges, carry, masked: bool):
     return lax.fori_loop(hi_full, hi, functools.partial(body, masked=True), carry)
 
 
-__all__ = ["key_block_ranges", "query_block_ranges", "row_args", "row_specs", "split_row_refs", "three_loops",
-           "tile_mask"]
+__all__ = ["FlashBlockSizes", "FlashStatic", "key_block_ranges", "make_static", "pad_inputs", "query_block_ranges",
+           "row_args", "row_specs", "split_row_refs", "three_loops", "tile_mask"]

@@ -7,6 +7,7 @@ Everything is computed in float32 at HIGHEST precision; the output has the dtype
 
 from __future__ import annotations
 
+import einops
 import jax
 import jax.numpy as jnp
 
@@ -39,33 +40,61 @@ def attention_mask(q_len: int, kv_len: int, *, causal: bool, window: int | None 
     return mask
 
 
-def masked_probs(q: jax.Array, k: jax.Array, mask: jax.Array | None, *, sm_scale: float | None = None) -> jax.Array:
-    """Softmax probabilities ``[b, k, g, t, s]`` (float32) of ``q [b, t, h, d]`` over ``k [b, s, k, d]`` with an
-    explicit boolean ``mask [b, t, s]``; fully masked rows are all 0, never NaN."""
+def _masked_scores(q, k, mask, sm_scale, precision):
+    """Scaled logits ``[b, k, g, t, s]`` (float32), -inf where ``mask [b, t, s]`` is False."""
     b, t, h, d = q.shape
     kv_heads = k.shape[2]
     if h % kv_heads:
         raise ValueError(f"{h=} query heads must be a multiple of {kv_heads=} key/value heads")
     scale = d ** -0.5 if sm_scale is None else sm_scale
-    qg = q.astype(jnp.float32).reshape(b, t, kv_heads, h // kv_heads, d)  # [b, t, k, g, d]
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32), precision=_HI) * scale  # [b, k, g, t, s]
+    qg = einops.rearrange(q, "b t (k g) d -> b t k g d", k=kv_heads)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), precision=precision,
+                        preferred_element_type=jnp.float32) * scale  # [b, k, g, t, s]
     if mask is not None:
         scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    return scores
+
+
+def _softmax_parts(scores):
+    """``(p unnormalized, row max, row sum)``; a fully masked row has max -inf, p 0 and sum 0, never NaN."""
     row_max = jnp.max(scores, axis=-1, keepdims=True)
-    # A fully masked row has max -inf; subtracting 0 instead keeps exp(-inf) = 0 and the row sum 0.
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    p = jnp.exp(scores - row_max)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    return p / jnp.where(denom == 0, 1.0, denom)
+    # Subtracting 0 instead of -inf in a fully masked row keeps exp(-inf) = 0 and the row sum 0.
+    p = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    return p, row_max[..., 0], jnp.sum(p, axis=-1)
+
+
+def masked_probs(q: jax.Array, k: jax.Array, mask: jax.Array | None, *, sm_scale: float | None = None,
+                 precision=_HI) -> jax.Array:
+    """Softmax probabilities ``[b, k, g, t, s]`` (float32) of ``q [b, t, h, d]`` over ``k [b, s, k, d]`` with an
+    explicit boolean ``mask [b, t, s]``; fully masked rows are all 0, never NaN."""
+    if precision == _HI:
+        q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    p, _, denom = _softmax_parts(_masked_scores(q, k, mask, sm_scale, precision))
+    return p / jnp.where(denom == 0, 1.0, denom)[..., None]
+
+
+def masked_attention_parts(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *,
+                           sm_scale: float | None = None, precision=_HI):
+    """Softmax attention with ``mask [b, t, s]`` as a partial: ``(o [b, t, h, d] float32, m [b, t, h], l [b, t,
+    h])``, natural-log row max and sum of exponentials (``lcx.kernels.merge_partials``); empty rows: 0, -inf, 0.
+
+    ``precision=HIGHEST`` computes in float32 (the oracle); the default precision keeps the input dtype for the
+    products and accumulates in float32 (the XLA backend)."""
+    b, t, h, d = q.shape
+    if precision == _HI:
+        q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
+    p, m, l = _softmax_parts(_masked_scores(q, k, mask, sm_scale, precision))  # [b, k, g, t, s], [b, k, g, t]
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype) if precision != _HI else p, v.astype(q.dtype),
+                   precision=precision, preferred_element_type=jnp.float32)  # [b, t, k, g, d]
+    o = o / jnp.where(l == 0, 1.0, l).transpose(0, 3, 1, 2)[..., None]
+    to_rows = lambda x: einops.rearrange(x, "b k g t -> b t (k g)")  # noqa: E731
+    return einops.rearrange(o, "b t k g d -> b t (k g) d"), to_rows(m), to_rows(l)
 
 
 def masked_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
                                *, sm_scale: float | None = None) -> jax.Array:
     """Softmax attention with an explicit boolean ``mask [b, t, s]``; fully masked rows give 0, never NaN."""
-    b, t, h, d = q.shape
-    p = masked_probs(q, k, mask, sm_scale=sm_scale)
-    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32), precision=_HI)  # [b, t, k, g, d]
-    return out.reshape(b, t, h, d).astype(q.dtype)
+    return masked_attention_parts(q, k, v, mask, sm_scale=sm_scale)[0].astype(q.dtype)
 
 
 def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
@@ -84,33 +113,42 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
 
 def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Array | None = None,
                                lengths: jax.Array | None = None, return_weights: bool = False,
-                               sm_scale: float | None = None):
+                               sm_scale: float | None = None, return_residuals: bool = False, precision=_HI):
     """Reference for ``decode_attention``: ``q [b, h, d]``, ``k, v [b, s, k, d]``, ``valid [b, s]``, ``lengths [b]``.
 
-    Returns ``out [b, h, d]`` and, with ``return_weights``, ``weights [b, k, s]``: the probabilities summed over
-    the query heads of each KV head's group.
+    Returns ``out [b, h, d]``; with ``return_weights`` also ``weights [b, k, s]`` (the probabilities summed over the
+    query heads of each KV head's group); with ``return_residuals`` then the row max and sum of exponentials
+    ``m, l [b, h]``.
     """
     b, s = k.shape[:2]
     mask = jnp.ones((b, s), bool) if valid is None else valid.astype(bool)
     if lengths is not None:
         mask &= jnp.arange(s)[None, :] < jnp.asarray(lengths)[:, None]
-    out = masked_attention_reference(q[:, None], k, v, mask[:, None, :], sm_scale=sm_scale)[:, 0]
-    if not return_weights:
-        return out
-    return out, masked_column_sums_reference(q[:, None], k, mask[:, None, :], sm_scale=sm_scale)
+    o, m, l = masked_attention_parts(q[:, None], k, v, mask[:, None, :], sm_scale=sm_scale, precision=precision)
+    results = [o[:, 0].astype(q.dtype)]
+    if return_weights:
+        results.append(masked_column_sums_reference(q[:, None], k, mask[:, None, :], sm_scale=sm_scale,
+                                                    precision=precision))
+    if return_residuals:
+        results += [m[:, 0], l[:, 0]]
+    return results[0] if len(results) == 1 else tuple(results)
 
 
 def attention_column_sums_reference(q: jax.Array, k: jax.Array, *, causal: bool = True,
                                     sm_scale: float | None = None, window: int | None = None,
-                                    kv_lengths: jax.Array | None = None) -> jax.Array:
+                                    kv_lengths: jax.Array | None = None, q_offsets: jax.Array | None = None,
+                                    query_weights: jax.Array | None = None) -> jax.Array:
     """Reference for ``attention_column_sums``: probabilities of ``q [b, t, h, d]`` over ``k [b, s, k, d]`` (masks as
-    in ``attention_reference``) summed over the t queries and each KV head's query group -> ``[b, k, s]`` float32."""
+    in ``attention_reference``; only queries with ``query_weights [b, t] > 0`` when given) summed over the queries
+    and each KV head's query group -> ``[b, k, s]`` float32."""
     mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_lengths=kv_lengths,
-                          batch=q.shape[0])
+                          batch=q.shape[0], q_offsets=q_offsets)
+    if query_weights is not None:
+        mask &= jnp.asarray(query_weights)[:, :, None] > 0
     return masked_column_sums_reference(q, k, mask, sm_scale=sm_scale)
 
 
 def masked_column_sums_reference(q: jax.Array, k: jax.Array, mask: jax.Array | None, *,
-                                 sm_scale: float | None = None) -> jax.Array:
+                                 sm_scale: float | None = None, precision=_HI) -> jax.Array:
     """Column sums with an explicit ``mask [b, t, s]``: ``[b, k, s]`` float32; fully masked rows add 0."""
-    return jnp.sum(masked_probs(q, k, mask, sm_scale=sm_scale), axis=(2, 3))  # [b, k, s]
+    return jnp.sum(masked_probs(q, k, mask, sm_scale=sm_scale, precision=precision), axis=(2, 3))  # [b, k, s]

@@ -24,27 +24,24 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from lcx.kernels.flash import (LOG2E, MASK_VALUE, FlashBlockSizes, check_qkv, dot_nt, flash_forward, lens_specs,
-                               make_static, pad_inputs, query_block_ranges, three_loops, tile_mask)
+from lcx.kernels.common import LOG2E, MASK_VALUE, check_qkv, dot_nt, row_ints
+from lcx.kernels.flash import flash_forward
+from lcx.kernels.flash_masks import (FlashBlockSizes, make_static, pad_inputs, query_block_ranges, row_args, row_specs,
+                                     split_row_refs, three_loops, tile_mask)
 from lcx.kernels.mode import pallas_call_kwargs
 from lcx.kernels.reference import attention_column_sums_reference
 
 
 def column_sums_kernel(*refs, st):
-    """One ``[block_k_dkv]`` key tile of one KV head. Refs: [lens []], q [t, g * d] (head j in columns
+    """One ``[block_k_dkv]`` key tile of one KV head. Refs: [lens []], [offs []], q [t, g * d] (head j in columns
     ``j*d:(j+1)*d``), lse [g, t], k [bk, d] -> sums [bk]."""
-    if st.has_lengths:
-        lens_ref, q_ref, lse_ref, k_ref, out_ref = refs
-        kv_len_b = lens_ref[()]
-    else:
-        q_ref, lse_ref, k_ref, out_ref = refs
-        kv_len_b = None
+    kv_len_b, off, (q_ref, lse_ref, k_ref, out_ref) = split_row_refs(st, refs)
     bq, bk = st.block_q_dkv, st.block_k_dkv
     d = k_ref.shape[-1]
     k0 = pl.program_id(0) * bk
     k = k_ref[...]  # [bk, d]
     cols = k0 + jnp.arange(bk)
-    ranges = query_block_ranges(st, k0, bq, bk, q_ref.shape[0] // bq, kv_len_b)
+    ranges = query_block_ranges(st, k0, bq, bk, q_ref.shape[0] // bq, kv_len_b, off)
 
     def head(j, total):
         c0 = pl.multiple_of(j * d, d)
@@ -53,7 +50,8 @@ def column_sums_kernel(*refs, st):
             r0 = pl.multiple_of(qb * bq, bq)
             s = dot_nt(q_ref[pl.ds(r0, bq), pl.ds(c0, d)], k) * (st.sm_scale * LOG2E)  # [bq, bk]
             if masked:
-                s = jnp.where(tile_mask(st, r0 + jnp.arange(bq), cols, kv_len_b, row_valid=True), s, MASK_VALUE)
+                s = jnp.where(tile_mask(st, r0 + jnp.arange(bq), cols, kv_len_b, row_valid=True, off=off), s,
+                              MASK_VALUE)
             p = jnp.exp2(s - lse_ref[j, pl.ds(r0, bq)][:, None])  # fully masked rows have lse = +inf -> 0
             return total + jnp.sum(p, axis=0)
 
@@ -64,40 +62,43 @@ def column_sums_kernel(*refs, st):
 
 def attention_column_sums(q: jax.Array, k: jax.Array, *, causal: bool = True, sm_scale: float | None = None,
                           window: int | None = None, kv_lengths: jax.Array | None = None,
+                          q_offsets: jax.Array | None = None, query_weights: jax.Array | None = None,
                           block_sizes: FlashBlockSizes | None = None, interpret: bool | None = None) -> jax.Array:
     """Sum over queries and each KV head's query group of the softmax attention probabilities.
 
     Args:
       q: ``[batch, w, q_heads, head_dim]``, e.g. the last ``w`` queries of a prefill; with ``causal`` query i sits
-        at key position ``kv_len - w + i``.
+        at key position ``kv_len - w + i`` (or ``q_offsets[b] + i``).
       k: ``[batch, kv_len, kv_heads, head_dim]``.
-      causal, sm_scale, window, kv_lengths, block_sizes, interpret: as in ``flash_attention`` (the column kernel
-        uses the ``*_dkv`` tiles).
+      query_weights: ``[batch, w]``; only queries with a positive weight are summed (e.g. the observation window
+        within a prefill chunk). None: all.
+      causal, sm_scale, window, kv_lengths, q_offsets, block_sizes, interpret: as in ``flash_attention`` (the column
+        kernel uses the ``*_dkv`` tiles).
 
     Returns:
-      ``[batch, kv_heads, kv_len]`` float32; each (query, head) row contributes probabilities summing to 1 (0 for a
-      row that sees no key), so the total over keys is ``w * g`` at most.
+      ``[batch, kv_heads, kv_len]`` float32; each counted (query, head) row contributes probabilities summing to 1
+      (0 for a row that sees no key), so the total over keys is ``w * g`` at most.
     """
     g = check_qkv(q, k, k)
     b, t, _, d = q.shape
-    if kv_lengths is not None:
-        kv_lengths = jnp.asarray(kv_lengths)
-        if kv_lengths.shape != (b,):
-            raise ValueError(f"{kv_lengths.shape=} must be ({b},)")
-        kv_lengths = kv_lengths.astype(jnp.int32)
+    kv_lengths = row_ints(kv_lengths, b, "kv_lengths")
+    q_offsets = row_ints(q_offsets, b, "q_offsets")
     st = make_static(t, k.shape[1], g, d, q.dtype, causal=causal, sm_scale=sm_scale, window=window,
-                     has_lengths=kv_lengths is not None, block_sizes=block_sizes, interpret=interpret)
+                     has_lengths=kv_lengths is not None, block_sizes=block_sizes, interpret=interpret,
+                     has_offsets=q_offsets is not None)
     with jax.named_scope("lcx_attention_column_sums"):
         qp, kp, vp = pad_inputs(q, k, k, st)
-        _, lse = flash_forward(qp, kp, vp, kv_lengths, st)  # [b, h, t_pad], base 2
+        _, lse = flash_forward(qp, kp, vp, kv_lengths, st, q_offsets)  # [b, h, t_pad], base 2
         _, t_pad, h, dp = qp.shape
+        if query_weights is not None:  # an lse of +inf makes every probability of that row 0
+            counted = jnp.pad(jnp.asarray(query_weights) > 0, ((0, 0), (0, t_pad - t)))  # [b, t_pad]
+            lse = jnp.where(counted[:, None, :], lse, jnp.inf)
         s_pad, kvh = kp.shape[1], kp.shape[2]
         bk = st.block_k_dkv
-        lens_args = [kv_lengths] if st.has_lengths else []
         sums = pl.pallas_call(
             functools.partial(column_sums_kernel, st=st),
             grid=(s_pad // bk, b, kvh),
-            in_specs=lens_specs(st, lambda i, bi, ki: (bi,)) + [
+            in_specs=row_specs(st, lambda i, bi, ki: (bi,)) + [
                 pl.BlockSpec((None, t_pad, None, g * dp), lambda i, bi, ki: (bi, 0, ki, 0)),
                 pl.BlockSpec((None, None, g, t_pad), lambda i, bi, ki: (bi, ki, 0, 0)),
                 pl.BlockSpec((None, bk, None, dp), lambda i, bi, ki: (bi, i, ki, 0)),
@@ -106,7 +107,7 @@ def attention_column_sums(q: jax.Array, k: jax.Array, *, causal: bool = True, sm
             out_shape=jax.ShapeDtypeStruct((b, kvh, s_pad), jnp.float32),
             name="lcx_attention_column_sums",
             **pallas_call_kwargs(st.interpret, num_warps=st.num_warps, num_stages=st.num_stages_bwd),
-        )(*lens_args, qp.reshape(b, t_pad, kvh, g * dp), lse.reshape(b, kvh, g, t_pad), kp)
+        )(*row_args(st, kv_lengths, q_offsets), qp.reshape(b, t_pad, kvh, g * dp), lse.reshape(b, kvh, g, t_pad), kp)
     return sums[:, :, :k.shape[1]]
 
 

@@ -1,4 +1,4 @@
-"""Grouped-query attention: projections -> RoPE -> attention implementation -> output projection.
+"""Grouped-query attention: projections -> RoPE -> attention backend (or the cache's ``attend``) -> output projection.
 
 Einsum legend: b batch, t positions, e embed, h query heads, k kv heads, d head dim.
 Query heads are ordered by KV group (head h belongs to KV head h // n_groups), the Hugging Face order, so that
@@ -14,9 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from lcx import kernels, sharding
-from lcx.cache.kv_cache import LayerCache
-from lcx.config import ModelConfig
-from lcx.model.cached_attention import attend_cache
+from lcx.model.config import ModelConfig
 from lcx.model.params import as_dtype, declare, normal, zeros
 from lcx.model.rope import apply_rope
 from lcx.sharding import BSKD, BTHD
@@ -25,16 +23,14 @@ from lcx.sharding import BSKD, BTHD
 class Attention(nn.Module):
     """Self-attention over ``x [b, t, e]``; returns ``(out [b, t, e], cache)``.
 
-    Without a cache the sequence attends causally to itself. With one, the new keys and values are appended (where
-    ``ok``) and the queries attend to the cache (``lcx.model.cached_attention``).
+    Without a cache the sequence attends causally to itself. With one (a layer of a cache state, see
+    ``lcx.cache.base``), the cache's own ``attend`` appends the new keys and values (where ``ok``) and attends.
     """
 
     config: ModelConfig
-    position_mode: str = "original"
-    stat_update: str | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: LayerCache | None = None,
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache=None,
                  positions: jax.Array | None = None, ok: jax.Array | None = None,
                  stat_weights: jax.Array | None = None):
         cfg = self.config
@@ -57,12 +53,11 @@ class Attention(nn.Module):
         with jax.named_scope(f"attention_{cfg.attention.impl}"):
             if cache is None:
                 q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
-                attend = functools.partial(kernels.attention, impl=cfg.attention.impl, causal=True, sm_scale=d ** -0.5)
+                attend = functools.partial(kernels.backend(cfg.attention.impl).causal, sm_scale=d ** -0.5)
                 out = sharding.per_shard(attend, (BTHD, BSKD, BSKD), BTHD)(q, key, val)  # no communication
             else:
-                out, cache = attend_cache(cfg, q, key, val, cos, sin, cache, positions, ok,
-                                          position_mode=self.position_mode, stat_update=self.stat_update,
-                                          stat_weights=stat_weights)
+                out, cache = cache.kind.attend(cache, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
+                                               stat_weights=stat_weights)
         out = jnp.einsum("bthd,hde->bte", out.astype(dt), wo.astype(dt))  # [b, t, e]
         if cfg.o_bias:
             out = out + declare(self, "o_bias", (e,), ("embed",), zeros, pdt).astype(dt)

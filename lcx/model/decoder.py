@@ -12,8 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lcx.cache.kv_cache import KVCache, LayerCache
-from lcx.config import ModelConfig
+from lcx.model.config import ModelConfig
 from lcx.model.attention import Attention
 from lcx.model.layers import MLP, RMSNorm
 from lcx.model.params import as_dtype, declare, normal
@@ -22,14 +21,12 @@ from lcx.model.rope import rope_tables
 
 class Block(nn.Module):
     config: ModelConfig
-    position_mode: str = "original"
-    stat_update: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array | None,
-                 ok: jax.Array | None, stat_weights: jax.Array | None, cache: LayerCache | None):
+                 ok: jax.Array | None, stat_weights: jax.Array | None, cache):
         with jax.named_scope("attention_block"):
-            attn = Attention(self.config, self.position_mode, self.stat_update, name="attn")
+            attn = Attention(self.config, name="attn")
             h, cache = attn(RMSNorm(self.config, name="attn_norm")(x), cos, sin, cache, positions, ok, stat_weights)
             x = x + h
         with jax.named_scope("mlp_block"):
@@ -41,20 +38,16 @@ class Decoder(nn.Module):
     """``Decoder(config).apply({"params": params}, input_ids [b, t] int32)`` -> logits ``[b, t, vocab]`` float32.
 
     ``positions [b, t]`` default to ``0 .. t-1`` (after the tokens already in ``cache``).
-    With ``cache`` (a ``KVCache``) the call appends the tokens where ``ok [b, t]`` (default: all; False marks
-    padding) and returns ``(logits, cache)``. ``logits_index [b]`` computes the logits of one position per row only
-    (e.g. the last prompt token), giving ``[b, 1, vocab]``.
-
-    ``position_mode`` and ``stat_update`` configure the cached path for an eviction policy (see
-    ``lcx.model.cached_attention``); ``stat_weights [b, t]`` marks the queries whose attention feeds the score.
+    With ``cache`` (a cache state, ``lcx.cache.base``) the call appends the tokens where ``ok [b, t]`` (default:
+    all; False marks padding) and returns ``(logits, cache)``; each layer attends through the cache's own
+    ``attend``. ``logits_index [b]`` computes the logits of one position per row only (e.g. the last prompt token),
+    giving ``[b, 1, vocab]``. ``stat_weights [b, t]`` marks the queries whose attention feeds eviction statistics.
     """
 
     config: ModelConfig
-    position_mode: str = "original"
-    stat_update: str | None = None
 
     @nn.compact
-    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None, cache: KVCache | None = None,
+    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None, cache=None,
                  ok: jax.Array | None = None, logits_index: jax.Array | None = None,
                  stat_weights: jax.Array | None = None):
         cfg = self.config
@@ -81,7 +74,7 @@ class Decoder(nn.Module):
             in_axes=(nn.broadcast,) * 5 + (0,),
             length=cfg.n_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg, self.position_mode, self.stat_update, name="layers")
+        )(cfg, name="layers")
         x, layer_caches = layers(x, cos, sin, positions, ok, stat_weights,
                                  None if cache is None else cache.layers())
 

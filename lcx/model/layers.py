@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lcx.config import ModelConfig
+from lcx.model.config import ModelConfig
 from lcx.model.params import as_dtype, declare, normal, ones
 
 

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from lcx.config import ConfigError, canonical_dtype
+from lcx.config_base import ConfigError, canonical_dtype
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
@@ -124,7 +124,7 @@ class DataConfig:
         self.make_task()  # validates the name and the parameters now, not at the first batch
 
     def make_task(self):
-        from lcx.data.tasks import make_task
+        from lcx.data import make_task
 
         return make_task(self.task, dict(self.params))
 

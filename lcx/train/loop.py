@@ -25,7 +25,7 @@ import yaml
 
 from lcx.config import ConfigError, ModelConfig, to_dict
 from lcx.data.batches import BatchSource
-from lcx.data.tasks import TOKENIZER
+from lcx.data.task import TOKENIZER
 from lcx.train import checkpoint as ckpt
 from lcx.train.config import DataConfig, TrainConfig
 from lcx.train.metrics import MetricsLogger, truncate_metrics

@@ -52,3 +52,18 @@ def test_column_sums_of_last_queries_are_rows_of_full_attention():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
     np.testing.assert_allclose(float(got.sum()), w * 4, rtol=1e-5)  # every (query, head) row sums to 1
     assert float(got[0, :, :200 - w].sum()) > 0.0  # the window reaches back into the prefix
+
+
+def test_column_sums_with_offsets_and_query_weights_match_reference():
+    # A prefill chunk of 24 queries written at slots 9 (row 0) and 30 (row 1) of a 64-slot cache, with only the
+    # last 5 real queries of each row counted (SnapKV's observation window inside the chunk).
+    ks = jax.random.split(jax.random.key(2), 2)
+    q = jax.random.normal(ks[0], (2, 24, 4, 32))
+    k = jax.random.normal(ks[1], (2, 64, 2, 32))
+    offsets, lengths = jnp.array([9, 30]), jnp.array([9 + 24, 30 + 20])  # row 1: 4 padded queries at the end
+    weights = jnp.zeros((2, 24)).at[0, 19:].set(1.0).at[1, 15:20].set(1.0)
+    kw = dict(q_offsets=offsets, kv_lengths=lengths, query_weights=weights)
+    got = jax.jit(functools.partial(attention_column_sums, block_sizes=SMALL))(q, k, **kw)
+    want = attention_column_sums_reference(q, k, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got.sum(axis=(1, 2))), [5 * 4, 5 * 4], rtol=1e-5)  # 5 queries x 4 heads

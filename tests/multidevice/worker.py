@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 
 import lcx  # noqa: E402
 from lcx import sharding  # noqa: E402
+from lcx.model import placement  # noqa: E402
 from lcx.generate import Generator  # noqa: E402
 from lcx.model import Decoder  # noqa: E402
 
@@ -46,7 +47,7 @@ def forward(config, params, ids, mesh=None) -> np.ndarray:
     model = Decoder(config)
     if mesh is None:
         return np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(ids)))
-    placed = sharding.shard_params(params, config, mesh)
+    placed = placement.shard_params(params, config, mesh)
     with sharding.use_mesh(mesh):
         ids = sharding.put(ids, sharding.batch_sharding(mesh, 2))
         return sharding.to_host(jax.jit(model.apply)({"params": placed}, ids))
@@ -97,7 +98,7 @@ def topology_error(n_kv_heads: int, n_heads: int, mesh_shape: list[int]) -> dict
     errors = {}
     for name, call in {
         "generate": lambda: lcx.generate(config, params, prompts(), max_new_tokens=2, mesh=mesh),
-        "shard_params": lambda: sharding.shard_params(params, config, mesh),
+        "shard_params": lambda: placement.shard_params(params, config, mesh),
         "apply_under_mesh": lambda: _apply_unsharded_params(config, params, mesh),
     }.items():
         try:
@@ -146,7 +147,7 @@ def checkpoint_save(directory: str, mesh_shape: list[int]) -> dict:
     config = tiny("xla")  # the checkpoint, not the kernels, is under test
     params = lcx.init_params(config, jax.random.key(0))
     mesh = sharding.make_mesh(*mesh_shape)
-    placed = sharding.shard_params(params, config, mesh)
+    placed = placement.shard_params(params, config, mesh)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(Path(directory).absolute() / "params", placed, force=True)
     checkpointer.wait_until_finished()
@@ -165,7 +166,7 @@ def checkpoint_restore(directory: str, mesh_shape: list[int] | None) -> dict:
     config = tiny("xla")  # the checkpoint, not the kernels, is under test
     original = lcx.init_params(config, jax.random.key(0))
     mesh = None if mesh_shape is None else sharding.make_mesh(*mesh_shape)
-    target = sharding.param_structs(config, mesh)
+    target = placement.param_structs(config, mesh)
     restored = ocp.StandardCheckpointer().restore(Path(directory).absolute() / "params", target)
     same_params = all(np.array_equal(np.asarray(a), np.asarray(b))
                       for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(original)))

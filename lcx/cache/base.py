@@ -1,0 +1,199 @@
+"""The cache contract: what every cache type implements, so generation and the model never branch on the type.
+
+A cache type is two objects:
+
+- a *kind*: a frozen dataclass (hashable, static under jit) holding everything fixed for a run - the model shape the
+  cache stores, the storage dtype, the policy and its budgets - and the behaviour (:class:`CacheKind`);
+- a *state*: a ``flax.struct`` pytree of the buffers the kind declares (:class:`CacheState`), with the kind as a
+  static field, threaded through the model and the decode loop as argument and return value.
+
+Call sites and what they call:
+
+    Generator (host)        kind.plan -> kind.create -> [chunks] -> kind.end_prefill -> [decode segments]
+                            kind.sync between jitted calls (host-side work such as moving blocks to a store)
+    prefill/decode (jit)    kind.make_room(state, n) before each model call; the model call itself
+    model layer (scan)      kind.attend(layer, q, k, v, ...): write the new keys/values, attend, update statistics
+    eviction (jit)          kind.evict(state) -> (state, left): ``left`` is what was removed, for a store to take
+
+Adding a cache type: subclass :class:`CacheKind` and :class:`CacheState`, and register a policy whose
+``cache_kind`` builds the kind (``lcx.cache.policy``). ``lcx.generate`` needs no change.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+
+from lcx import sharding
+from lcx.cache import schema
+from lcx.cache.schema import Field
+from lcx.config_base import ConfigError
+
+
+class CacheCapacityError(ConfigError):
+    """The requested generation does not fit the cache budget or the memory limit."""
+
+
+class CacheState:
+    """Base of the pytrees of cache types (subclasses are ``flax.struct`` dataclasses with a static ``kind``).
+
+    Every cache type has a ``lengths [batch]`` buffer: the tokens each sequence has consumed (its next position),
+    and reports the ``capacity`` it was created with (``kind.create(batch, capacity)`` rebuilds its shape).
+    """
+
+    kind: Any
+    lengths: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        raise NotImplementedError(f"{type(self).__name__} must report its capacity")
+
+    def layers(self) -> "CacheState":
+        """The per-layer buffers (first axis ``layers``), the others removed: what the model's layer scan slices."""
+        fields = self.kind.fields()
+        return self.replace(**{n: None for n, f in fields.items() if not f.per_layer})
+
+    def with_layers(self, layers: "CacheState", lengths: jax.Array) -> "CacheState":
+        """This state with the per-layer buffers of ``layers`` and new ``lengths``."""
+        fields = self.kind.fields()
+        return layers.replace(lengths=lengths, **{n: getattr(self, n) for n, f in fields.items()
+                                                   if not f.per_layer and n != "lengths"})
+
+    def buffers(self) -> dict[str, jax.Array]:
+        return {n: getattr(self, n) for n in self.kind.fields()}
+
+    def kv_bytes(self) -> int:
+        """Bytes of the key/value buffers held on the device (the ``kv`` role)."""
+        fields = self.kind.fields()
+        return int(sum(x.size * x.dtype.itemsize for n, x in self.buffers().items() if fields[n].role == "kv"))
+
+    def metadata_bytes(self) -> int:
+        fields = self.kind.fields()
+        return int(sum(x.size * x.dtype.itemsize for n, x in self.buffers().items() if fields[n].role != "kv"))
+
+
+class CacheKind(abc.ABC):
+    """The behaviour of a cache type (subclasses are frozen dataclasses). See the module docstring.
+
+    ``name`` is the ``cache_type`` policies refer to; ``from_config`` builds the kind for a model and a
+    ``CacheConfig`` (and its instantiated policy).
+    """
+
+    name: ClassVar[str] = ""
+    state_type: ClassVar[type]
+
+    @classmethod
+    @abc.abstractmethod
+    def from_config(cls, model, cache, policy) -> "CacheKind":
+        """The kind for ``model`` (the KV heads the cache stores), ``cache`` (a ``CacheConfig``) and ``policy``."""
+
+    # ------------------------------------------------------------------------------------------- declaration
+    @abc.abstractmethod
+    def fields(self) -> Mapping[str, Field]:
+        """The buffers, once: name -> :class:`Field` (must include ``lengths`` with axes ``("batch",)``)."""
+
+    @abc.abstractmethod
+    def sizes(self, batch: int, capacity: int) -> Mapping[str, int]:
+        """The size of every logical axis the fields use."""
+
+    @property
+    @abc.abstractmethod
+    def kv_dtype(self) -> str:
+        """Storage dtype of the ``"kv"`` buffers."""
+
+    # ------------------------------------------------------------------------------------------- host planning
+    @abc.abstractmethod
+    def plan(self, batch: int, max_prompt: int, max_new_tokens: int) -> int:
+        """Slots per layer and sequence for this request (the ``capacity``); ``CacheCapacityError`` if impossible."""
+
+    def prefill_chunk(self, requested: int, max_len: int, capacity: int) -> int:
+        """Tokens per prefill chunk: the request, or the prompt rounded up to a power of two when shorter."""
+        return min(requested, 1 << (max_len - 1).bit_length())
+
+    def prefill_weights(self, lengths: np.ndarray, width: int) -> np.ndarray | None:
+        """Which prompt queries feed attention statistics, ``[batch, width]`` float32; None: no statistics."""
+        return None
+
+    decode_segment: ClassVar[int | None] = None  # decode steps per jitted call before ``sync`` (None: no limit)
+
+    # ------------------------------------------------------------------------------------------- derived
+    def abstract(self, batch: int, capacity: int) -> CacheState:
+        return self.state_type(kind=self, **schema.abstract(self.fields(), self.sizes(batch, capacity),
+                                                            self.kv_dtype))
+
+    def create(self, batch: int, capacity: int) -> CacheState:
+        """An empty cache of ``capacity`` slots per layer and sequence."""
+        if capacity <= 0 or batch <= 0:
+            raise ValueError(f"{capacity=} and {batch=} must be positive")
+        return self.state_type(kind=self, **schema.empty(self.fields(), self.sizes(batch, capacity), self.kv_dtype))
+
+    def nbytes(self, batch: int, capacity: int, role: str | None = "kv") -> int:
+        """Bytes of the buffers of ``role`` for ``batch`` x ``capacity`` (None: all buffers)."""
+        return schema.nbytes(self.fields(), self.sizes(batch, capacity), self.kv_dtype, role)
+
+    def shardings(self, state: CacheState, mesh) -> CacheState:
+        """``state`` (possibly abstract) with a ``NamedSharding`` per buffer, from the fields' logical axes."""
+        return state.replace(**{n: sharding.named_sharding(f.axes, getattr(state, n).shape, mesh, f"cache {n}")
+                                for n, f in self.fields().items()})
+
+    def layer_axes(self) -> CacheState:
+        """The per-layer buffers' logical axes (the layout ``per_shard`` gives kernels inside the layer scan)."""
+        return self.state_type(kind=self, **{n: (f.axes[1:] if f.per_layer else None)
+                                             for n, f in self.fields().items()})
+
+    # ------------------------------------------------------------------------------------------- in the model
+    @abc.abstractmethod
+    def attend(self, layer: CacheState, q: jax.Array, key: jax.Array, val: jax.Array, *, cos: jax.Array,
+               sin: jax.Array, positions: jax.Array, ok: jax.Array, stat_weights: jax.Array | None
+               ) -> tuple[jax.Array, CacheState]:
+        """One layer: append ``key, val [b, t, k, d]`` (unrotated, where ``ok [b, t]``) at ``positions [b, t]`` and
+        attend ``q [b, t, h, d]`` (unrotated; ``cos, sin`` are the RoPE tables of ``positions``) to the cache.
+        ``stat_weights [b, t]``: the queries whose attention feeds eviction statistics (None: none).
+        Returns ``(out [b, t, h, d], layer)``."""
+
+    # ------------------------------------------------------------------------------------------- between calls
+    def evict(self, state: CacheState) -> tuple[CacheState, Any]:
+        """Compact to the budget: ``(state, left)``, ``left`` what was removed (None for caches that keep all)."""
+        return state, None
+
+    def make_room(self, state: CacheState, n: jax.Array) -> CacheState:
+        """Called (jitted) before ``n`` more tokens per row are appended; evicting caches compact here."""
+        return state
+
+    def end_prefill(self, state: CacheState) -> CacheState:
+        """Called (jitted) once the prompt is in the cache (compress-after-prefill policies act here)."""
+        return state
+
+    def sync(self, state: CacheState) -> CacheState:
+        """Host-side work between jitted calls (e.g. moving evicted blocks to a host store)."""
+        return state
+
+    def store_bytes(self, state: CacheState) -> int:
+        """Bytes held off the device (host memory or disk) for ``state``."""
+        return 0
+
+
+_KINDS: dict[str, type[CacheKind]] = {}
+
+
+def register_kind(cls: type[CacheKind]) -> type[CacheKind]:
+    """Class decorator: make cache type ``cls`` available as ``cache_type = cls.name`` of policies."""
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} needs a class attribute name")
+    if cls.name in _KINDS and _KINDS[cls.name] is not cls:
+        raise TypeError(f"a cache type named {cls.name!r} is already registered ({_KINDS[cls.name]})")
+    _KINDS[cls.name] = cls
+    return cls
+
+
+def kind_class(name: str) -> type[CacheKind]:
+    if name not in _KINDS:
+        raise ConfigError(f"cache type {name!r} is not registered (known: {sorted(_KINDS)})")
+    return _KINDS[name]
+
+
+__all__ = ["CacheCapacityError", "CacheKind", "CacheState", "kind_class", "register_kind"]

@@ -1,0 +1,112 @@
+"""``CacheConfig``: the ``cache:`` section - which policy (and so which cache type), its budget and memory limits.
+
+``CacheConfig(policy="full", budget=None, dtype=None, prefill_chunk=512, interval=64, max_bytes=None,
+**policy_params)``: ``policy`` names a registered policy (``lcx.cache.policy``), whose parameters (``sinks``,
+``span``, ``window``, ...) are validated by the policy itself; ``CacheConfig.kind(model)`` builds the cache type
+that implements it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from lcx.cache.base import CacheKind, kind_class
+from lcx.cache.policy import CachePolicy, make_policy
+from lcx.config_base import ConfigError, canonical_dtype, check, coerce
+
+if TYPE_CHECKING:
+    from lcx.model.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class CacheConfig:
+    """The KV cache of generation: eviction policy, budget and memory.
+
+    ``CacheConfig(policy="full", budget=None, dtype=None, prefill_chunk=512, interval=64, max_bytes=None,
+    **policy_params)``. ``budget`` is the number of tokens per sequence and layer the cache keeps (with ``full``:
+    the most it may hold); ``interval`` extra slots let decode compact every ``interval`` steps instead of every
+    step; ``max_bytes`` caps the KV memory, checked before anything runs. Policy parameters (``sinks``, ``span``,
+    ...) go to the policy named by ``policy`` and are validated by it.
+    """
+
+    policy: str = "full"
+    budget: int | tuple[int, ...] | None = None
+    budget_schedule: str = "uniform"
+    dtype: str | None = None
+    prefill_chunk: int = 512
+    interval: int = 64
+    max_bytes: int | None = None
+    policy_params: tuple[tuple[str, Any], ...] = ()
+
+    def __init__(self, policy: str = "full", budget: int | Sequence[int] | None = None,
+                 budget_schedule: str = "uniform", dtype: str | None = None, prefill_chunk: int = 512,
+                 interval: int = 64, max_bytes: int | None = None, **policy_params):
+        if isinstance(budget, Sequence) and not isinstance(budget, str):
+            budget = tuple(budget)
+        values = dict(policy=policy, budget=budget, budget_schedule=budget_schedule, dtype=dtype,
+                      prefill_chunk=prefill_chunk, interval=interval, max_bytes=max_bytes,
+                      policy_params=tuple(sorted(policy_params.items())))
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+        self.__post_init__()
+
+    def __post_init__(self):
+        budgets = self.budget if isinstance(self.budget, tuple) else (self.budget,)
+        for value in budgets:
+            check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0),
+                  "cache.budget", self.budget, "must be a positive integer, a list of them (one per layer) or null")
+        check(self.max_bytes is None or (isinstance(self.max_bytes, int) and self.max_bytes > 0), "cache.max_bytes",
+              self.max_bytes, "must be a positive integer or null")
+        check(self.budget_schedule in ("uniform", "pyramid"), "cache.budget_schedule", self.budget_schedule,
+              "must be 'uniform' or 'pyramid'")
+        for name in ("prefill_chunk", "interval"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value > 0, f"cache.{name}", value, "must be a positive integer")
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "cache.dtype"))
+        policy = self.make_policy()  # validates the name and the policy's parameters
+        if policy.evicts and self.budget is None:
+            raise ConfigError(f"cache.budget=None is invalid for cache.policy={self.policy!r}: an evicting policy "
+                              "needs a budget (tokens kept per sequence and layer)")
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.policy_params)
+
+    @property
+    def max_budget(self) -> int | None:
+        if self.budget is None:
+            return None
+        if isinstance(self.budget, tuple):
+            return max(self.budget)
+        return int(round(self.budget * 1.5)) if self.budget_schedule == "pyramid" else self.budget
+
+    def make_policy(self) -> CachePolicy:
+        return make_policy(self.policy, self.params)
+
+    def kind(self, model: ModelConfig) -> CacheKind:
+        """The cache type that implements this policy, for ``model`` (the KV heads the cache stores)."""
+        policy = self.make_policy()
+        return kind_class(policy.cache_type).from_config(model, self, policy)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], prefix: str = "cache") -> "CacheConfig":
+        """From a flat mapping (a YAML ``cache:`` section): known keys are fields, the rest policy parameters."""
+        data = dict(data)
+        data.pop("policy_params", None)
+        hints = {"dtype": str | None, "prefill_chunk": int, "interval": int, "max_bytes": int | None,
+                 "policy": str, "budget_schedule": str}
+        kwargs = {k: coerce(v, hints[k], f"{prefix}.{k}") if k in hints else v for k, v in data.items()}
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "policy_params"}
+        if isinstance(out["budget"], tuple):
+            out["budget"] = list(out["budget"])
+        out.update(self.params)
+        return out
+
+
+__all__ = ["CacheConfig"]

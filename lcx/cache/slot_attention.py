@@ -1,0 +1,133 @@
+"""One layer of attention against the slot cache: write, position modes, backend dispatch, eviction statistics.
+
+Einsum legend / shapes: b batch, t new tokens, C cache slots, H keep heads, h query heads, k kv heads, d head dim.
+
+Position modes (``EvictionPolicy.mode``):
+- "original": keys are rotated at their true positions before they are stored; queries at theirs.
+- "cache": keys are stored unrotated; at attention time slot j is rotated at its rank among the live slots and
+  each query at its own rank, so the model sees positions 0 .. count-1 however far decoding has gone
+  (StreamingLLM / LaCache). Slots are packed in position order, so rank = cumulative count of live slots.
+
+Live slots are packed in position order, so a chunk's query i (written at slot ``count + i``) sees exactly the slots
+``<= count + i`` - the causal mask of the backend's ``chunk`` with per-row offsets: a prefill chunk never builds a
+chunk x capacity mask for the Pallas kernel, and decode (one query) reads the live-slot mask.
+
+Attention statistics (H2O / TOVA / SnapKV): with ``stat_weights [b, t]`` (positive for queries that count), the
+probabilities those queries give each slot, summed over queries and the query heads of each keep head, are added to
+(``"sum"``) or, in rows with a counted query, replace (``"replace"``) the slot's score.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import einops
+import jax
+import jax.numpy as jnp
+
+from lcx import kernels
+from lcx.model.rope import apply_rope, rope_tables
+from lcx.sharding import BHD, BKS, BSKD, BTHD, ROWS, per_shard
+
+
+def write(layer, k: jax.Array, v: jax.Array, positions: jax.Array, ok: jax.Array):
+    """Append ``k, v [b, t, k, d]`` at ``positions [b, t]`` where ``ok [b, t]`` (padding is skipped).
+
+    Tokens go after the occupied slots of each keep head; the caller guarantees room (capacity planned on the host,
+    eviction compacts before it would overflow). Slots past the capacity are dropped by the scatter, never wrapped.
+    """
+    b, capacity, kv_heads = layer.k.shape[:3]
+    heads = layer.pos.shape[1]
+    rank = jnp.cumsum(ok.astype(jnp.int32), axis=1) - 1  # [b, t] rank among this call's real tokens
+    slot = jnp.where(ok[:, None, :], layer.count[:, :, None] + rank[:, None, :], capacity)  # [b, H, t]
+    rows, keep = jnp.arange(b)[:, None, None], jnp.arange(heads)[None, :, None]
+    if heads == 1:  # every KV head writes the same slots
+        k_new = layer.k.at[rows[:, 0], slot[:, 0]].set(k.astype(layer.k.dtype), mode="drop")
+        v_new = layer.v.at[rows[:, 0], slot[:, 0]].set(v.astype(layer.v.dtype), mode="drop")
+    else:
+        slot_kv = einops.repeat(slot, "b H t -> b t (H j)", j=kv_heads // heads)  # [b, t, k]
+        head = jnp.arange(kv_heads)[None, None, :]
+        k_new = layer.k.at[rows, slot_kv, head].set(k.astype(layer.k.dtype), mode="drop")
+        v_new = layer.v.at[rows, slot_kv, head].set(v.astype(layer.v.dtype), mode="drop")
+    return layer.replace(
+        k=k_new, v=v_new,
+        pos=layer.pos.at[rows, keep, slot].set(positions[:, None, :].astype(jnp.int32), mode="drop"),
+        valid=layer.valid.at[rows, keep, slot].set(True, mode="drop"),
+        count=layer.count + jnp.sum(ok, axis=1, dtype=jnp.int32)[:, None],
+        score=layer.score.at[rows, keep, slot].set(0.0, mode="drop"),
+    )
+
+
+def rotate_by_rank(config, x: jax.Array, ranks: jax.Array) -> jax.Array:
+    """Rotate ``x [b, T, heads, d]`` by per-keep-head positions ``ranks [b, H, T]`` (heads grouped by keep head)."""
+    b, heads, length = ranks.shape
+    cos, sin = rope_tables(config, ranks.reshape(b, heads * length))  # [b, H*T, r]
+    if heads == 1:
+        return apply_rope(x, cos, sin)
+    per_head = lambda t: einops.repeat(t.reshape(b, heads, length, -1), "b H T r -> b T (H j) r",  # noqa: E731
+                                       j=x.shape[2] // heads)
+    return apply_rope(x, per_head(cos), per_head(sin))
+
+
+def _keep_head_sums(weights: jax.Array, heads: int) -> jax.Array:
+    """``[b, k, C]`` per-KV-head attention mass -> ``[b, H, C]`` summed over the KV heads sharing a keep set."""
+    return einops.reduce(weights, "b (H j) C -> b H C", "sum", H=heads)
+
+
+def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
+    """``SlotCacheKind.attend``: append ``key, val [b, t, k, d]`` (unrotated) to ``layer`` and attend ``q [b, t, h,
+    d]`` (unrotated) to it; ``cos, sin`` are the RoPE tables of ``positions`` (used in "original" mode)."""
+    config, policy = kind.model, kind.policy
+    chex.assert_rank([q, key, val], 4)
+    chex.assert_equal_shape([key, val])
+    chex.assert_equal_shape_prefix([q, key, positions, ok], 2)
+    mode = policy.mode
+    if mode == "original":
+        q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+    heads = layer.pos.shape[1]
+    if heads != 1:
+        raise NotImplementedError("per-KV-head keep sets need per-head masks in the attention kernels")
+    q_offsets = layer.count[:, 0]  # [b] the chunk's first slot
+    layout = kind.layer_axes()  # each shard writes its rows and KV heads
+    layer = per_shard(write, (layout, BSKD, BSKD, ROWS, ROWS), layout)(layer, key, val, positions, ok)
+    mask = layer.valid[:, :, None, :] & (layer.pos[:, :, None, :] <= positions[:, None, :, None])  # [b, H, t, C]
+    k_att = layer.k
+    if mode == "cache":
+        k_att = rotate_by_rank(config, layer.k, jnp.maximum(jnp.cumsum(layer.valid, axis=-1, dtype=jnp.int32) - 1, 0))
+        q = rotate_by_rank(config, q, jnp.maximum(jnp.sum(mask, axis=-1, dtype=jnp.int32) - 1, 0))
+
+    backend = kernels.backend(config.attention.impl)
+    scale = q.shape[-1] ** -0.5
+    counted = stat_weights is not None and policy.attention_stat is not None
+    stats = None
+    if q.shape[1] == 1:
+        decode = functools.partial(backend.decode, sm_scale=scale, weights=counted)
+        call = lambda q1, k, v, valid: decode(q1, k, v, valid=valid)  # noqa: E731
+        result = per_shard(call, (BHD, BSKD, BSKD, ROWS), (BHD, BKS) if counted else BHD)(
+            q[:, 0], k_att, layer.v, mask[:, 0, 0])
+        out, weights = result if counted else (result, None)
+        out = out[:, None]
+        if counted:
+            stats = _keep_head_sums(weights, heads) * (stat_weights[:, :1, None] > 0)
+    else:
+        chunk = lambda q, k, v, off, lens: backend.chunk(q, k, v, q_offsets=off, kv_lengths=lens,  # noqa: E731
+                                                          sm_scale=scale)
+        out = per_shard(chunk, (BTHD, BSKD, BSKD, ROWS, ROWS), BTHD)(q, k_att, layer.v, q_offsets, layer.count[:, 0])
+        if counted:
+            sums = lambda q, k, off, lens, w: backend.column_sums(q, k, q_offsets=off, kv_lengths=lens,  # noqa: E731
+                                                                  query_weights=w, sm_scale=scale)
+            weights = per_shard(sums, (BTHD, BSKD, ROWS, ROWS, ROWS), BKS)(q, k_att, q_offsets, layer.count[:, 0],
+                                                                          stat_weights)
+            stats = _keep_head_sums(weights, heads)
+    if stats is not None:
+        if policy.attention_stat == "sum":
+            score = layer.score + stats
+        else:  # "replace": rows with a counted query take its attention
+            any_counted = jnp.any(stat_weights > 0, axis=1)[:, None, None]
+            score = jnp.where(any_counted, stats, layer.score)
+        layer = layer.replace(score=jnp.where(layer.valid, score, 0.0))
+    return out, layer
+
+
+__all__ = ["attend", "rotate_by_rank", "write"]

@@ -1,0 +1,158 @@
+"""The attention backend table: per implementation, the four functions the model and the caches call.
+
+Einsum legend: b batch, t queries, s keys / cache slots, h query heads, k kv heads, d head dim.
+
+=============  =====================================================================================================
+``causal``      self-attention of a whole sequence: ``q [b, t, h, d]``, ``k, v [b, t, k, d]`` -> ``[b, t, h, d]``
+``chunk``       a prefill chunk against a cache whose live slots are packed in position order: query i of row b
+                sits at slot ``q_offsets[b] + i`` and sees slots ``<= q_offsets[b] + i`` and ``< kv_lengths[b]``
+                (``causal=False``: every slot below the length) -> out, or ``(out, m, l)`` with ``residuals``
+``decode``      one query per row against slots with holes: ``q [b, h, d]``, ``valid [b, s]`` -> out, then
+                ``weights [b, k, s]`` with ``weights`` (probabilities summed over each KV group), then ``(m, l)``
+                with ``residuals``
+``column_sums`` attention each slot receives from the queries with ``query_weights [b, t] > 0`` of a chunk (masks as
+                ``chunk``), summed over queries and each KV group -> ``[b, k, s]`` float32 (H2O / SnapKV scores)
+=============  =====================================================================================================
+
+Residuals ``(m, l)`` are each row's logit max and sum of exponentials (natural log base), which
+:func:`lcx.kernels.merge_partials` combines exactly: a cache may attend its parts separately and merge.
+
+Implementations: ``reference`` (pure jnp, float32 at HIGHEST precision: the oracle), ``xla`` (jnp / XLA attention at
+default precision; cuDNN through ``jax.nn.dot_product_attention`` for ``causal`` on GPU), ``pallas`` (the flash,
+split-K decode and column-sum kernels: compiled on GPU, interpreted elsewhere - a test path, slow by design).
+``auto`` (the default of ``attention.impl``) is ``pallas`` where the kernels compile (a GPU backend) and ``xla``
+elsewhere. The list of valid ``attention.impl`` values is this table's keys plus ``auto``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from lcx.kernels.decode import decode_attention
+from lcx.kernels.flash import flash_attention
+from lcx.kernels.reference import (attention_column_sums_reference, attention_mask, attention_reference,
+                                   decode_attention_reference, masked_attention_parts)
+from lcx.kernels.window_stats import attention_column_sums
+
+_DEFAULT = jax.lax.Precision.DEFAULT
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One attention implementation (see the module docstring for the four signatures)."""
+
+    name: str
+    causal: Callable
+    chunk: Callable
+    decode: Callable
+    column_sums: Callable
+
+
+def _compute_dtype(*xs):
+    """XLA:CPU has no float16 dot with float32 accumulation: compute float16 inputs in float32 there."""
+    if jax.default_backend() == "cpu" and any(x.dtype == jnp.float16 for x in xs):
+        return tuple(x.astype(jnp.float32) for x in xs)
+    return xs
+
+
+def _chunk_mask(q, k, q_offsets, kv_lengths, causal):
+    return attention_mask(q.shape[1], k.shape[1], causal=causal, kv_lengths=kv_lengths, batch=q.shape[0],
+                          q_offsets=q_offsets)
+
+
+def _jnp_chunk(q, k, v, *, q_offsets, kv_lengths, sm_scale, causal=True, residuals=False, precision):
+    dtype = q.dtype
+    q, k, v = _compute_dtype(q, k, v)
+    o, m, l = masked_attention_parts(q, k, v, _chunk_mask(q, k, q_offsets, kv_lengths, causal), sm_scale=sm_scale,
+                                     precision=precision)
+    o = o.astype(dtype)
+    return (o, m, l) if residuals else o
+
+
+def _jnp_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale):
+    # Statistics in float32 at HIGHEST precision for both jnp backends: they rank tokens, and ties must not flip
+    # between implementations.
+    return attention_column_sums_reference(q, k, causal=True, sm_scale=sm_scale, kv_lengths=kv_lengths,
+                                           q_offsets=q_offsets, query_weights=query_weights)
+
+
+def _jnp_decode(q, k, v, *, valid, sm_scale, weights=False, residuals=False, precision):
+    dtype = q.dtype
+    q, k, v = _compute_dtype(q, k, v)
+    out = decode_attention_reference(q, k, v, valid=valid, sm_scale=sm_scale, return_weights=weights,
+                                     return_residuals=residuals, precision=precision)
+    if isinstance(out, tuple):
+        return (out[0].astype(dtype), *out[1:])
+    return out.astype(dtype)
+
+
+def _xla_causal(q, k, v, *, sm_scale):
+    # jax.nn.dot_product_attention handles GQA itself (K/V heads broadcast over query groups); cuDNN on GPU.
+    dtype = q.dtype
+    q, k, v = _compute_dtype(q, k, v)
+    return jax.nn.dot_product_attention(q, k, v, scale=sm_scale, is_causal=True).astype(dtype)
+
+
+def _pallas_chunk(q, k, v, *, q_offsets, kv_lengths, sm_scale, causal=True, residuals=False):
+    return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, kv_lengths=kv_lengths, q_offsets=q_offsets,
+                           return_residuals=residuals)
+
+
+def _pallas_decode(q, k, v, *, valid, sm_scale, weights=False, residuals=False):
+    return decode_attention(q, k, v, valid=valid, sm_scale=sm_scale, return_weights=weights,
+                            return_residuals=residuals)
+
+
+def _pallas_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale):
+    return attention_column_sums(q, k, causal=True, sm_scale=sm_scale, kv_lengths=kv_lengths, q_offsets=q_offsets,
+                                 query_weights=query_weights)
+
+
+BACKENDS: dict[str, Backend] = {
+    "reference": Backend(
+        "reference",
+        causal=lambda q, k, v, *, sm_scale: attention_reference(q, k, v, causal=True, sm_scale=sm_scale),
+        chunk=functools.partial(_jnp_chunk, precision=jax.lax.Precision.HIGHEST),
+        decode=functools.partial(_jnp_decode, precision=jax.lax.Precision.HIGHEST),
+        column_sums=_jnp_column_sums),
+    "xla": Backend("xla", causal=_xla_causal, chunk=functools.partial(_jnp_chunk, precision=_DEFAULT),
+                   decode=functools.partial(_jnp_decode, precision=_DEFAULT), column_sums=_jnp_column_sums),
+    "pallas": Backend("pallas", causal=lambda q, k, v, *, sm_scale: flash_attention(q, k, v, causal=True,
+                                                                                     sm_scale=sm_scale),
+                      chunk=_pallas_chunk, decode=_pallas_decode, column_sums=_pallas_column_sums),
+}
+IMPLS: tuple[str, ...] = ("auto", *BACKENDS)
+
+
+def resolve(impl: str) -> str:
+    """The backend ``impl`` names: ``auto`` is ``pallas`` on a GPU backend (the kernels compile to Triton there)
+    and ``xla`` elsewhere (on CPU the kernels would run in the Pallas interpreter)."""
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if impl not in BACKENDS:
+        raise ValueError(f"attention impl={impl!r} is not available; allowed: {list(IMPLS)}")
+    return impl
+
+
+def backend(impl: str) -> Backend:
+    """The table row of ``impl`` (``auto`` resolved for the default JAX backend)."""
+    return BACKENDS[resolve(impl)]
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str = "reference", causal: bool = True,
+              sm_scale: float | None = None) -> jax.Array:
+    """Self-attention over a whole sequence: ``q [b, t, h, d]``, ``k, v [b, t, k, d]`` -> ``[b, t, h, d]``."""
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    if causal:
+        return backend(impl).causal(q, k, v, sm_scale=sm_scale)
+    lengths = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
+    return backend(impl).chunk(q, k, v, q_offsets=jnp.zeros_like(lengths), kv_lengths=lengths, sm_scale=sm_scale,
+                               causal=False)
+
+
+__all__ = ["BACKENDS", "Backend", "IMPLS", "attention", "backend", "resolve"]

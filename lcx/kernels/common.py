@@ -1,0 +1,130 @@
+"""Helpers every Pallas kernel of lcx shares: base-2 softmax constants, fp32-accumulating dots, Triton-friendly
+padding, argument checks, and the exact merge of partial attentions.
+
+Einsum legend: b batch, t queries, h query heads, d head dim.
+
+Partial attentions. A softmax attention over keys A is kept as ``(o, m, l)``: the normalized output ``o``, the row
+max ``m`` of the logits and the sum ``l = sum_j exp(s_j - m)`` (natural log base). Attention over A u B is then the
+log-sum-exp combine of the parts (:func:`merge_partials`) - exact, the way flash-decoding combines its splits - so a
+cache can attend its tiers separately (working memory and recalled blocks) and merge.
+"""
+
+from __future__ import annotations
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# Finite, so the running max of a row that has seen only masked keys stays finite (no inf - inf = NaN).
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _dot(a, b, contract):
+    # fp32 inputs get IEEE fp32 products: Triton's default for them is TF32 (~1e-3 relative), too coarse for an fp32
+    # kernel checked to 1e-4. bf16/fp16 inputs use the tensor cores either way; accumulation is always fp32.
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+
+def dot_nt(a, b):
+    """``a @ b.T`` with fp32 accumulation."""
+    return _dot(a, b, ((1,), (1,)))
+
+
+def dot_tn(a, b):
+    """``a.T @ b`` with fp32 accumulation."""
+    return _dot(a, b, ((0,), (0,)))
+
+
+def dot_nn(a, b):
+    """``a @ b`` with fp32 accumulation."""
+    return _dot(a, b, ((1,), (0,)))
+
+
+def fit_block(block: int, length: int) -> int:
+    """A tile no longer than the power-of-two rounded length, and >= 16 (smallest Triton dot)."""
+    return max(16, min(block, pl.next_power_of_2(max(length, 1))))
+
+
+def padded_head_dim(d: int) -> int:
+    """Triton tensors need power-of-two sizes: 80 and 96 become 128."""
+    return max(16, pl.next_power_of_2(d))
+
+
+def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """Zero-pad ``axis`` of ``x`` to ``size`` (no copy when it already has that size)."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def row_ints(x, batch: int, name: str) -> jax.Array | None:
+    """``x`` as int32 ``[batch]`` (None stays None); ``name`` for the error."""
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if x.shape != (batch,):
+        raise ValueError(f"{name}.shape={x.shape} must be ({batch},)")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name}.dtype={x.dtype} must be an integer type")
+    return x.astype(jnp.int32)
+
+
+def check_qkv(q, k, v) -> int:
+    """Validate ``q [b, t, h, d]``, ``k, v [b, s, k, d]``; return g = h // k."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be [batch, len, heads, head_dim]; got {q.shape=}, {k.shape=}, {v.shape=}")
+    if k.shape != v.shape:
+        raise ValueError(f"{k.shape=} must equal {v.shape=}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"{q.shape=} and {k.shape=} must agree on batch and head_dim")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q_heads={q.shape[2]} must be a multiple of kv_heads={k.shape[2]}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name}.dtype={x.dtype} must be a floating type")
+    return q.shape[2] // k.shape[2]
+
+
+# --------------------------------------------------------------------------------------------------- merging
+def merge_partials(a: tuple[jax.Array, jax.Array, jax.Array], b: tuple[jax.Array, jax.Array, jax.Array]
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Attention over keys A u B from the parts over A and over B: ``(o, m, l)`` each, ``o [..., d]``, ``m, l [...]``.
+
+    ``m = max(m_a, m_b)``, ``l = l_a e^(m_a - m) + l_b e^(m_b - m)``, ``o = (o_a l_a e^(m_a - m) + o_b l_b e^(m_b -
+    m)) / l``. A part that saw no key has ``l = 0`` (any ``m``, ``-inf`` included) and contributes nothing; when
+    neither saw a key the output is 0, never NaN. The result is in float32 with ``m = -inf`` for empty rows.
+    """
+    (oa, ma, la), (ob, mb, lb) = a, b
+    chex.assert_equal_shape([oa, ob])
+    chex.assert_equal_shape([ma, la, mb, lb, oa[..., 0]])
+    ma, mb = (jnp.where(l > 0, m, -jnp.inf).astype(jnp.float32) for m, l in ((ma, la), (mb, lb)))
+    m = jnp.maximum(ma, mb)
+    safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    wa = jnp.where(la > 0, la * jnp.exp(ma - safe), 0.0)
+    wb = jnp.where(lb > 0, lb * jnp.exp(mb - safe), 0.0)
+    l = wa + wb
+    denom = jnp.where(l > 0, l, 1.0)[..., None]
+    o = (oa.astype(jnp.float32) * wa[..., None] + ob.astype(jnp.float32) * wb[..., None]) / denom
+    return o, m, l
+
+
+__all__ = ["LN2", "LOG2E", "MASK_VALUE", "check_qkv", "dot_nn", "dot_nt", "dot_tn", "fit_block", "is_pow2",
+           "merge_partials", "pad_axis", "padded_head_dim", "round_up", "row_ints"]

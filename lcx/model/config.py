@@ -1,0 +1,161 @@
+"""The model's configuration: ``ModelConfig`` (a Llama-family decoder), ``RopeConfig`` and ``AttentionConfig``.
+
+Frozen dataclasses validated in ``__post_init__``: a bad value raises ``ConfigError`` naming the key, the value and
+what is allowed, at load time. RoPE types come from their registry (``lcx.model.rope_scaling``), attention
+implementations from the backend table (``lcx.kernels.backends``), so adding either needs no change here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lcx.config_base import ConfigError, canonical_dtype, check
+from lcx.kernels.backends import IMPLS
+from lcx.model import rope_scaling
+
+# --------------------------------------------------------------------------------------------------- rope
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding and its scaling variant (Hugging Face conventions, half-split layout).
+
+    ``original_max_position_embeddings`` defaults to the model's ``max_position_embeddings`` where a type needs it
+    (yarn, llama3, longrope), as transformers does.
+    """
+
+    type: str = "default"
+    theta: float = 10000.0
+    factor: float | None = None
+    partial_rotary_factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    # llama3
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    # longrope: one factor per rotary frequency (rotary_dim / 2 values)
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        check(self.type in rope_scaling.rope_types(), "rope.type", self.type,
+              f"must be one of {list(rope_scaling.rope_types())}")
+        kind = rope_scaling.get(self.type)
+        check(self.theta > 0, "rope.theta", self.theta, "must be > 0")
+        check(0 < self.partial_rotary_factor <= 1, "rope.partial_rotary_factor", self.partial_rotary_factor,
+              "must be in (0, 1]")
+        for name in kind.required:
+            if getattr(self, name) is None:
+                raise ConfigError(f"rope.{name} is required for rope.type={self.type!r} (missing); "
+                                  f"{self.type} needs {list(kind.required)}")
+        if self.factor is not None:
+            check(self.factor >= 1.0 or self.type in ("default", "longrope"), "rope.factor", self.factor,
+                  "a scaling factor must be >= 1")
+            check(self.factor > 0, "rope.factor", self.factor, "must be > 0")
+        if kind.check is not None:
+            kind.check(self)
+        for name in ("short_factor", "long_factor"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(float(x) for x in value))
+
+
+# --------------------------------------------------------------------------------------------------- attention
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Which attention implementation the model calls: a row of ``lcx.kernels.backends`` or ``auto`` (compiled
+    Pallas kernels on a GPU, XLA elsewhere)."""
+
+    impl: str = "auto"
+
+    def __post_init__(self):
+        check(self.impl in IMPLS, "attention.impl", self.impl, f"must be one of {list(IMPLS)}")
+
+
+# --------------------------------------------------------------------------------------------------- model
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder: Llama, Mistral (no sliding window) and Qwen2 (q/k/v bias) share this shape.
+
+    ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype of the weights; softmax, norm statistics and
+    logits are float32 regardless.
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    head_dim: int | None = None
+    max_position_embeddings: int = 4096
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: bool = False
+    init_std: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
+    attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value > 0, f"model.{name}", value, "must be a positive integer")
+        check(self.n_heads % self.n_kv_heads == 0, "model.n_heads", self.n_heads,
+              f"must be a multiple of model.n_kv_heads={self.n_kv_heads} (GQA groups must be whole); valid "
+              f"n_kv_heads for {self.n_heads} heads: {[k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]}")
+        if self.head_dim is None:
+            check(self.d_model % self.n_heads == 0, "model.d_model", self.d_model,
+                   f"must be a multiple of model.n_heads={self.n_heads} when model.head_dim is not given")
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        check(isinstance(self.head_dim, int) and self.head_dim > 0 and self.head_dim % 2 == 0, "model.head_dim",
+              self.head_dim, "must be a positive even integer (RoPE rotates pairs)")
+        check(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0 (RMSNorm divides by it)")
+        check(self.init_std > 0, "model.init_std", self.init_std, "must be > 0")
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "model.dtype"))
+        object.__setattr__(self, "param_dtype", canonical_dtype(self.param_dtype, "model.param_dtype"))
+        rotary = self.rotary_dim
+        check(rotary % 2 == 0 and rotary > 0, "rope.partial_rotary_factor", self.rope.partial_rotary_factor,
+              f"gives an odd or zero rotary dim {rotary} for head_dim={self.head_dim}")
+        for name in ("short_factor", "long_factor"):
+            value = getattr(self.rope, name)
+            if value is not None and len(value) != rotary // 2:
+                raise ConfigError(f"rope.{name} has {len(value)} values; rope.type='longrope' needs rotary_dim/2 = "
+                                  f"{rotary // 2} (one per frequency)")
+
+    @property
+    def n_groups(self) -> int:
+        """Query heads per KV head."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    @property
+    def original_max_position_embeddings(self) -> int:
+        return self.rope.original_max_position_embeddings or self.max_position_embeddings
+
+    def num_params(self) -> int:
+        """Exact parameter count of this architecture."""
+        e, h, k, d, f, v = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim, self.d_ff, self.vocab_size
+        attn = e * h * d + 2 * e * k * d + h * d * e
+        if self.qkv_bias:
+            attn += h * d + 2 * k * d
+        if self.o_bias:
+            attn += e
+        layer = attn + 3 * e * f + 2 * e
+        return self.n_layers * layer + v * e * (1 if self.tie_embeddings else 2) + e
+
+
+__all__ = ["AttentionConfig", "ModelConfig", "RopeConfig"]

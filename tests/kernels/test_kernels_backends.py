@@ -1,0 +1,69 @@
+"""The attention backend table: one row per implementation, the list of valid ``attention.impl`` values derived from
+it, ``auto`` resolving to XLA on CPU, and every row agreeing with the reference on the four functions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lcx
+from lcx import kernels
+from lcx.config import ConfigError
+
+
+def test_backends_impls_derive_from_the_table():
+    assert kernels.IMPLS == ("auto", *kernels.BACKENDS)
+    assert set(kernels.BACKENDS) == {"reference", "xla", "pallas"}
+    with pytest.raises(ConfigError, match=r"attention.impl='flash3' is invalid: must be one of \['auto', "):
+        lcx.AttentionConfig(impl="flash3")
+    assert lcx.AttentionConfig().impl == "auto"
+
+
+def test_backends_auto_is_xla_on_cpu():
+    assert jax.default_backend() == "cpu"
+    assert kernels.resolve("auto") == "xla" and kernels.backend("auto") is kernels.BACKENDS["xla"]
+
+
+def test_backends_default_generation_on_cpu_runs_no_pallas_kernel():
+    cfg = lcx.ModelConfig(vocab_size=40, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=32)
+    params = lcx.init_params(cfg, jax.random.key(0))
+    cache = lcx.CacheConfig().kind(cfg).create(1, 8)
+    step = lambda p, ids, c: lcx.Decoder(cfg).apply({"params": p}, ids, cache=c)  # noqa: E731
+    default = str(jax.make_jaxpr(step)(params, jnp.ones((1, 1), jnp.int32), cache))
+    assert "pallas_call" not in default
+    cfg_p = dataclasses.replace(cfg, attention=lcx.AttentionConfig(impl="pallas"))
+    forced = str(jax.make_jaxpr(lambda p, ids, c: lcx.Decoder(cfg_p).apply({"params": p}, ids, cache=c))(
+        params, jnp.ones((1, 1), jnp.int32), lcx.CacheConfig().kind(cfg_p).create(1, 8)))
+    assert "pallas_call" in forced  # the check can fail
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_backends_rows_agree_with_the_reference(impl):
+    ks = jax.random.split(jax.random.key(1), 4)
+    b, t, s, h, kv, d = 2, 6, 40, 4, 2, 16
+    q = jax.random.normal(ks[0], (b, t, h, d))
+    k = jax.random.normal(ks[1], (b, s, kv, d))
+    v = jax.random.normal(ks[2], (b, s, kv, d))
+    off, lens = jnp.array([3, 30]), jnp.array([9, 36])
+    weights = jnp.array([[0, 0, 1, 1, 1, 1], [1, 0, 1, 0, 1, 1]], jnp.float32)
+    valid = jax.random.uniform(ks[3], (b, s)) < 0.7
+    ref, got = kernels.BACKENDS["reference"], kernels.BACKENDS[impl]
+    scale = d ** -0.5
+    for name, args in (("chunk", dict(q_offsets=off, kv_lengths=lens)),):
+        chex.assert_trees_all_close(getattr(got, name)(q, k, v, sm_scale=scale, **args),
+                                    getattr(ref, name)(q, k, v, sm_scale=scale, **args), atol=2e-5, rtol=2e-5)
+    chex.assert_trees_all_close(got.decode(q[:, 0], k, v, valid=valid, sm_scale=scale, weights=True),
+                                ref.decode(q[:, 0], k, v, valid=valid, sm_scale=scale, weights=True),
+                                atol=2e-5, rtol=2e-5)
+    chex.assert_trees_all_close(
+        got.column_sums(q, k, q_offsets=off, kv_lengths=lens, query_weights=weights, sm_scale=scale),
+        ref.column_sums(q, k, q_offsets=off, kv_lengths=lens, query_weights=weights, sm_scale=scale),
+        atol=2e-5, rtol=2e-5)
+    causal = got.causal(q, k[:, :t], v[:, :t], sm_scale=scale)
+    np.testing.assert_allclose(np.asarray(causal), np.asarray(ref.causal(q, k[:, :t], v[:, :t], sm_scale=scale)),
+                               atol=2e-5)

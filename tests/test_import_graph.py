@@ -1,0 +1,101 @@
+"""The layers of lcx import downwards only: no module imports one that (directly or around a loop) imports it.
+
+The graph is read from the source (every ``import`` statement, function-level ones included; imports under ``if
+TYPE_CHECKING:`` never run and are left out; a module importing its own package's ``__init__`` is a re-export, not
+an edge). Cycles are the strongly connected components with more than one module.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "lcx"
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for f in ROOT.rglob("*.py"):
+        name = ".".join(f.relative_to(ROOT.parent).with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = f
+    return mods
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for m, f in mods.items():
+        tree = ast.parse(f.read_text())
+        package = m if f.name == "__init__.py" else m.rpartition(".")[0]
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and "TYPE_CHECKING" in ast.dump(node.test) for b in node.body for n in ast.walk(b)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t != m and not (mods[t].name == "__init__.py" and m.startswith(t + ".")):
+                    edges[m].add(t)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index, low, on_stack, stack, out, counter = {}, {}, set(), [], [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_import_graph_has_no_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_import_graph_detects_a_cycle():
+    # The check can fail: a two-module loop and a three-module loop are both found.
+    edges = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "f": {"a"}}
+    assert sorted(cycles(edges)) == [["a", "b"], ["c", "d", "e"]]
+
+
+def test_import_graph_ground_floor_imports_nothing_from_lcx():
+    edges = import_graph()
+    assert edges["lcx.config_base"] == set()
+    # The kernels know nothing of models, caches or configs beyond the plumbing.
+    for module, targets in edges.items():
+        if module.startswith("lcx.kernels"):
+            assert all(t.startswith("lcx.kernels") or t == "lcx.config_base" for t in targets), (module, targets)
