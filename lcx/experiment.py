@@ -1,13 +1,14 @@
 """Config-driven experiments: one YAML -> train -> finetune -> eval -> ablate, in ``runs/NAME/``.
 
     lcx run CONFIG [key=value ...]        the stages the config lists (``stages:``), in order
-    lcx train | eval | ablate CONFIG      one stage
+    lcx train | finetune | train-router | eval | ablate CONFIG      one stage
 
 Run directory::
 
     runs/NAME/config.yaml                 the resolved config
     runs/NAME/train/                      metrics.jsonl, checkpoints/ (lcx.train)
     runs/NAME/finetune/                   the same, started from train/ (or finetune.init_from)
+    runs/NAME/router/                     a learned memory router distilled from the model (lcx.train.router)
     runs/NAME/eval/, runs/NAME/ablate/    results.csv, results.md, *.png, done.json
 
 Rerunning a finished stage reuses its outputs: training resumes from its last checkpoint (nothing to do when it
@@ -30,8 +31,9 @@ from lcx.config import (Config, ConfigError, ModelConfig, RopeConfig, check_cach
 from lcx.eval.config import AblateConfig, EvalConfig
 from lcx.sharding import MeshConfig
 from lcx.train.config import DataConfig, TrainConfig
+from lcx.train.router import RouterConfig
 
-STAGES = ("train", "finetune", "eval", "ablate")
+STAGES = ("train", "finetune", "router", "eval", "ablate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,7 @@ class ExperimentConfig(Config):
     train: TrainConfig | None = None
     data: DataConfig | None = None
     finetune: FinetuneConfig | None = None
+    router: RouterConfig | None = None
     eval: EvalConfig | None = None
     ablate: AblateConfig | None = None
 
@@ -102,8 +105,8 @@ class ExperimentConfig(Config):
 
     def require(self, stage: str) -> None:
         """Raise unless the sections ``stage`` needs are present."""
-        needs = {"train": ("train", "data"), "finetune": ("finetune",), "eval": ("eval",),
-                 "ablate": ("eval", "ablate")}[stage]
+        needs = {"train": ("train", "data"), "finetune": ("finetune",), "router": ("router", "data"),
+                 "eval": ("eval",), "ablate": ("eval", "ablate")}[stage]
         missing = [n for n in needs if getattr(self, n) is None]
         if stage == "finetune" and self.finetune is not None and (self.train is None or self.data is None):
             missing += [n for n in ("train", "data") if getattr(self, n) is None]
@@ -164,6 +167,25 @@ def run_finetune(cfg: ExperimentConfig, progress: bool = True):
     model, train, data = finetune_sections(cfg)
     _say(f"finetune (rope {model.rope.type}, seq_len {train.seq_len}) -> {cfg.run_dir / 'finetune'}")
     return run_training(model, train, data, cfg.run_dir / "finetune", progress=progress, mesh=_mesh(cfg))
+
+
+def run_router(cfg: ExperimentConfig, progress: bool = True) -> dict:
+    """Distil a learned memory router from the run's model (``router:`` and ``data:`` sections)."""
+    from lcx.train.router import train_router
+
+    cfg.require("router")
+    model, params, source = latest_params(cfg)
+    out_dir = cfg.run_dir / "router"
+    settings = json.loads(json.dumps({"stage": "router", "source": str(source), "router": to_dict(cfg.router),
+                                      "data": to_dict(cfg.data)}, default=str))
+    if _done(out_dir, settings):
+        _say(f"router: {out_dir} is up to date (delete done.json to rerun)")
+        return json.loads((out_dir / "router.json").read_text())["heldout"]
+    _say(f"router {source} -> {out_dir}")
+    summary = train_router(model, params, cfg.router, cfg.data, out_dir, progress=progress)
+    _finish(out_dir, settings)
+    _say("router: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
+    return summary
 
 
 def latest_params(cfg: ExperimentConfig):
@@ -230,6 +252,8 @@ def run(cfg: ExperimentConfig, stages: Sequence[str] | None = None, progress: bo
             run_train(cfg, progress)
         elif stage == "finetune":
             run_finetune(cfg, progress)
+        elif stage == "router":
+            run_router(cfg, progress)
         else:
             run_eval_stage(cfg, stage, progress)
     return cfg.run_dir
@@ -239,12 +263,13 @@ def run(cfg: ExperimentConfig, stages: Sequence[str] | None = None, progress: bo
 def add_parsers(subparsers) -> None:
     for name, helptext in (("run", "run the stages a config lists (train -> finetune -> eval -> ablate)"),
                            ("train", "run the train stage"), ("finetune", "run the finetune stage"),
+                           ("train-router", "distil a learned memory router from the run's model"),
                            ("eval", "run the eval stage"), ("ablate", "run the ablate stage")):
         p = subparsers.add_parser(name, help=helptext, description=helptext)
         p.add_argument("config", metavar="CONFIG", help="experiment YAML")
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=100")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
-        p.set_defaults(func=_cli, stage=None if name == "run" else name)
+        p.set_defaults(func=_cli, stage=None if name == "run" else name.replace("train-router", "router"))
 
 
 def _cli(args) -> int:

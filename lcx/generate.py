@@ -211,6 +211,10 @@ class Generator:
             self.params = shard_params(params, config, mesh)
         self.cache_config = cache or CacheConfig()
         self.kind = cache_kind(config, self.cache_config, mesh)  # validates the policy against the model
+        if mesh is not None and self.kind.name != "slots":
+            raise ConfigError(f"cache.policy={self.cache_config.policy!r} (cache type {self.kind.name!r}) does not "
+                              "run on a device mesh yet; generate on one device or use an eviction policy")
+        self._open: list = []  # handles of the host resources (e.g. stores) this generator's requests opened
         self.policy = self.cache_config.make_policy()
         self.sampling = sampling or SamplingConfig()
         self.capacity = capacity
@@ -228,9 +232,12 @@ class Generator:
         return sharding.put(x, spec)
 
     def _new_cache(self, batch: int, capacity: int) -> CacheState:
+        self.close()  # a new request: release the host resources of the previous one
         make = functools.partial(self.kind.create, batch, capacity)
         if self.mesh is None:
-            return make()
+            cache, handle = self.kind.open(make())
+            self._open.append(handle)
+            return cache
         data = sharding.axis_size(self.mesh, "data")
         if batch % data:
             raise ConfigError(f"batch={batch} is invalid on a mesh with data={data}: the batch must be a multiple "
@@ -328,6 +335,11 @@ class Generator:
         return GenerateResult(tokens=sharding.to_host(state.tokens), lengths=sharding.to_host(state.n_generated),
                               cache_bytes=state.cache.kv_bytes(), store_bytes=self.kind.store_bytes(state.cache))
 
+    def close(self) -> None:
+        """Release host resources (e.g. a long-term store) of the requests this generator served."""
+        while self._open:
+            self.kind.close(self._open.pop())
+
     def finished(self, state: DecodeState) -> bool:
         return bool(int(state.step) >= self.max_new_tokens or bool(jnp.all(state.done)))
 
@@ -348,6 +360,7 @@ class Generator:
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(path / "state", state, force=True)
         checkpointer.wait_until_finished()
+        self.kind.save_host(state.cache, path)
         meta = dict(self._settings(), batch=int(state.tokens.shape[0]), capacity=state.cache.capacity,
                     step=int(state.step))
         (path / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -372,7 +385,10 @@ class Generator:
         # Restored straight onto this generator's mesh (or one device), whatever mesh saved it.
         abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
                                 self._state_shardings(abstract))
-        return ocp.StandardCheckpointer().restore(path / "state", abstract)
+        state = ocp.StandardCheckpointer().restore(path / "state", abstract)
+        cache, handle = self.kind.restore_host(state.cache, path)
+        self._open.append(handle)
+        return state.replace(cache=cache)
 
     def _state_shardings(self, state: DecodeState) -> DecodeState:
         if self.mesh is None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
+import yaml
 from jax.sharding import AbstractMesh, AxisType
 
 from lcx import hf, sharding
@@ -115,6 +116,7 @@ class PlanInputs:
     budget: int | None = None
     utilization: float = UTILIZATION
     data: int = 1
+    cache: Any = None  # a CacheConfig whose tiers to plan (e.g. policy memory): device vs host / disk bytes
 
     def __post_init__(self):
         if not isinstance(self.model, ModelConfig):
@@ -194,6 +196,11 @@ class Plan:
     notes: tuple[str, ...]
 
     data: int = 1  # devices along the data axis (the batch splits over it)
+    # With a cache section (``--cache-policy``): what that cache type holds for the context, per sequence batch.
+    cache_policy: str | None = None
+    cache_device_kv_bytes: int | None = None  # keys / values on the device (working memory, device store)
+    cache_device_meta_bytes: int | None = None  # positions, masks, routing summaries on the device
+    cache_store_bytes: int | None = None  # keys / values off the device (host memory or disk)
 
     @property
     def model_axis(self) -> int:
@@ -391,6 +398,17 @@ def _notes(inputs: PlanInputs) -> tuple[str, ...]:
     return tuple(notes)
 
 
+def _tier_numbers(inputs: PlanInputs) -> dict[str, Any]:
+    """Bytes the cache type of ``inputs.cache`` holds for the context, from its own buffer declaration."""
+    if inputs.cache is None:
+        return {}
+    kind = inputs.cache.kind(dataclasses.replace(inputs.model, dtype=inputs.kv_dtype))
+    capacity = kind.plan(inputs.batch, inputs.context, 0)
+    return {"cache_policy": inputs.cache.policy, "cache_device_kv_bytes": kind.nbytes(inputs.batch, capacity),
+            "cache_device_meta_bytes": kind.nbytes(inputs.batch, capacity, role="meta"),
+            "cache_store_bytes": kind.store_nbytes(inputs.batch, capacity)}
+
+
 def _replication(model: ModelConfig, model_axis: int) -> int:
     try:
         return sharding.kv_replication(model.n_kv_heads, model_axis, model.n_heads)
@@ -414,7 +432,7 @@ def make_plan(inputs: PlanInputs, source: str = "") -> Plan:
         kv_bytes_per_device=n["kv_dev"], total_bytes_per_device=n["total_dev"], fits=n["fits"],
         cache_tokens=n["cache_tokens"], budget_kv_bytes_total=n["b_kv_total"], budget_kv_bytes_per_device=n["b_kv_dev"],
         budget_total_bytes_per_device=n["b_total_dev"], fits_with_budget=n["fits_budget"],
-        max_context=n["max_context"], data=inputs.data,
+        max_context=n["max_context"], data=inputs.data, **_tier_numbers(inputs),
         checkpoints=tuple(_checkpoints(inputs, n)),
         assumptions=_assumptions(inputs), notes=_notes(inputs),
     )
@@ -449,6 +467,10 @@ def render(plan: Plan) -> str:
         lines.append(f"with budget  {fb(plan.weight_bytes_per_device)} weights + "
                      f"{fb(plan.budget_kv_bytes_per_device)} KV = {fb(plan.budget_total_bytes_per_device)}: "
                      f"{'fits' if plan.fits_with_budget else 'does NOT fit'}")
+    if plan.cache_policy is not None:
+        lines.append(f"cache {plan.cache_policy:<6} device {fb(plan.cache_device_kv_bytes)} KV + "
+                     f"{fb(plan.cache_device_meta_bytes)} positions / masks / routing summaries; off the device "
+                     f"{fb(plan.cache_store_bytes)} (all sequences, one device)")
     lines.append(f"longest context that fits (full cache, batch {plan.batch}): {plan.max_context} tokens")
     lines.append("checkpoints")
     for c in plan.checkpoints:
@@ -504,11 +526,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--weight-dtype", default=None, help="weight dtype (default: model.param_dtype)")
     p.add_argument("--budget", type=int, default=None, metavar="TOKENS",
                    help="eviction budget: tokens per sequence the cache keeps")
+    p.add_argument("--cache-policy", default=None, metavar="NAME",
+                   help="also plan this cache policy's tiers, e.g. memory: device vs host / disk bytes")
+    p.add_argument("--cache-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a parameter of --cache-policy (repeatable), e.g. window=1024")
     p.add_argument("--utilization", type=float, default=UTILIZATION,
                    help=f"usable fraction of device memory (default {UTILIZATION})")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
     return p
+
+
+def _cache_section(policy: str | None, budget: int | None, params: Sequence[str]):
+    if policy is None:
+        if params:
+            raise ConfigError("--cache-param needs --cache-policy (the policy the parameters belong to)")
+        return None
+    from lcx.cache.config import CacheConfig
+
+    spec = {"policy": policy, "budget": budget}
+    for item in params:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--cache-param {item!r} is invalid: write KEY=VALUE, e.g. window=1024")
+        spec[key] = yaml.safe_load(value)
+    return CacheConfig.from_mapping(spec, prefix="--cache-param")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -517,7 +559,8 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.config, args.overrides)
     inputs = PlanInputs(model=model, context=args.context, batch=args.batch, gpu_mem_bytes=gpu_mem,
                         devices=args.devices, data=args.data, kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype,
-                        budget=args.budget, utilization=args.utilization)
+                        budget=args.budget, utilization=args.utilization,
+                        cache=_cache_section(args.cache_policy, args.budget, args.cache_param))
     plan = make_plan(inputs, source=str(args.config))
     print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan))
     return 0

@@ -70,6 +70,9 @@ LOGICAL_RULES: Mapping[str, str | None] = types.MappingProxyType({
     "blocks": None,
     "block": None,
     "topk": None,
+    "representatives": None,
+    "stats": None,
+    "router_rank": None,
 })
 # Dimensions of these logical axes are replicated when their size does not divide the mesh axis (a shared keep set).
 REPLICATE_IF_INDIVISIBLE = frozenset({"keep_heads"})

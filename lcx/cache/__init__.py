@@ -3,7 +3,7 @@
 Importing this package registers the built-in cache types and policies.
 """
 
-from lcx.cache import ladder, policies  # noqa: F401  (register the built-in policies)
+from lcx.cache import ladder, memory, policies  # noqa: F401  (register the built-in policies and cache types)
 from lcx.cache.base import CacheCapacityError, CacheKind, CacheState, kind_class, register_kind
 from lcx.cache.config import CacheConfig
 from lcx.cache.kv_cache import KVCache, SlotCacheKind, full_kind, init_cache, kv_bytes

@@ -9,8 +9,9 @@ A cache type is two objects:
 
 Call sites and what they call:
 
-    Generator (host)        kind.plan -> kind.create -> [chunks] -> kind.end_prefill -> [decode segments]
-                            kind.sync between jitted calls (host-side work such as moving blocks to a store)
+    Generator (host)        kind.plan -> kind.create -> kind.open -> [chunks] -> kind.end_prefill -> [decode
+                            segments]; kind.sync between jitted calls (host-side work such as moving blocks to a
+                            store); kind.close when the next request starts
     prefill/decode (jit)    kind.make_room(state, n) before each model call; the model call itself
     model layer (scan)      kind.attend(layer, q, k, v, ...): write the new keys/values, attend, update statistics
     eviction (jit)          kind.evict(state) -> (state, left): ``left`` is what was removed, for a store to take
@@ -172,9 +173,30 @@ class CacheKind(abc.ABC):
         """Host-side work between jitted calls (e.g. moving evicted blocks to a host store)."""
         return state
 
+    # ------------------------------------------------------------------------------------------- host resources
+    def open(self, state: CacheState) -> tuple[CacheState, Any]:
+        """Attach host resources (e.g. a host / disk store) to a freshly created state: ``(state, handle)``, the
+        handle (None: nothing attached) for ``close``."""
+        return state, None
+
+    def close(self, handle: Any) -> None:
+        """Release what ``open`` (or ``restore_host``) attached (called when the generator starts its next
+        request)."""
+
     def store_bytes(self, state: CacheState) -> int:
         """Bytes held off the device (host memory or disk) for ``state``."""
         return 0
+
+    def store_nbytes(self, batch: int, capacity: int) -> int:
+        """Bytes a full store holds off the device for ``batch`` x ``capacity`` (the planner's figure)."""
+        return 0
+
+    def save_host(self, state: CacheState, path) -> None:
+        """Write what lives off the device next to a saved state (``Generator.save``)."""
+
+    def restore_host(self, state: CacheState, path) -> tuple[CacheState, Any]:
+        """Reattach what ``save_host`` wrote to a restored state (``Generator.restore``): ``(state, handle)``."""
+        return state, None
 
 
 _KINDS: dict[str, type[CacheKind]] = {}

@@ -67,7 +67,7 @@ class CacheConfig:
         if self.dtype is not None:
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "cache.dtype"))
         policy = self.make_policy()  # validates the name and the policy's parameters
-        if policy.evicts and self.budget is None:
+        if policy.evicts and policy.needs_budget and self.budget is None:
             raise ConfigError(f"cache.budget=None is invalid for cache.policy={self.policy!r}: an evicting policy "
                               "needs a budget (tokens kept per sequence and layer)")
 

@@ -51,12 +51,14 @@ class CachePolicy(abc.ABC):
     """What ``cache.policy`` names: a frozen dataclass of the policy's parameters, registered with ``@register``.
 
     Class attributes: ``name`` (the registry key), ``cache_type`` (the registered cache type that implements it,
-    see ``lcx.cache.base``), ``evicts`` (whether it keeps a budget; ``full`` does not).
+    see ``lcx.cache.base``), ``evicts`` (whether the device holds a bounded part of the context; ``full`` keeps
+    everything), ``needs_budget`` (whether ``cache.budget`` is required).
     """
 
     name: ClassVar[str] = ""
     cache_type: ClassVar[str] = "slots"
     evicts: ClassVar[bool] = True
+    needs_budget: ClassVar[bool] = True  # an evicting policy without cache.budget is refused at load
 
     def check(self, n_layers: int, budgets: tuple[int, ...]) -> None:
         """Raise ``ConfigError`` for settings that cannot work with this model (called before anything runs)."""

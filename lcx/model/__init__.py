@@ -1,5 +1,5 @@
 """The functional Flax decoder."""
 
-from lcx.model.decoder import Decoder, abstract_params, init_params, param_axes
+from lcx.model.decoder import Decoder, abstract_params, attention_inputs, init_params, param_axes
 
-__all__ = ["Decoder", "abstract_params", "init_params", "param_axes"]
+__all__ = ["Decoder", "abstract_params", "attention_inputs", "init_params", "param_axes"]

@@ -52,6 +52,9 @@ class Attention(nn.Module):
 
         with jax.named_scope(f"attention_{cfg.attention.impl}"):
             if cache is None:
+                # Kept only when asked for (apply(..., mutable=["intermediates"])): what routers distil from.
+                self.sow("intermediates", "q", q)
+                self.sow("intermediates", "k", key)
                 q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
                 attend = functools.partial(kernels.backend(cfg.attention.impl).causal, sm_scale=d ** -0.5)
                 out = sharding.per_shard(attend, (BTHD, BSKD, BSKD), BTHD)(q, key, val)  # no communication

@@ -16,7 +16,7 @@ from lcx.model.config import ModelConfig
 from lcx.model.attention import Attention
 from lcx.model.layers import MLP, RMSNorm
 from lcx.model.params import as_dtype, declare, normal
-from lcx.model.rope import rope_tables
+from lcx.model.rope import apply_rope, rope_tables
 
 
 class Block(nn.Module):
@@ -69,7 +69,7 @@ class Decoder(nn.Module):
             block = nn.remat(Block, prevent_cse=False)
         layers = nn.scan(
             block,
-            variable_axes={"params": 0},
+            variable_axes={"params": 0, "intermediates": 0},
             split_rngs={"params": True},
             in_axes=(nn.broadcast,) * 5 + (0,),
             length=cfg.n_layers,
@@ -89,6 +89,21 @@ class Decoder(nn.Module):
         if cache is None:
             return logits
         return logits, cache.with_layers(layer_caches, cache.lengths + jnp.sum(ok, axis=1, dtype=jnp.int32))
+
+
+def attention_inputs(config: ModelConfig, params, input_ids: jax.Array, rotated: bool = True
+                     ) -> tuple[jax.Array, jax.Array]:
+    """Queries ``[L, b, t, h, d]`` and keys ``[L, b, t, k, d]`` of every layer for a full forward pass at positions
+    ``0 .. t-1``: what each layer's attention compared (``rotated``, by RoPE at the true positions) or the
+    projections before RoPE. Routers and attention statistics are computed from them."""
+    _, state = Decoder(config).apply({"params": params}, input_ids, mutable=["intermediates"])
+    attn = state["intermediates"]["layers"]["attn"]
+    q, k = attn["q"][0], attn["k"][0]
+    if rotated:
+        positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
+        cos, sin = rope_tables(config, positions)
+        q, k = jax.vmap(lambda x: apply_rope(x, cos, sin))(q), jax.vmap(lambda x: apply_rope(x, cos, sin))(k)
+    return q, k
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> dict:

@@ -1,0 +1,181 @@
+"""One layer of attention over the memory tiers: working memory and recalled long-term blocks, merged exactly.
+
+Einsum legend / shapes: b batch, t new tokens, W working slots, N blocks, K recalled blocks per KV head, j tokens per
+block, h query heads, k kv heads, g query heads per kv head, d head dim.
+
+1. Write the new keys and values into the working memory (packed after the occupied slots).
+2. Attend the queries to the working memory (causal, per-row offsets: the backend's ``chunk`` or ``decode``) and
+   keep the residuals (row max, sum of exponentials).
+3. Route: the router scores the long-term blocks with the pooled query (the mean of the chunk's real queries, or the
+   one decode query) per KV head; the top ``topk`` blocks are recalled - read from the device store, or from the
+   host / disk store by a host callback - into a fixed-size buffer ``[b, K * j, k, d]``.
+4. Attend to the recalled tokens (all older than the queries: no causal mask) and merge the two partial attentions
+   with ``lcx.kernels.merge_partials``. A learned router's gate can drop the recalled part per KV head.
+
+Positions: ``original`` - keys are stored rotated at their true positions and queries rotated at theirs, so with
+every block recalled the result equals full attention. ``local`` (InfLLM-style) - keys are stored unrotated; the
+sinks sit at positions ``0 .. sinks-1``, the recalled tokens (blocks in position order) right after them at
+``sinks .. sinks + K*j - 1``, then the window in slot order, queries at their slot: no position exceeds sinks +
+topk * block + window + the room of one call, whatever the context. Routing compares queries and keys as stored
+(rotated in ``original`` mode, unrotated in ``local`` mode).
+
+Routing pools the last ``route_queries`` real queries of a chunk (SnapKV's observation window: at the end of a
+prompt those are the question's); a decode step routes with its own query.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import einops
+import jax
+import jax.numpy as jnp
+
+from lcx import kernels
+from lcx.cache.memory.learned import PARAM_NAMES
+from lcx.cache.memory.store import fetch as host_fetch
+from lcx.model.rope import apply_rope, rope_tables
+
+
+def _write(layer, k, v, positions, ok):
+    """Append ``k, v [b, t, k, d]`` at ``positions [b, t]`` where ``ok``: after the occupied working slots."""
+    capacity = layer.k.shape[1]
+    rank = jnp.cumsum(ok.astype(jnp.int32), axis=1) - 1
+    slot = jnp.where(ok, layer.count[:, None] + rank, capacity)  # [b, t]; padding goes out of range
+    rows = jnp.arange(k.shape[0])[:, None]
+    out = layer.replace(
+        k=layer.k.at[rows, slot].set(k.astype(layer.k.dtype), mode="drop"),
+        v=layer.v.at[rows, slot].set(v.astype(layer.v.dtype), mode="drop"),
+        pos=layer.pos.at[rows, slot].set(positions.astype(jnp.int32), mode="drop"),
+        valid=layer.valid.at[rows, slot].set(True, mode="drop"),
+        count=layer.count + jnp.sum(ok, axis=1, dtype=jnp.int32))
+    if layer.received is not None:  # a new slot has received no attention yet
+        heads = jnp.arange(layer.received.shape[1])[None, :, None]
+        out = out.replace(received=out.received.at[rows[:, :, None], heads, slot[:, None, :]].set(0.0, mode="drop"))
+    return out
+
+
+def _local_positions(slots: jax.Array, sinks: int, recalled: int) -> jax.Array:
+    """Working slot -> local position: the sinks keep theirs, the window moves up past the ``recalled`` tokens."""
+    return jnp.where(slots >= sinks, slots + recalled, slots)
+
+
+def _recall(kind, layer, ids: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """Keys and values of blocks ``ids [b, k, K]`` (-1: none) -> ``[b, K * j, k, d]`` each."""
+    p, m = kind.policy, kind.model
+    b, heads, topk = ids.shape
+    if p.store == "device":
+        rows, head = jnp.arange(b)[:, None, None], jnp.arange(heads)[None, :, None]
+        safe = jnp.maximum(ids, 0)
+        parts = []
+        for buf, scale in ((layer.store_k, layer.store_scale_k), (layer.store_v, layer.store_scale_v)):
+            x = buf[rows, safe, :, head, :]  # [b, k, K, j, d]
+            if scale is not None:
+                x = x.astype(jnp.float32) * scale[rows, safe, head][..., None, None]
+            parts.append(einops.rearrange(x, "b k K j d -> b (K j) k d"))
+        return parts[0].astype(dtype), parts[1].astype(dtype)
+    shape = jax.ShapeDtypeStruct((b, topk * p.block, heads, m.head_dim), jnp.float32)
+    fetch = functools.partial(host_fetch, block=p.block, head_dim=m.head_dim)
+    k, v = jax.pure_callback(fetch, (shape, shape), layer.store_id, layer.layer_id, ids, vmap_method="sequential")
+    return k.astype(dtype), v.astype(dtype)
+
+
+def _summaries(kind, layer) -> dict[str, jax.Array]:
+    return {name: getattr(layer, name) for name in kind.router.summary_fields()}
+
+
+def _params(layer) -> dict[str, jax.Array] | None:
+    if layer.w_query is None:
+        return None
+    return {name: getattr(layer, name) for name in PARAM_NAMES}
+
+
+def route(kind, layer, q: jax.Array, ok: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """Block ids ``[b, k, K]`` to recall, ascending (-1 last, where a row has fewer blocks), and the gate ``[b, k]``
+    (None: open), from the queries ``q [b, t, h, d]`` pooled over the last ``route_queries`` real ones."""
+    p = kind.policy
+    rank_from_end = jnp.cumsum(ok[:, ::-1].astype(jnp.int32), axis=1)[:, ::-1]  # 1 for the last real query
+    w = (ok & (rank_from_end <= p.route_queries)).astype(jnp.float32)[:, :, None, None]
+    pooled = jnp.sum(q.astype(jnp.float32) * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1.0)  # [b, h, d]
+    params = _params(layer)
+    scores = kind.router.score(pooled, _summaries(kind, layer), params)  # [b, k, N]
+    blocks = scores.shape[-1]
+    present = jnp.arange(blocks)[None, None, :] < layer.n_blocks[:, None, None]
+    topk = min(p.topk, blocks)
+    _, ids = jax.lax.top_k(jnp.where(present, scores, -jnp.inf), topk)  # absent blocks rank last
+    ids = jnp.where(jnp.arange(topk)[None, None, :] < layer.n_blocks[:, None, None], ids, blocks)
+    ids = jnp.sort(ids, axis=-1)  # position order (local positions number recalled tokens in this order)
+    ids = jnp.where(ids < blocks, ids, -1)
+    if topk < p.topk:
+        ids = jnp.pad(ids, ((0, 0), (0, 0), (0, p.topk - topk)), constant_values=-1)
+    gate = kind.router.gate(pooled, params, layer.k.shape[2]) if p.gate else None
+    return ids.astype(jnp.int32), gate
+
+
+def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
+    """``MemoryKind.attend``: see the module docstring. ``q [b, t, h, d]``, ``key, val [b, t, k, d]`` unrotated."""
+    p, config = kind.policy, kind.model
+    local = p.positions == "local"
+    if not local:
+        q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+    q_route = q  # routing compares like with like: rotated (original) or unrotated (local) queries and keys
+    q_offsets = layer.count
+    layer = _write(layer, key, val, positions, ok)
+    b, t, h, d = q.shape
+    heads = layer.k.shape[2]
+    k_work = layer.k
+    recall_tokens = p.topk * p.block
+    if local:
+        slots = jnp.broadcast_to(jnp.arange(layer.k.shape[1]), (b, layer.k.shape[1]))
+        k_work = apply_rope(layer.k, *rope_tables(config, _local_positions(slots, p.sinks, recall_tokens)))
+        q_slots = q_offsets[:, None] + jnp.arange(t)[None, :]
+        q = apply_rope(q, *rope_tables(config, _local_positions(q_slots, p.sinks, recall_tokens)))
+
+    backend = kernels.backend(config.attention.impl)
+    scale = d ** -0.5
+    counted = stat_weights is not None and layer.received is not None
+    # Working memory: causal in slot order (the slots are packed in position order).
+    if t == 1:
+        result = backend.decode(q[:, 0], k_work, layer.v, valid=layer.valid, sm_scale=scale, weights=counted,
+                                residuals=True)
+        if counted:
+            o_w, received, m_w, l_w = result
+            received = received * (stat_weights[:, :1, None] > 0)
+        else:
+            o_w, m_w, l_w = result
+        o_w, m_w, l_w = o_w[:, None], m_w[:, None], l_w[:, None]  # [b, 1, h, ...]
+    else:
+        o_w, m_w, l_w = backend.chunk(q, k_work, layer.v, q_offsets=q_offsets, kv_lengths=layer.count,
+                                      sm_scale=scale, residuals=True)
+        if counted:
+            received = backend.column_sums(q, k_work, q_offsets=q_offsets, kv_lengths=layer.count,
+                                           query_weights=stat_weights, sm_scale=scale)
+    if counted:
+        layer = layer.replace(received=jnp.where(layer.valid[:, None, :], layer.received + received, 0.0))
+
+    # Long-term memory: route, recall, attend; no causal mask (every block is older than every query).
+    ids, gate = route(kind, layer, q_route, ok)
+    k_rec, v_rec = _recall(kind, layer, ids, q.dtype)
+    if local:
+        before_window = jnp.broadcast_to(p.sinks + jnp.arange(recall_tokens), (b, recall_tokens))
+        k_rec = apply_rope(k_rec, *rope_tables(config, before_window))
+    n_tokens = jnp.sum(ids[:, 0] >= 0, axis=-1, dtype=jnp.int32) * p.block  # [b]; the same count for every head
+    if t == 1:
+        valid = jnp.arange(k_rec.shape[1])[None, :] < n_tokens[:, None]
+        o_r, m_r, l_r = backend.decode(q[:, 0], k_rec, v_rec, valid=valid, sm_scale=scale, residuals=True)
+        o_r, m_r, l_r = o_r[:, None], m_r[:, None], l_r[:, None]
+    else:
+        o_r, m_r, l_r = backend.chunk(q, k_rec, v_rec, q_offsets=jnp.zeros_like(n_tokens), kv_lengths=n_tokens,
+                                      sm_scale=scale, causal=False, residuals=True)
+    recalled = n_tokens > 0
+    if gate is not None:
+        open_heads = einops.repeat(gate, "b k -> b (k g)", g=h // heads)  # [b, h]
+        l_r = jnp.where(open_heads[:, None, :], l_r, 0.0)
+        layer = layer.replace(skips=layer.skips + (recalled & ~jnp.any(gate, axis=1)).astype(jnp.int32))
+        recalled = recalled & jnp.any(gate, axis=1)
+    out, _, _ = kernels.merge_partials((o_w, m_w, l_w), (o_r, m_r, l_r))
+    layer = layer.replace(recalled=ids, recalls=layer.recalls + recalled.astype(jnp.int32))
+    return out.astype(q.dtype), layer
+
+
+__all__ = ["attend", "route"]

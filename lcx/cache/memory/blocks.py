@@ -1,0 +1,81 @@
+"""Forming long-term memory blocks from the tokens that leave the working memory, and their storage precision.
+
+Shape letters: L layers, b batch, T tokens leaving (a multiple of the spill run), n blocks, j tokens per block,
+k kv heads, d head dim, c clusters per run.
+
+- contiguous: consecutive tokens form a block (every KV head stores the same positions);
+- cluster: the keys of one run of ``cluster_blocks`` blocks are k-means clustered per KV head (``kmeans_iters``
+  Lloyd iterations from evenly spaced seeds, cosine geometry); tokens are then ordered by cluster (ties by position)
+  and cut into blocks of exactly ``block`` tokens, so a block gathers similar keys and every block is full. Each KV
+  head keeps its own token order (positions per head).
+- ``int8`` storage: symmetric quantization with one scale per block and KV head (max |x| / 127).
+"""
+
+from __future__ import annotations
+
+import einops
+import jax
+import jax.numpy as jnp
+
+
+def kmeans_order(keys: jax.Array, clusters: int, iters: int) -> jax.Array:
+    """A permutation of ``keys [T, d]`` that groups tokens by k-means cluster: ``[T]`` int32 (stable by position
+    within a cluster)."""
+    x = keys.astype(jnp.float32)
+    x = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-6)  # cosine geometry, as attention ranks
+    t = x.shape[0]
+    centroids = x[jnp.linspace(0, t - 1, clusters).astype(jnp.int32)]  # [c, d] evenly spaced seeds
+
+    def lloyd(_, c):
+        assign = jnp.argmax(x @ c.T, axis=-1)  # [T]
+        one_hot = jax.nn.one_hot(assign, clusters, dtype=jnp.float32)  # [T, c]
+        sums = one_hot.T @ x  # [c, d]
+        counts = jnp.sum(one_hot, axis=0)[:, None]
+        new = jnp.where(counts > 0, sums / jnp.maximum(counts, 1.0), c)
+        return new / jnp.maximum(jnp.linalg.norm(new, axis=-1, keepdims=True), 1e-6)
+
+    centroids = jax.lax.fori_loop(0, iters, lloyd, centroids)
+    assign = jnp.argmax(x @ centroids.T, axis=-1)
+    return jnp.argsort(assign, stable=True).astype(jnp.int32)
+
+
+def form_blocks(k: jax.Array, v: jax.Array, pos: jax.Array, received: jax.Array, *, block: int, cluster_run: int,
+                iters: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Tokens leaving one layer -> blocks.
+
+    ``k, v [b, T, k, d]``, ``pos [b, T]``, ``received [b, T, k]`` -> ``k, v [b, n, j, k, d]``, ``pos [b, n, j, k]``,
+    ``received [b, n, j, k]`` with ``n = T / block``. ``cluster_run``: tokens clustered together (0: contiguous).
+    """
+    b, t, heads, d = k.shape
+    pos = jnp.broadcast_to(pos[:, :, None], (b, t, heads))
+    if cluster_run:
+        runs = t // cluster_run
+        per_run = lambda x: einops.rearrange(x, "b (r s) k ... -> b r k s ...", s=cluster_run)  # noqa: E731
+        order = jax.vmap(jax.vmap(jax.vmap(lambda keys: kmeans_order(keys, cluster_run // block, iters))))(
+            per_run(k))  # [b, r, k, s]
+
+        def regroup(x):
+            grouped = per_run(x)  # [b, r, k, s, ...]
+            idx = order.reshape(order.shape + (1,) * (grouped.ndim - 4))
+            return einops.rearrange(jnp.take_along_axis(grouped, idx, axis=3), "b r k s ... -> b (r s) k ...",
+                                    r=runs)
+
+        k, v, pos, received = regroup(k), regroup(v), regroup(pos), regroup(received)
+    blocks = lambda x: einops.rearrange(x, "b (n j) k ... -> b n j k ...", j=block)  # noqa: E731
+    return blocks(k), blocks(v), blocks(pos), blocks(received)
+
+
+def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x [..., n, j, k, d]`` -> (int8 values, float32 scales ``[..., n, k]``): one scale per block and KV head."""
+    xf = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(xf), axis=(-3, -1)) / 127.0  # [..., n, k]
+    q = jnp.round(xf / jnp.maximum(scale, 1e-30)[..., None, :, None])
+    return jnp.clip(q, -127, 127).astype(jnp.int8), scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """Inverse of :func:`quantize`: ``q [..., n, j, k, d]`` int8, ``scale [..., n, k]`` -> float32."""
+    return q.astype(jnp.float32) * scale[..., None, :, None]
+
+
+__all__ = ["dequantize", "form_blocks", "kmeans_order", "quantize"]
