@@ -204,6 +204,20 @@ def latest_params(cfg: ExperimentConfig):
                       "first or set eval.checkpoint")
 
 
+def variant_checkpoints(cfg: ExperimentConfig) -> dict[str, tuple]:
+    """(model, params) of the ablation's RoPE variants that name a ``checkpoint``: a stage of this run or a path."""
+    from lcx.train import load_checkpoint
+
+    out = {}
+    for variant in cfg.ablate.ropes if cfg.ablate is not None else ():
+        if variant.checkpoint is None:
+            continue
+        path = cfg.run_dir / variant.checkpoint if variant.checkpoint in STAGES else Path(variant.checkpoint)
+        model, params = load_checkpoint(path)
+        out[variant.name] = (dataclasses.replace(model, attention=cfg.model.attention, dtype=cfg.model.dtype), params)
+    return out
+
+
 def _done(out_dir: Path, settings: dict) -> bool:
     marker = out_dir / "done.json"
     return marker.is_file() and json.loads(marker.read_text()) == settings
@@ -234,7 +248,8 @@ def run_eval_stage(cfg: ExperimentConfig, stage: str = "eval", progress: bool = 
     if stage == "eval":
         run_eval(model, params, cfg.eval, cfg.cache, out_dir, progress=progress)
     else:
-        run_ablate(model, params, cfg.eval, cfg.ablate, out_dir, progress=progress)
+        run_ablate(model, params, cfg.eval, cfg.ablate, out_dir, progress=progress,
+                   checkpoints=variant_checkpoints(cfg))
     _finish(out_dir, settings)
     print((out_dir / "results.md").read_text())
     return out_dir

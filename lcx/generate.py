@@ -25,6 +25,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from lcx import device_memory, sharding
 from lcx.cache.base import CacheCapacityError, CacheKind, CacheState
@@ -34,6 +35,9 @@ from lcx.model import Decoder
 from lcx.model.config import ModelConfig
 from lcx.model.placement import param_bytes_per_device, shard_params
 from lcx.sampling import SamplingConfig, sample
+
+
+SCORE_SEGMENT = 64  # tokens per compiled teacher-forcing scan (Generator.score)
 
 
 @flax.struct.dataclass
@@ -247,8 +251,9 @@ class Generator:
 
     # ----------------------------------------------------------------------------------------------- prefill
 
-    def prefill(self, prompt_ids) -> DecodeState:
+    def prefill(self, prompt_ids, progress: bool = False) -> DecodeState:
         """Run the prompts through the model in chunks; returns the state before the first sampled token.
+        ``progress``: show a progress bar (tokens per second, ETA) over the chunks - for long prompts.
 
         Evicting policies see the whole prompt with full attention and compress once at the end, unless the prompt
         exceeds the capacity: then chunks of at most ``interval`` tokens are compressed between (the cache type
@@ -274,6 +279,8 @@ class Generator:
         ok = np.arange(n_chunks * chunk)[None, :] < lengths[:, None]
         weights = self.kind.prefill_weights(lengths, n_chunks * chunk)
         last_logits = self._put(np.zeros((batch, self.config.vocab_size), np.float32))
+        bar = tqdm(total=n_chunks * chunk * batch, disable=not progress, unit="tok", unit_scale=True, desc="prefill",
+                   dynamic_ncols=True)
         for c in range(n_chunks):
             lo = c * chunk
             last = lengths - 1 - lo
@@ -284,6 +291,8 @@ class Generator:
                     self._put(last_index), last_logits,
                     None if weights is None else self._put(weights[:, lo:lo + chunk]))
             cache = self.kind.sync(cache)
+            bar.update(chunk * batch)
+        bar.close()
         with sharding.use_mesh(self.mesh):
             cache = self.kind.sync(self._end_prefill(cache))
         return DecodeState(
@@ -321,9 +330,10 @@ class Generator:
                     f"scoring {tokens.shape[1]} tokens needs {need} cache slots but the full cache was planned for "
                     f"{state.cache.capacity} (prompt + max_new_tokens): create the Generator with max_new_tokens >= "
                     f"{tokens.shape[1]} or use an eviction policy")
-        segment = self.kind.decode_segment or tokens.shape[1]
+        # Fixed-size segments: one compiled scan serves every length (the cache type also syncs between them).
+        segment = self.kind.decode_segment or SCORE_SEGMENT
         logprobs = []
-        for lo in range(0, tokens.shape[1], segment):  # the cache type syncs between segments
+        for lo in range(0, tokens.shape[1], segment):
             with sharding.use_mesh(self.mesh):
                 cache, logits, part = self._forced(self.params, state.cache, state.logits,
                                                    self._put(tokens[:, lo:lo + segment]))

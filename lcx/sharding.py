@@ -68,9 +68,11 @@ LOGICAL_RULES: Mapping[str, str | None] = types.MappingProxyType({
     # by all heads of a layer - is replicated); long-term memory blocks stay whole per device.
     "keep_heads": "model",
     "blocks": None,
+    "groups": None,
     "block": None,
     "topk": None,
     "representatives": None,
+    "route_queries": None,
     "stats": None,
     "router_rank": None,
 })

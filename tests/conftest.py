@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 # Tests compare against float32 references; keep XLA's CPU matmuls at full precision.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# Many tests compile the same small programs (in both pytest-xdist workers and in the multi-device subprocesses,
+# which inherit this environment): JAX's persistent compilation cache compiles each once per run.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "lcx-tests-jax-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest
 

@@ -123,7 +123,7 @@ def test_memory_end_to_end_recalls_the_needle_block(params):
     direction = jnp.zeros((CFG.head_dim,)).at[0].set(1.0)
     layer = layer.replace(kmax=kmax.at[:, target].set(50.0 * direction), kmin=kmin.at[:, target].set(0.0))
     q = jnp.broadcast_to(direction, (1, 1, CFG.n_heads, CFG.head_dim))
-    ids, gate = route(gen.kind, layer, q, jnp.ones((1, 1), bool))
+    ids, gate, _ = route(gen.kind, layer.replace(recent_n=jnp.zeros_like(layer.recent_n)), q, jnp.ones((1, 1), bool))
     assert gate is None and np.asarray(ids[0, :, 0]).tolist() == [target, target]
 
 
@@ -256,3 +256,29 @@ def test_memory_learned_router_trains_loads_and_reports_its_gate(params, tmp_pat
                                              positions="local"))
     with pytest.raises(ConfigError, match="holds no trained router"):
         lcx.Config(model=model, cache=memory(router="learned", router_path=str(tmp_path)))
+
+
+def test_memory_grouped_routing_covering_everything_is_exact(params, full):
+    """Two-level routing with groups that cover every block recalls every block: the full cache's tokens."""
+    out = lcx.generate(CFG, params, PROMPTS, max_new_tokens=24,
+                       cache=memory(route_groups=4, route_candidates=16, store="device"))
+    np.testing.assert_array_equal(out.tokens, full.tokens)
+
+
+def test_memory_grouped_routing_finds_a_planted_needle(params):
+    """A block whose keys match the query stands out at both levels: its group's bounds, then its own."""
+    from lcx.cache.memory.attend import route
+
+    gen = lcx.Generator(CFG, params, max_new_tokens=1, cache=memory(topk=1, route_groups=2, route_candidates=1))
+    state = gen.prefill([PROMPTS[0]])
+    layer = jax.tree.map(lambda x: x[0], state.cache.layers())
+    target = 7
+    direction = jnp.zeros((CFG.head_dim,)).at[0].set(1.0)
+    kmax = layer.kmax.at[:, target].set(50.0 * direction)
+    gmax = layer.gmax.at[:, target // 2].set(50.0 * direction)
+    layer = layer.replace(kmax=kmax, gmax=gmax, recent_n=jnp.zeros_like(layer.recent_n))
+    q = jnp.broadcast_to(direction, (1, 1, CFG.n_heads, CFG.head_dim))
+    ids, _, _ = route(gen.kind, layer, q, jnp.ones((1, 1), bool))
+    assert np.asarray(ids[0, :, 0]).tolist() == [target, target]
+    with pytest.raises(ConfigError, match="cache.route_groups=4 is invalid for cache.router='infllm'"):
+        memory(router="infllm", route_groups=4)

@@ -27,7 +27,7 @@ def pack(examples: list[Example], seq_len: int, prompt_loss_weight: float = 0.0)
             raise ConfigError(f"an example of {n} tokens does not fit seq_len={seq_len} (at most seq_len + 1 = "
                               f"{seq_len + 1} tokens, the last one only a target)")
         tokens[i, :n] = ex.ids
-        weights[i, :n] = np.where(ex.loss_mask, 1.0, prompt_loss_weight)
+        weights[i, :n] = np.where(ex.loss_mask, ex.weight, prompt_loss_weight)
         answer[i, :n] = ex.loss_mask
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights[:, 1:], "answer": answer[:, 1:]}
 

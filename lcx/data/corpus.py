@@ -38,12 +38,15 @@ def stdlib_path() -> str:
 class Corpus(Task):
     """``path``: a folder (null: the standard library); ``glob``: which files (null: ``**/*.py`` for the standard
     library, every file otherwise); hidden files and ``site-packages``/``__pycache__`` folders are skipped.
+    ``bos``: start every window with BOS (then seq_len tokens of text), as language models are trained - the first
+    token of every context is then the same, the token a model learns to park attention on (an attention sink).
     """
 
     name: ClassVar[str] = "corpus"
     path: str | None = None
     glob: str | None = None
     val_fraction: float = 0.05
+    bos: bool = False
 
     def __post_init__(self):
         if not 0.0 <= self.val_fraction < 1.0:
@@ -80,15 +83,20 @@ class Corpus(Task):
         out = []
         for pos in range(index * count, (index + 1) * count):
             window = int(_permutation(seed, split_id(split), pos // n, n)[pos % n])
-            ids = stream[window * seq_len: window * seq_len + seq_len + 1].astype(np.int32)
-            out.append(Example(ids, np.ones(len(ids), bool), "", (), ""))
+            out.append(self._window(stream, window * seq_len, seq_len))
         return out
 
     def example(self, rng: np.random.Generator, seq_len: int) -> Example:
         """A random window (for ad-hoc use; batches go through ``examples``)."""
         stream = self.stream("train")
-        start = int(rng.integers(0, self.num_windows(seq_len))) * seq_len
-        ids = stream[start: start + seq_len + 1].astype(np.int32)
+        return self._window(stream, int(rng.integers(0, self.num_windows(seq_len))) * seq_len, seq_len)
+
+    def _window(self, stream: np.ndarray, start: int, seq_len: int) -> Example:
+        """``seq_len + 1`` tokens from ``start`` (BOS and ``seq_len`` of them with ``bos``); all are targets."""
+        if self.bos:
+            ids = np.concatenate([[TOKENIZER.bos_id], stream[start: start + seq_len]]).astype(np.int32)
+        else:
+            ids = stream[start: start + seq_len + 1].astype(np.int32)
         return Example(ids, np.ones(len(ids), bool), "", (), "")
 
 

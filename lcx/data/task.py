@@ -35,6 +35,7 @@ class Example:
     ``answer`` is the answer text (passkey: the key's digits; niah: the values joined by ", "; mqar: the queried
     values joined by spaces); ``references`` the strings a generation is graded against (``Task.score``);
     ``prompt`` the text before the first answer token, so that an evaluation with another tokenizer can re-encode it.
+    ``weight``: the loss weight of the answer tokens (a mixture balances its parts with it).
     """
 
     ids: np.ndarray
@@ -42,6 +43,7 @@ class Example:
     answer: str
     references: tuple[str, ...]
     prompt: str
+    weight: float = 1.0
 
     @property
     def prompt_len(self) -> int:

@@ -38,10 +38,11 @@ def _fraction(value: float | None, key: str) -> None:
         raise ConfigError(f"{key}={value!r} is invalid: must be in [0, 1] (0 = start, 1 = end) or null (random)")
 
 
-def noise(n: int) -> str:
-    """Exactly ``n`` bytes of the repeated noise haystack."""
-    reps = n // len(NOISE) + 1
-    return (NOISE * reps)[:n]
+def noise(n: int, start: int = 0) -> str:
+    """Exactly ``n`` bytes of the repeated noise haystack, beginning ``start`` bytes into it (mid-sentence)."""
+    start %= len(NOISE)
+    reps = (start + n) // len(NOISE) + 1
+    return (NOISE * reps)[start:start + n]
 
 
 def sentence_starts(text: str) -> np.ndarray:
@@ -74,6 +75,12 @@ def filler_budget(seq_len: int, fixed: int, filler_tokens: int | None, key: str)
 PASSKEY_INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
                        "them. I will quiz you about the important information there.")
 PASSKEY_QUESTION = "What is the pass key? The pass key is"
+# template -> (needle with {key}, question). "landmark" is landmark attention's; "compact" keeps the same words in a
+# third of the tokens, which leaves a byte-level model trained at 128 tokens room for haystacks of useful length.
+PASSKEY_TEMPLATES = {
+    "landmark": ("The pass key is {key}. Remember it. {key} is the pass key.", PASSKEY_QUESTION),
+    "compact": ("The pass key is {key}.", "The pass key is"),
+}
 
 
 @register
@@ -85,7 +92,9 @@ class Passkey(Task):
     haystack length is uniform in ``[filler_min, filler_tokens]`` instead (short examples are padded), which mixes
     easy examples into training; ``depth`` in [0, 1] or null (uniform per example), snapped to the nearest sentence
     start; K uniform in ``[key_min, key_max]``; ``instruction=false`` drops the opening instruction (about 150
-    tokens) for short training sequences.
+    tokens) for short training sequences; ``offset=true`` starts the haystack at a random point of the noise text
+    (mid-sentence), as a context does that a window or an eviction policy cut out of a longer document;
+    ``template``: ``landmark`` (the published needle and question) or ``compact`` (see ``PASSKEY_TEMPLATES``).
     """
 
     name: ClassVar[str] = "passkey"
@@ -95,6 +104,8 @@ class Passkey(Task):
     key_min: int = 1
     key_max: int = 50000
     instruction: bool = True
+    offset: bool = False
+    template: str = "landmark"
 
     def __post_init__(self):
         if self.filler_tokens is not None:
@@ -105,6 +116,9 @@ class Passkey(Task):
                 raise ConfigError(f"data.params.filler_min={self.filler_min} is invalid: must be <= "
                                   f"data.params.filler_tokens={self.filler_tokens}")
         _fraction(self.depth, "data.params.depth")
+        if self.template not in PASSKEY_TEMPLATES:
+            raise ConfigError(f"data.params.template={self.template!r} is invalid: must be one of "
+                              f"{list(PASSKEY_TEMPLATES)}")
         _positive(self.key_min, "data.params.key_min", zero=True)
         if not isinstance(self.key_max, int) or self.key_max < self.key_min:
             raise ConfigError(f"data.params.key_max={self.key_max!r} is invalid: must be an integer >= "
@@ -113,11 +127,12 @@ class Passkey(Task):
     def example(self, rng: np.random.Generator, seq_len: int) -> Example:
         key = str(int(rng.integers(self.key_min, self.key_max + 1)))
         depth = float(rng.uniform()) if self.depth is None else self.depth
-        needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+        template, question = PASSKEY_TEMPLATES[self.template]
+        needle = template.format(key=key)
         head = [PASSKEY_INSTRUCTION] if self.instruction else []
         answer = " " + key
         # BOS + head + "\n".join(prefix, needle, suffix, question) + answer + EOS, with the filler split in two
-        fixed = 1 + sum(n_tokens(h) + 1 for h in head) + n_tokens(needle) + n_tokens(PASSKEY_QUESTION) + 3
+        fixed = 1 + sum(n_tokens(h) + 1 for h in head) + n_tokens(needle) + n_tokens(question) + 3
         fixed += n_tokens(answer) + 1
         n_filler = filler_budget(seq_len, fixed, self.filler_tokens, self.name)
         if self.filler_min is not None:
@@ -125,9 +140,9 @@ class Passkey(Task):
                 raise ConfigError(f"data.params.filler_min={self.filler_min} does not fit seq_len={seq_len}: at "
                                   f"most {n_filler} filler tokens fit")
             n_filler = int(rng.integers(self.filler_min, n_filler + 1))
-        filler = noise(n_filler)
+        filler = noise(n_filler, int(rng.integers(len(NOISE))) if self.offset else 0)
         cut = nearest_start(filler, depth)
-        prompt = "\n".join([*head, filler[:cut], needle, filler[cut:], PASSKEY_QUESTION])
+        prompt = "\n".join([*head, filler[:cut], needle, filler[cut:], question])
         return text_example(prompt, [(answer, True)], key, (key,), eos=True)
 
     def score(self, example: Example, output: str) -> float:
@@ -270,4 +285,4 @@ class AssociativeRecall(Task):
         return float(output.startswith(example.references[0]))
 
 
-__all__ = ["NOISE", "PASSKEY_INSTRUCTION", "PASSKEY_QUESTION", "AssociativeRecall", "NeedleInHaystack", "Passkey"]
+__all__ = ["NOISE", "PASSKEY_INSTRUCTION", "PASSKEY_QUESTION", "PASSKEY_TEMPLATES", "AssociativeRecall", "NeedleInHaystack", "Passkey"]

@@ -15,10 +15,61 @@ def _positive_ints(values: Sequence[int], key: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class PerplexityConfig:
+    """``eval.perplexity``: perplexity on held-out text (a task whose every token is a target, e.g. ``corpus``) at
+    the same lengths, measured next to the retrieval task: ``samples`` windows, the first ``prefix`` tokens (null:
+    half the length) prefilled, the rest scored one token at a time through the cache (StreamingLLM protocol).
+
+    ``tail``: score the same last ``tail`` tokens at every length - each length's window is the end of the same
+    longest window (BOS first when the task's windows start with it) - so the lengths differ only in how much
+    history precedes the scored text, not in which text is scored."""
+
+    task: str = "corpus"
+    params: tuple[tuple[str, Any], ...] = ()
+    samples: int = 16
+    batch_size: int = 16
+    prefix: int | None = None
+    tail: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.params, Mapping):
+            object.__setattr__(self, "params", tuple(sorted(self.params.items())))
+        for name in ("samples", "batch_size", "tail"):
+            value = getattr(self, name)
+            if name == "tail" and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"eval.perplexity.{name}={value!r} is invalid: must be a positive integer")
+        if self.tail is not None and self.prefix is not None:
+            raise ConfigError("eval.perplexity.tail and eval.perplexity.prefix are exclusive: tail scores the last "
+                              "tail tokens of every length, prefix prefills a fixed number")
+        from lcx.data import make_task
+
+        make_task(self.task, dict(self.params), prefix="eval.perplexity.params")
+
+    def make_task(self):
+        from lcx.data import make_task
+
+        return make_task(self.task, dict(self.params), prefix="eval.perplexity.params")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], prefix: str = "eval.perplexity") -> "PerplexityConfig":
+        data = dict(data)
+        params = data.pop("params", None) or {}
+        if not isinstance(params, Mapping):
+            raise ConfigError(f"{prefix}.params={params!r} is invalid: must be a mapping of task parameters")
+        return dataclasses.replace(from_dict(cls, data, prefix=prefix), params=tuple(sorted(params.items())))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "params": dict(self.params)}
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalConfig:
     """What to measure: a retrieval ``task`` (passkey, niah, mqar -> accuracy) or ``corpus`` (-> perplexity), at each
     context length in ``lengths`` and needle depth in ``depths`` (null: a random depth per example), over
-    ``samples`` examples drawn from the validation split with ``seed``. ``params`` are the task's parameters.
+    ``samples`` examples per depth drawn from the validation split with ``seed``. ``params`` are the task's
+    parameters. ``perplexity`` (optional): perplexity on held-out text measured next to it.
 
     Perplexity under a cache policy: the first ``ppl_prefix`` tokens (null: half the length) are prefilled, the
     rest are scored one token at a time through the cache and its eviction schedule (StreamingLLM protocol).
@@ -34,6 +85,7 @@ class EvalConfig:
     max_new_tokens: int | None = None
     ppl_prefix: int | None = None
     checkpoint: str | None = None  # params to evaluate (null: the run's latest stage)
+    perplexity: PerplexityConfig | None = None
 
     def __post_init__(self):
         if isinstance(self.params, Mapping):
@@ -70,20 +122,29 @@ class EvalConfig:
         built = from_dict(cls, data, prefix=prefix)
         return dataclasses.replace(built, params=tuple(sorted(params.items())))
 
+    def metrics(self) -> tuple[str, ...]:
+        """The metrics this evaluation reports: the task's, then perplexity when ``perplexity`` is set."""
+        return (self.metric,) + (("perplexity",) if self.perplexity is not None else ())
+
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["params"] = dict(self.params)
+        out["perplexity"] = None if self.perplexity is None else self.perplexity.to_dict()
         return out
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeVariant:
     """A RoPE setting to evaluate with: ``name`` for the tables, and RopeConfig fields to override (none: as
-    trained). ``max_position_embeddings`` overrides the model's (dynamic NTK scales beyond it)."""
+    trained). ``max_position_embeddings`` overrides the model's (dynamic NTK scales beyond it). ``checkpoint``: the
+    params to evaluate for this variant instead of the stage's - a stage name of the run (``train``, ``finetune``)
+    or a checkpoint path - with that checkpoint's own RoPE (e.g. a model fine-tuned with YaRN next to the
+    original's raw extrapolation and dynamic NTK)."""
 
     name: str
     rope: tuple[tuple[str, Any], ...] = ()
     max_position_embeddings: int | None = None
+    checkpoint: str | None = None
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], prefix: str) -> "RopeVariant":
@@ -91,8 +152,12 @@ class RopeVariant:
         if "name" not in data:
             raise ConfigError(f"{prefix}.name is missing: every rope variant needs a name (e.g. 'trained', 'yarn4')")
         name, mpe = data.pop("name"), data.pop("max_position_embeddings", None)
+        checkpoint = data.pop("checkpoint", None)
+        if checkpoint is not None and not isinstance(checkpoint, str):
+            raise ConfigError(f"{prefix}.checkpoint={checkpoint!r} is invalid: a stage name or a checkpoint path")
         from_dict(RopeConfig, data, prefix=f"{prefix}")  # validate now
-        return cls(name=str(name), rope=tuple(sorted(data.items())), max_position_embeddings=mpe)
+        return cls(name=str(name), rope=tuple(sorted(data.items())), max_position_embeddings=mpe,
+                   checkpoint=checkpoint)
 
     def apply(self, model):
         if not self.rope and self.max_position_embeddings is None:
@@ -123,16 +188,17 @@ class AblateConfig:
             cache.make_policy()
 
     def caches(self) -> list[CacheConfig]:
-        """Every (policy, budget) cell as a CacheConfig; ``full`` once, without a budget."""
+        """Every (policy, budget) cell as a CacheConfig; ``full`` once, without a budget. A policy entry may set its
+        own ``interval`` and ``prefill_chunk`` (e.g. a memory tier whose local positions must stay in range)."""
         out = []
         for entry in self.policies:
-            spec = dict(entry)
+            spec = {"interval": self.interval, "prefill_chunk": self.prefill_chunk, **dict(entry)}
             if spec.get("policy", "full") == "full":
-                out.append(CacheConfig.from_mapping({**spec, "prefill_chunk": self.prefill_chunk}, prefix="ablate"))
+                spec.pop("interval")
+                out.append(CacheConfig.from_mapping(spec, prefix="ablate"))
                 continue
             for budget in self.budgets:
-                out.append(CacheConfig.from_mapping({**spec, "budget": budget, "interval": self.interval,
-                                                     "prefill_chunk": self.prefill_chunk}, prefix="ablate"))
+                out.append(CacheConfig.from_mapping({**spec, "budget": budget}, prefix="ablate"))
         return out
 
     @classmethod
@@ -155,7 +221,8 @@ class AblateConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"policies": [dict(p) for p in self.policies], "budgets": list(self.budgets),
-                "ropes": [{"name": r.name, **dict(r.rope), **({"max_position_embeddings": r.max_position_embeddings}
-                                                               if r.max_position_embeddings else {})}
-                          for r in self.ropes],
+                "ropes": [{"name": r.name, **dict(r.rope),
+                           **({"max_position_embeddings": r.max_position_embeddings}
+                              if r.max_position_embeddings else {}),
+                           **({"checkpoint": r.checkpoint} if r.checkpoint else {})} for r in self.ropes],
                 "interval": self.interval, "prefill_chunk": self.prefill_chunk}

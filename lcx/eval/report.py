@@ -1,6 +1,7 @@
-"""Results of an evaluation grid: ``results.csv`` (one row per cell), ``results.md`` (a readable table: one row per
-policy / budget / RoPE setting, one column per context length) and PNG plots (metric vs length; for retrieval with
-depths, a depth x length heat map per setting)."""
+"""Results of an evaluation grid: ``results.csv`` (long format: one row per setting, length, depth and metric, with
+the value and its 95% interval), ``results.md`` (one table per metric: a row per setting, a column per context
+length) and PNG plots (metric vs length per metric - perplexity on a log scale - and, for retrieval over depths, a
+depth x length heat map per setting)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,16 @@ from pathlib import Path
 
 import numpy as np
 
-FIELDS = ("policy", "budget", "rope", "length", "depth", "metric", "value", "samples", "seconds")
+from lcx.eval.stats import wilson_interval
+
+FIELDS = ("setting", "policy", "budget", "rope", "length", "depth", "metric", "value", "lo", "hi", "samples",
+          "seconds")
 
 
 def label(row: dict) -> str:
+    """The row's setting (``policy @budget params [rope]``; older files without the column: policy, budget, rope)."""
+    if row.get("setting"):
+        return row["setting"]
     budget = "" if row["budget"] in (None, "") else f" @{row['budget']}"
     rope = "" if row["rope"] in ("trained", "") else f" [{row['rope']}]"
     return f"{row['policy']}{budget}{rope}"
@@ -32,7 +39,8 @@ def read_csv(path: Path) -> list[dict]:
         rows = list(csv.DictReader(f))
     for row in rows:
         row["length"] = int(row["length"])
-        row["value"] = float(row["value"])
+        for key in ("value", "lo", "hi"):
+            row[key] = float(row[key]) if row.get(key) not in (None, "") else float("nan")
         row["depth"] = "" if row["depth"] == "" else float(row["depth"])
     return rows
 
@@ -41,23 +49,62 @@ def _fmt(metric: str, value: float) -> str:
     return f"{100 * value:.0f}%" if metric == "accuracy" else f"{value:.2f}"
 
 
-def markdown_table(rows: list[dict], title: str) -> str:
-    """One line per setting, one column per length (mean over depths)."""
-    metric = rows[0]["metric"]
-    lengths = sorted({r["length"] for r in rows})
-    cells: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+def _by_setting(rows: list[dict]) -> tuple[list[str], dict[str, dict[int, list[dict]]]]:
     order: list[str] = []
+    cells: dict[str, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         key = label(r)
         if key not in cells:
             order.append(key)
-        cells[key][r["length"]].append(r["value"])
-    head = "| setting | " + " | ".join(f"{n} tokens" for n in lengths) + " |"
-    lines = [f"### {title} ({metric})", "", head, "|---" * (len(lengths) + 1) + "|"]
-    for key in order:
-        values = [(_fmt(metric, float(np.mean(cells[key][n]))) if cells[key][n] else "-") for n in lengths]
-        lines.append(f"| {key} | " + " | ".join(values) + " |")
-    return "\n".join(lines) + "\n"
+        cells[key][r["length"]].append(r)
+    return order, cells
+
+
+def _pooled(metric: str, cell: list[dict]) -> tuple[float, float, float]:
+    """One (value, lo, hi) for the rows of a table cell (several needle depths: their pooled accuracy)."""
+    if len(cell) == 1:
+        r = cell[0]
+        return r["value"], r.get("lo", float("nan")), r.get("hi", float("nan"))
+    if metric == "accuracy" and all(r.get("samples") not in (None, "") for r in cell):
+        n = sum(int(r["samples"]) for r in cell)
+        hits = sum(r["value"] * int(r["samples"]) for r in cell)
+        return (hits / n, *wilson_interval(hits, n))
+    return float(np.mean([r["value"] for r in cell])), float("nan"), float("nan")
+
+
+def markdown_table(rows: list[dict], title: str) -> str:
+    """One table per metric: one line per setting, one column per length (accuracy pooled over depths), each cell
+    with its 95% interval."""
+    out = []
+    for metric in dict.fromkeys(r["metric"] for r in rows):
+        sub = [r for r in rows if r["metric"] == metric]
+        lengths = sorted({r["length"] for r in sub})
+        order, cells = _by_setting(sub)
+        head = "| setting | " + " | ".join(f"{n} tokens" for n in lengths) + " |"
+        lines = [f"### {title} ({metric}, 95% interval)", "", head, "|---" * (len(lengths) + 1) + "|"]
+        for key in order:
+            values = []
+            for n in lengths:
+                if not cells[key][n]:
+                    values.append("-")
+                    continue
+                value, lo, hi = _pooled(metric, cells[key][n])
+                interval = "" if np.isnan(lo) else f" ({_fmt(metric, lo)}–{_fmt(metric, hi)})"
+                values.append(_fmt(metric, value) + interval)
+            lines.append(f"| {key} | " + " | ".join(values) + " |")
+        out.append("\n".join(lines) + "\n")
+    return "\n".join(out)
+
+
+def _style(rows: list[dict], plt) -> dict[str, dict]:
+    """One colour per policy, a line style per budget, a marker per RoPE variant: many lines stay readable."""
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    budgets = list(dict.fromkeys(str(r["budget"]) for r in rows))
+    ropes = list(dict.fromkeys(r["rope"] for r in rows))
+    colors = plt.get_cmap("tab10").colors
+    return {label(r): dict(color=colors[policies.index(r["policy"]) % len(colors)],
+                           linestyle=("-", "--", ":", "-.")[budgets.index(str(r["budget"])) % 4],
+                           marker="osD^v"[ropes.index(r["rope"]) % 5]) for r in rows}
 
 
 def plot(rows: list[dict], out_dir: Path, title: str) -> list[Path]:
@@ -66,49 +113,46 @@ def plot(rows: list[dict], out_dir: Path, title: str) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metric = rows[0]["metric"]
     paths = []
-    by_label: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    style: dict[str, dict] = {}
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
-    budgets = list(dict.fromkeys(str(r["budget"]) for r in rows))
-    ropes = list(dict.fromkeys(r["rope"] for r in rows))
-    colors = plt.get_cmap("tab10").colors
-    for r in rows:
-        key = label(r)
-        by_label[key][r["length"]].append(r["value"])
-        # one colour per policy, a line style per budget, a marker per RoPE variant: 20+ lines stay readable
-        style[key] = dict(color=colors[policies.index(r["policy"]) % len(colors)],
-                          linestyle=("-", "--", ":", "-.")[budgets.index(str(r["budget"])) % 4],
-                          marker="osD^v"[ropes.index(r["rope"]) % 5])
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for key, series in by_label.items():
-        xs = sorted(series)
-        ax.plot(xs, [np.mean(series[x]) for x in xs], label=key, alpha=0.85, **style[key])
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel(metric)
-    if metric == "accuracy":
-        ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path = out_dir / f"{metric}_vs_length.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    paths.append(path)
+    style = _style(rows, plt)
+    for metric in dict.fromkeys(r["metric"] for r in rows):
+        sub = [r for r in rows if r["metric"] == metric]
+        order, cells = _by_setting(sub)
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for key in order:
+            xs = sorted(cells[key])
+            pooled = [_pooled(metric, cells[key][x]) for x in xs]
+            ax.plot(xs, [p[0] for p in pooled], label=key, alpha=0.85, **style[key])
+            lo, hi = [p[1] for p in pooled], [p[2] for p in pooled]
+            if not any(np.isnan(lo)):
+                ax.fill_between(xs, lo, hi, color=style[key]["color"], alpha=0.08)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(metric)
+        if metric == "accuracy":
+            ax.set_ylim(-0.02, 1.02)
+        else:
+            ax.set_yscale("log")
+        ax.set_title(f"{title}: {metric}")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        path = out_dir / f"{metric}_vs_length.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
 
-    depths = sorted({r["depth"] for r in rows if r["depth"] != ""})
-    if metric == "accuracy" and len(depths) > 1:
-        lengths = sorted({r["length"] for r in rows})
-        keys = list(by_label)
+    acc = [r for r in rows if r["metric"] == "accuracy"]
+    depths = sorted({r["depth"] for r in acc if r["depth"] != ""})
+    if len(depths) > 1:
+        lengths = sorted({r["length"] for r in acc})
+        keys = list(dict.fromkeys(label(r) for r in acc))
         cols = min(4, len(keys))
         nrows = -(-len(keys) // cols)
         fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 2.8 * nrows), squeeze=False)
         for ax, key in zip(axes.flat, keys):
             grid = np.full((len(depths), len(lengths)), np.nan)
-            for r in rows:
+            for r in acc:
                 if label(r) == key and r["depth"] != "":
                     grid[depths.index(r["depth"]), lengths.index(r["length"])] = r["value"]
             ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")

@@ -45,8 +45,9 @@ from lcx.train.config import DataConfig
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
     """The ``router:`` section. ``window``, ``block`` and ``sinks`` describe the memory cache the router is for;
-    ``queries`` query positions per sequence are sampled from those that have eligible blocks; ``topk`` is the k of
-    the held-out recall@k report."""
+    ``queries`` query positions per sequence are sampled from those that have eligible blocks, an ``answer_queries``
+    share of them (where the data has any) from the positions that predict answer tokens - the queries a retrieval
+    depends on; ``topk`` is the k of the held-out recall@k report."""
 
     steps: int = 300
     batch_size: int = 8
@@ -58,6 +59,7 @@ class RouterConfig:
     block: int = 16
     topk: int = 2
     queries: int = 32
+    answer_queries: float = 0.5
     gate_threshold: float = 0.1
     positions: str = "original"
     seed: int = 0
@@ -70,6 +72,8 @@ class RouterConfig:
                 raise ConfigError(f"router.{name}={value!r} is invalid: must be a positive integer")
         if self.positions not in ("original", "local"):
             raise ConfigError(f"router.positions={self.positions!r} is invalid: must be 'original' or 'local'")
+        if not 0 <= self.answer_queries <= 1:
+            raise ConfigError(f"router.answer_queries={self.answer_queries!r} is invalid: must be in [0, 1]")
         if not 0 < self.gate_threshold < 1:
             raise ConfigError(f"router.gate_threshold={self.gate_threshold!r} is invalid: must be in (0, 1)")
         if self.seq_len < self.sinks + self.window + 2 * self.block:
@@ -142,10 +146,20 @@ def losses(params, stats, queries, mass, eligible, share, gate_threshold):
 
 
 def sample_queries(rng: np.random.Generator, batch: dict, cfg: RouterConfig) -> np.ndarray:
-    """``[B, Q]`` query positions within each sequence's real tokens that have at least one eligible block."""
+    """``[B, Q]`` query positions within each sequence's real tokens that have at least one eligible block; a share
+    ``answer_queries`` from positions whose next token is an answer token, where a sequence has any."""
     lengths = np.sum(batch["inputs"] != TOKENIZER.pad_id, axis=1)
     lo = cfg.sinks + cfg.block + cfg.window - 1
-    return np.stack([rng.integers(min(lo, n - 1), n, cfg.queries) for n in lengths]).astype(np.int32)
+    out = []
+    for row, n in enumerate(lengths):
+        picks = rng.integers(min(lo, n - 1), n, cfg.queries)
+        answers = np.flatnonzero(batch["answer"][row][:n] > 0)
+        answers = answers[answers >= lo]
+        if len(answers) and len(answers) < n - lo:  # not a corpus window, where every token is an answer
+            share = rng.random(cfg.queries) < cfg.answer_queries
+            picks = np.where(share, rng.choice(answers, cfg.queries), picks)
+        out.append(picks)
+    return np.stack(out).astype(np.int32)
 
 
 def recall_at_k(scores, mass, eligible, k: int) -> float:

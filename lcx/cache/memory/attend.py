@@ -19,8 +19,8 @@ sinks sit at positions ``0 .. sinks-1``, the recalled tokens (blocks in position
 topk * block + window + the room of one call, whatever the context. Routing compares queries and keys as stored
 (rotated in ``original`` mode, unrotated in ``local`` mode).
 
-Routing pools the last ``route_queries`` real queries of a chunk (SnapKV's observation window: at the end of a
-prompt those are the question's); a decode step routes with its own query.
+Routing pools the last ``route_queries`` real queries (SnapKV's observation window: at the end of a prompt those are
+the question's), kept across calls in a small buffer, so a decode step routes with its query and the ones before.
 """
 
 from __future__ import annotations
@@ -90,26 +90,69 @@ def _params(layer) -> dict[str, jax.Array] | None:
     return {name: getattr(layer, name) for name in PARAM_NAMES}
 
 
-def route(kind, layer, q: jax.Array, ok: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """Block ids ``[b, k, K]`` to recall, ascending (-1 last, where a row has fewer blocks), and the gate ``[b, k]``
-    (None: open), from the queries ``q [b, t, h, d]`` pooled over the last ``route_queries`` real ones."""
+def recent_queries(layer, q: jax.Array, ok: jax.Array, keep: int):
+    """The last ``keep`` real queries before and in this call: the layer's buffer of earlier ones (``recent_q [b, R,
+    h, d]``, its newest ``recent_n`` valid) followed by ``q [b, t, h, d]`` where ``ok``. Returns their mean ``[b, h,
+    d]`` and the updated buffer and count."""
+    buffer = layer.recent_q.shape[1]
+    earlier = jnp.arange(buffer)[None, :] >= buffer - layer.recent_n[:, None]  # [b, R] the newest are at the end
+    queries = jnp.concatenate([layer.recent_q, q.astype(jnp.float32)], axis=1)  # [b, R + t, h, d]
+    valid = jnp.concatenate([earlier, ok], axis=1)
+    rank_from_end = jnp.cumsum(valid[:, ::-1].astype(jnp.int32), axis=1)[:, ::-1]  # 1 for the newest
+    chosen = valid & (rank_from_end <= keep)
+    w = chosen.astype(jnp.float32)[:, :, None, None]
+    pooled = jnp.sum(queries * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1.0)
+    # The new buffer: the chosen queries in order, right-aligned.
+    order = jnp.argsort(jnp.where(chosen, jnp.arange(valid.shape[1])[None, :], -1), axis=1)[:, -buffer:]
+    new = jnp.take_along_axis(queries, order[:, :, None, None], axis=1)
+    return pooled, new, jnp.minimum(jnp.sum(chosen, axis=1, dtype=jnp.int32), buffer)
+
+
+def _group_candidates(kind, layer, pooled: jax.Array) -> jax.Array:
+    """The blocks of the ``route_candidates`` best groups per KV head (Quest's bound over a group's min / max keys
+    bounds every block in it): ``[b, k, S * G]`` block ids."""
     p = kind.policy
-    rank_from_end = jnp.cumsum(ok[:, ::-1].astype(jnp.int32), axis=1)[:, ::-1]  # 1 for the last real query
-    w = (ok & (rank_from_end <= p.route_queries)).astype(jnp.float32)[:, :, None, None]
-    pooled = jnp.sum(q.astype(jnp.float32) * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1.0)  # [b, h, d]
+    groups = layer.gmin.shape[1]
+    scores = kind.router.score(pooled, {"kmin": layer.gmin, "kmax": layer.gmax}, None)  # [b, k, NG]
+    filled = jnp.arange(groups)[None, None, :] * p.route_groups < layer.n_blocks[:, None, None]
+    _, best = jax.lax.top_k(jnp.where(filled, scores, -jnp.inf), min(p.route_candidates, groups))  # [b, k, S]
+    ids = best[..., None] * p.route_groups + jnp.arange(p.route_groups)  # [b, k, S, G]
+    return ids.reshape(ids.shape[:2] + (-1,)).astype(jnp.int32)
+
+
+def route(kind, layer, q: jax.Array, ok: jax.Array):
+    """Block ids ``[b, k, K]`` to recall, ascending (-1 last, where a row has fewer blocks), the gate ``[b, k]``
+    (None: open) and the layer with its recent-query buffer updated, from the last ``route_queries`` real queries
+    (this call's ``q [b, t, h, d]`` where ``ok``, after the ones before it): a decode step routes like the prompt's
+    end, not on one query alone."""
+    p = kind.policy
+    pooled, recent, recent_n = recent_queries(layer, q, ok, p.route_queries)
+    layer = layer.replace(recent_q=recent, recent_n=recent_n)
     params = _params(layer)
-    scores = kind.router.score(pooled, _summaries(kind, layer), params)  # [b, k, N]
-    blocks = scores.shape[-1]
-    present = jnp.arange(blocks)[None, None, :] < layer.n_blocks[:, None, None]
-    topk = min(p.topk, blocks)
-    _, ids = jax.lax.top_k(jnp.where(present, scores, -jnp.inf), topk)  # absent blocks rank last
-    ids = jnp.where(jnp.arange(topk)[None, None, :] < layer.n_blocks[:, None, None], ids, blocks)
+    summaries = _summaries(kind, layer)
+    blocks = next(iter(summaries.values())).shape[1]
+    if p.route_groups:  # two levels: the best groups of blocks first, then the blocks inside them
+        candidates = _group_candidates(kind, layer, pooled)  # [b, k, C] block ids
+        heads = candidates.shape[1]
+        rows, head = jnp.arange(candidates.shape[0])[:, None, None], jnp.arange(heads)[None, None, :]
+        safe = jnp.minimum(jnp.swapaxes(candidates, 1, 2), blocks - 1)  # [b, C, k]
+        summaries = {name: x[rows, safe, head] for name, x in summaries.items()}  # [b, C, k, ...]
+    else:
+        candidates = jnp.broadcast_to(jnp.arange(blocks, dtype=jnp.int32), (q.shape[0], layer.k.shape[2], blocks))
+    scores = kind.router.score(pooled, summaries, params)  # [b, k, C]
+    if p.route_heads == "shared":  # one ranking per layer: the KV heads' scores summed
+        scores = jnp.broadcast_to(jnp.sum(scores, axis=1, keepdims=True), scores.shape)
+    present = candidates < layer.n_blocks[:, None, None]
+    topk = min(p.topk, candidates.shape[-1])
+    _, pick = jax.lax.top_k(jnp.where(present, scores, -jnp.inf), topk)  # absent blocks rank last
+    ids = jnp.take_along_axis(candidates, pick, axis=-1)
+    ids = jnp.where(jnp.take_along_axis(present, pick, axis=-1), ids, blocks)
     ids = jnp.sort(ids, axis=-1)  # position order (local positions number recalled tokens in this order)
     ids = jnp.where(ids < blocks, ids, -1)
     if topk < p.topk:
         ids = jnp.pad(ids, ((0, 0), (0, 0), (0, p.topk - topk)), constant_values=-1)
     gate = kind.router.gate(pooled, params, layer.k.shape[2]) if p.gate else None
-    return ids.astype(jnp.int32), gate
+    return ids.astype(jnp.int32), gate, layer
 
 
 def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
@@ -154,7 +197,7 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
         layer = layer.replace(received=jnp.where(layer.valid[:, None, :], layer.received + received, 0.0))
 
     # Long-term memory: route, recall, attend; no causal mask (every block is older than every query).
-    ids, gate = route(kind, layer, q_route, ok)
+    ids, gate, layer = route(kind, layer, q_route, ok)
     k_rec, v_rec = _recall(kind, layer, ids, q.dtype)
     if local:
         before_window = jnp.broadcast_to(p.sinks + jnp.arange(recall_tokens), (b, recall_tokens))

@@ -59,11 +59,15 @@ class MemoryCache(CacheState):
     skips: jax.Array  # [L, b] int32 steps the gate skipped recall
     layer_id: jax.Array  # [L] int32
     store_id: jax.Array  # [L] int32 the host store's id (-1: none)
+    recent_q: jax.Array  # [L, b, R, h, d] float32 the last queries routing pools
+    recent_n: jax.Array  # [L, b] int32 valid entries of recent_q (the newest, at the end)
     lengths: jax.Array | None  # [b] int32
     block_pos: jax.Array | None = None  # [L, b, N, j, k] int32 positions of each block's tokens (store: device)
     received: jax.Array | None = None  # [L, b, k, W] attention each working token received (InfLLM)
     kmin: jax.Array | None = None  # [L, b, N, k, d] Quest
     kmax: jax.Array | None = None
+    gmin: jax.Array | None = None  # [L, b, N / G, k, d] Quest over groups of blocks (route_groups)
+    gmax: jax.Array | None = None
     reps: jax.Array | None = None  # [L, b, N, k, R, d] InfLLM
     kstats: jax.Array | None = None  # [L, b, N, k, 3, d] learned
     store_k: jax.Array | None = None  # [L, b, N, j, k, d] store: device
@@ -142,11 +146,17 @@ class MemoryKind(CacheKind):
             "recalled": Field(("layers", "batch", "kv_heads", "topk"), "int32", -1),
             "recalls": Field(("layers", "batch"), "int32"), "skips": Field(("layers", "batch"), "int32"),
             "layer_id": Field(("layers",), "int32"), "store_id": Field(("layers",), "int32", -1),
+            "recent_q": Field(("layers", "batch", "route_queries", "heads", "head_dim"), "float32"),
+            "recent_n": Field(("layers", "batch"), "int32"),
             "lengths": Field(("batch",), "int32"),
         }
         if self.router.needs_attention:
             out["received"] = Field(("layers", "batch", "kv_heads", "length"), "float32")
         out.update(self.router.summary_fields())
+        if p.route_groups:
+            group = ("layers", "batch", "groups", "kv_heads", "head_dim")
+            out["gmin"] = Field(group, "float32", float("inf"))
+            out["gmax"] = Field(group, "float32", float("-inf"))
         if p.store == "device":  # the blocks themselves, and their positions (a host store keeps those)
             stored = "int8" if self.store_dtype == "int8" else canonical_dtype(self.store_dtype)
             out["block_pos"] = Field(("layers", "batch", "blocks", "block", "kv_heads"), "int32", -1)
@@ -164,7 +174,9 @@ class MemoryKind(CacheKind):
         runs = -(-capacity // p.spill_tokens)
         return {"layers": m.n_layers, "batch": batch, "length": self.working_slots, "kv_heads": m.n_kv_heads,
                 "head_dim": m.head_dim, "blocks": runs * (p.spill_tokens // p.block), "block": p.block,
-                "topk": p.topk, "representatives": p.representatives, "stats": 3, **learned.sizes(p.router_path)}
+                "topk": p.topk, "representatives": p.representatives, "stats": 3, "route_queries": p.route_queries,
+                "groups": -(-runs * (p.spill_tokens // p.block) // max(p.route_groups, 1)),
+                "heads": m.n_heads, **learned.sizes(p.router_path)}
 
     @property
     def kv_dtype(self) -> str:
@@ -268,7 +280,7 @@ class MemoryKind(CacheKind):
 # --------------------------------------------------------------------------------------------------- spilling
 @functools.lru_cache(maxsize=32)
 def _spill_jit(kind: MemoryKind):
-    return jax.jit(functools.partial(_spill, kind))
+    return jax.jit(functools.partial(_spill, kind), donate_argnums=(0,))  # updates the state's buffers in place
 
 
 def _spill(kind: MemoryKind, state: MemoryCache):
@@ -314,6 +326,11 @@ def _spill(kind: MemoryKind, state: MemoryCache):
     layers, rows = jnp.arange(at.shape[0])[:, None, None], jnp.arange(at.shape[1])[None, :, None]
     updates = {name: getattr(state, name).at[layers, rows, at].set(value, mode="drop")
                for name, value in summaries.items()}
+    if p.route_groups:  # a group's bounds cover its blocks'
+        groups = state.gmin.shape[2]
+        group = jnp.where(at < state.n_blocks_capacity, at // p.route_groups, groups)
+        updates["gmin"] = state.gmin.at[layers, rows, group].min(summaries["kmin"], mode="drop")
+        updates["gmax"] = state.gmax.at[layers, rows, group].max(summaries["kmax"], mode="drop")
     left = {"pos": bpos, "new": new_blocks}
     stored = kind.store_dtype
     if stored == "int8":

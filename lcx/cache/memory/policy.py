@@ -11,6 +11,10 @@
 - a router (``quest``, ``infllm``, ``learned``) scores the blocks per layer and KV head against the current queries
   and recalls the top ``topk`` of them; attention covers working memory and recalled blocks, merged exactly.
 
+``route_groups: G`` routes in two levels for long stores: Quest scores groups of G blocks (their min / max keys
+bound every block in them), then the blocks of the ``route_candidates`` best groups - the cost per step grows with
+the number of groups, not of blocks.
+
 ``positions: original`` rotates every token at its true position (exact when every block is recalled);
 ``local`` (InfLLM-style) places the recalled tokens just before the working window and the window after them, so no
 position exceeds ``sinks + topk * block + window`` plus the room of one call. ``route_queries``: how many of a
@@ -58,6 +62,9 @@ class MemoryPolicy(CachePolicy):
     router_path: str | None = None
     gate: bool = True
     route_queries: int = 8
+    route_heads: str = "per_head"
+    route_groups: int = 0
+    route_candidates: int = 4
 
     def __post_init__(self):
         def positive(name, value, minimum=1):
@@ -71,9 +78,12 @@ class MemoryPolicy(CachePolicy):
         positive("cluster_blocks", self.cluster_blocks)
         positive("kmeans_iters", self.kmeans_iters)
         positive("route_queries", self.route_queries)
+        positive("route_groups", self.route_groups, 0)
+        positive("route_candidates", self.route_candidates)
         if self.window is not None:
             positive("window", self.window)
         for name, value, allowed in (("router", self.router, ROUTERS), ("blocks", self.blocks, BLOCKS),
+                                     ("route_heads", self.route_heads, ("per_head", "shared")),
                                      ("store", self.store, STORES), ("positions", self.positions, POSITIONS)):
             if value not in allowed:
                 raise ConfigError(f"cache.{name}={value!r} is invalid: must be one of {list(allowed)}")
@@ -89,6 +99,10 @@ class MemoryPolicy(CachePolicy):
         if self.router == "learned" and not self.router_path:
             raise ConfigError("cache.router='learned' needs cache.router_path: the directory of trained router "
                               "parameters (lcx train-router CONFIG writes one)")
+        if self.route_groups and self.router != "quest":
+            raise ConfigError(f"cache.route_groups={self.route_groups} is invalid for cache.router={self.router!r}: "
+                              f"two-level routing bounds groups of blocks with Quest's min / max keys; use "
+                              f"router: quest or route_groups: 0")
         if self.blocks == "cluster" and self.cluster_blocks < 2:
             raise ConfigError(f"cache.cluster_blocks={self.cluster_blocks} is invalid for cache.blocks='cluster': "
                               f"k-means needs a run of at least 2 blocks ({2 * self.block} tokens) to form "
