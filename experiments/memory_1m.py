@@ -1,11 +1,11 @@
 """The long run: one passkey prompt of a million tokens through the memory tier, on a CPU.
 
 The quickstart's model was trained at 128 tokens. The prompt - a haystack of about a million tokens with the key at
-``--depth``, then the question - streams through the tiered cache in chunks: the device keeps 4 sinks and a 44-token
-window; every 16 tokens that leave it become a block in a long-term store on disk (int8), routed by Quest in two
-levels (groups of 64 blocks, then the blocks of the 4 best groups) with 3 blocks recalled per KV head, at local
-positions so nothing exceeds the trained range. The answer is graded, and the wall time, tokens per second, device
-KV bytes and store bytes are reported and written to ``--out``.
+``--depth``, then the question - streams through the tiered cache in chunks of 64: the device keeps 4 sinks and a
+12-token window; every 16 tokens that leave it become a block in a long-term store on disk (int8), routed by Quest
+in two levels (groups of 64 blocks, then the blocks of the 4 best groups) with 2 blocks recalled per KV head, at
+local positions (sinks, recalled tokens, window, chunk: at most 127, inside the trained 128). The answer is graded,
+and the wall time, tokens per second, device KV bytes and store bytes are reported and written to ``--out``.
 
     lcx run experiments/configs/quickstart.yaml          # the model (runs/quickstart/train)
     python experiments/memory_1m.py --tokens 1000000     # a few minutes on 2 cores
@@ -45,13 +45,14 @@ def main() -> None:
     build_s = time.perf_counter() - t0
 
     store_dir = args.store_dir or tempfile.mkdtemp(prefix="lcx-store-")
-    cache = lcx.CacheConfig(policy="memory", budget=96, sinks=4, topk=3, block=16, positions="local", interval=16,
-                            prefill_chunk=16, store="disk", store_dir=store_dir, memory_dtype="int8",
+    cache = lcx.CacheConfig(policy="memory", sinks=4, window=12, topk=2, block=16, positions="local", interval=16,
+                            prefill_chunk=64, store="disk", store_dir=store_dir, memory_dtype="int8",
                             route_groups=64, route_candidates=4)
     gen = lcx.Generator(model, params, max_new_tokens=8, cache=cache, eos_id=TOKENIZER.eos_id)
     t0 = time.perf_counter()
     state = gen.prefill([prompt], progress=True)
     prefill_s = time.perf_counter() - t0
+    blocks, meta_bytes = int(state.cache.n_blocks.max()), state.cache.metadata_bytes()
     t0 = time.perf_counter()
     result = gen.result(gen.decode(state))
     decode_s = time.perf_counter() - t0
@@ -61,8 +62,8 @@ def main() -> None:
         "correct": bool(task.score(example, answer)), "prefill_seconds": round(prefill_s, 1),
         "prefill_tokens_per_s": round(len(prompt) / prefill_s), "decode_seconds": round(decode_s, 2),
         "prompt_build_seconds": round(build_s, 1), "device_kv_bytes": result.cache_bytes,
-        "device_meta_bytes": state.cache.metadata_bytes(), "store_bytes": result.store_bytes,
-        "store": f"disk ({store_dir}), int8", "blocks": int(state.cache.n_blocks.max()),
+        "device_meta_bytes": meta_bytes, "store_bytes": result.store_bytes,
+        "store": f"disk ({store_dir}), int8", "blocks": blocks,
         "cache": cache.to_dict(),
     }
     gen.close()

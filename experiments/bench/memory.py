@@ -39,17 +39,19 @@ def settings() -> dict[str, lcx.CacheConfig]:
 
 def run(model, params, context: int, cache: lcx.CacheConfig, new: int) -> dict:
     prompt = np.random.default_rng(context).integers(3, model.vocab_size, (1, context)).tolist()
-    gen = lcx.Generator(model, params, max_new_tokens=2 * new, cache=cache)
+    gen = lcx.Generator(model, params, max_new_tokens=3 * new, cache=cache)
     t0 = time.perf_counter()
     state = gen.prefill(prompt)
     jax.block_until_ready(state.logits)
     prefill_s = time.perf_counter() - t0
     state = gen.decode(state, steps=new)  # warm-up: compiles the decode loop
     jax.block_until_ready(state.tokens)
-    t0 = time.perf_counter()
-    state = gen.decode(state, steps=new)
-    jax.block_until_ready(state.tokens)
-    decode_s = time.perf_counter() - t0
+    decode_s = float("inf")
+    for _ in range(2):  # best of two timed segments: a stray recompile or a busy core does not set the number
+        t0 = time.perf_counter()
+        state = gen.decode(state, steps=new)
+        jax.block_until_ready(state.tokens)
+        decode_s = min(decode_s, time.perf_counter() - t0)
     result = gen.result(state)
     gen.close()
     return {"prefill_tok_s": context / prefill_s, "decode_ms": 1e3 * decode_s / new, "device": result.cache_bytes,
