@@ -53,7 +53,8 @@ class FinetuneConfig:
         data = dict(data)
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise ConfigError(f"unknown key '{prefix}.{unknown[0]}' (allowed: {[f.name for f in dataclasses.fields(cls)]})")
+            allowed = [f.name for f in dataclasses.fields(cls)]
+            raise ConfigError(f"unknown key '{prefix}.{unknown[0]}' (allowed: {allowed})")
         out = {}
         for key in ("rope", "train", "data"):
             value = data.get(key)

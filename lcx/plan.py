@@ -201,6 +201,8 @@ class Plan:
     cache_device_kv_bytes: int | None = None  # keys / values on the device (working memory, device store)
     cache_device_meta_bytes: int | None = None  # positions, masks, routing summaries on the device
     cache_store_bytes: int | None = None  # keys / values off the device (host memory or disk)
+    cache_slots: int | None = None  # slots per sequence and layer (and KV head, for per-head keep sets)
+    cache_keep_sets: str | None = None  # "per KV head" or "per layer" (slot caches)
 
     @property
     def model_axis(self) -> int:
@@ -406,7 +408,9 @@ def _tier_numbers(inputs: PlanInputs) -> dict[str, Any]:
     capacity = kind.plan(inputs.batch, inputs.context, 0)
     return {"cache_policy": inputs.cache.policy, "cache_device_kv_bytes": kind.nbytes(inputs.batch, capacity),
             "cache_device_meta_bytes": kind.nbytes(inputs.batch, capacity, role="meta"),
-            "cache_store_bytes": kind.store_nbytes(inputs.batch, capacity)}
+            "cache_store_bytes": kind.store_nbytes(inputs.batch, capacity), "cache_slots": capacity,
+            "cache_keep_sets": None if getattr(kind, "keep_heads", None) is None else
+            ("per KV head" if kind.keep_heads > 1 else "per layer")}
 
 
 def _replication(model: ModelConfig, model_axis: int) -> int:
@@ -471,6 +475,9 @@ def render(plan: Plan) -> str:
         lines.append(f"cache {plan.cache_policy:<6} device {fb(plan.cache_device_kv_bytes)} KV + "
                      f"{fb(plan.cache_device_meta_bytes)} positions / masks / routing summaries; off the device "
                      f"{fb(plan.cache_store_bytes)} (all sequences, one device)")
+        if plan.cache_keep_sets is not None:
+            lines.append(f"             {plan.cache_slots} slots per sequence and layer; kept positions "
+                         f"{plan.cache_keep_sets} (each KV head has its own slots)")
     lines.append(f"longest context that fits (full cache, batch {plan.batch}): {plan.max_context} tokens")
     lines.append("checkpoints")
     for c in plan.checkpoints:

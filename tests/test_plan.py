@@ -515,3 +515,24 @@ def test_plan_uses_the_runtime_arithmetic():
     plan = plan_for("llama3-8b", context=1000, batch=2)
     assert plan.kv_bytes_total == kv_bytes(m, 1000, 2, m.dtype)
     assert plan.usable_bytes_per_device == usable_bytes(80 * GiB)
+
+
+def test_plan_cache_section_counts_per_head_keep_sets_and_adaptive_slots():
+    from lcx.cache.config import CacheConfig
+
+    m = model("llama3-8b")  # 32 layers, 8 KV heads, head_dim 128
+
+    def cache_plan(**cache):
+        return plan_for("llama3-8b", context=32768, budget=1024,
+                        cache=CacheConfig(budget=1024, interval=64, **cache))
+
+    shared, per_head = cache_plan(policy="snapkv", heads="shared"), cache_plan(policy="snapkv")
+    adaptive = cache_plan(policy="snapkv", head_budget="adaptive")
+    slot_bytes = 2 * m.n_layers * m.n_kv_heads * m.head_dim * 2  # K and V, bfloat16
+    assert shared.cache_slots == per_head.cache_slots == 1024 + 64
+    assert shared.cache_device_kv_bytes == per_head.cache_device_kv_bytes == 1088 * slot_bytes
+    # positions (int32), validity (bool), scores (float32) per slot and keep head; counts per keep head
+    assert per_head.cache_device_meta_bytes - shared.cache_device_meta_bytes == m.n_layers * 7 * (9 * 1088 + 4)
+    assert (shared.cache_keep_sets, per_head.cache_keep_sets) == ("per layer", "per KV head")
+    # one head may take min(2 x budget, 8 x budget - 7 x floor(0.2 x budget)) of its layer's 8 x budget slots
+    assert adaptive.cache_slots == min(2 * 1024, 8 * 1024 - 7 * 204) + 64

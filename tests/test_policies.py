@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 
 import lcx
-from lcx.cache import SlotView, evict, layer_budgets, make_policy, registered, simulate
+from lcx.cache import SlotView, evict, layer_budgets, make_policy, simulate
 from lcx.config import CacheConfig, Config, ConfigError, ModelConfig
 from lcx.generate import Generator
 
 CFG = ModelConfig(vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48, init_std=0.15)
-POLICY_PARAMS = {"window": {}, "streaming": {"sinks": 2}, "h2o": {}, "tova": {}, "snapkv": {"window": 4},
-                 "knorm": {}, "random": {"seed": 3}, "ladder": {"sinks": 2, "span": 2, "overlap": 0, "recent": 4}}
+POLICY_PARAMS = {"window": {}, "streaming": {"sinks": 2}, "h2o": {}, "observed": {}, "tova": {},
+                 "snapkv": {"window": 4}, "knorm": {}, "random": {"seed": 3},
+                 "ladder": {"sinks": 2, "span": 2, "overlap": 0, "recent": 4},
+                 "snapkv-adaptive": {"policy": "snapkv", "window": 4, "head_budget": "adaptive"}}
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,11 @@ def params():
 
 
 def test_policies_registry_lists_every_builtin():
-    assert set(POLICY_PARAMS) | {"full"} <= set(registered())
+    """Every built-in eviction policy (tests may register more) is exercised by the tests below."""
+    from lcx.cache.policy import _REGISTRY
+
+    builtin = {name for name, cls in _REGISTRY.items() if cls.__module__.startswith("lcx.")}
+    assert {p.get("policy", name) for name, p in POLICY_PARAMS.items()} | {"full", "memory"} == builtin
 
 
 # ------------------------------------------------------------------------------------------- attention-free shapes
@@ -105,13 +111,18 @@ def test_policies_knorm_keeps_smallest_keys():
     assert np.asarray(out.pos[0, :5]).tolist() == [11, 12, 13, 14, 15]
 
 
-def _attend_one_layer(cfg, q, k, cos, sin, positions, capacity, weights):
+def _attend_one_layer(cfg, q, k, cos, sin, positions, capacity, weights, heads="shared"):
     """One layer of the slot cache's attention with an attention-summing policy (h2o), from an empty cache; returns
-    that layer's buffers with the keep-head axis dropped (one shared keep set)."""
-    kind = lcx.CacheConfig(policy="h2o", budget=capacity).kind(cfg)
+    that layer's buffers (``[b, H, C]`` per keep head H)."""
+    kind = lcx.CacheConfig(policy="h2o", budget=capacity, heads=heads).kind(cfg)
     layer = jax.tree.map(lambda x: x[0], kind.create(1, capacity).layers())
     _, layer = kind.attend(layer, jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), cos=cos, sin=sin,
                            positions=positions, ok=jnp.ones(positions.shape, bool), stat_weights=jnp.asarray(weights))
+    return layer
+
+
+def _shared(layer):
+    """A one-keep-head layer as a ``SlotView``'s arrays (the keep-head axis dropped)."""
     return layer.replace(pos=layer.pos[:, 0], valid=layer.valid[:, 0], count=layer.count[:, 0],
                          score=layer.score[:, 0])
 
@@ -131,7 +142,7 @@ def test_policies_snapkv_keeps_the_needle_the_window_attends_to():
     positions = jnp.arange(t)[None]
     cos, sin = rope_tables(dataclasses.replace(cfg, rope=lcx.RopeConfig(theta=1e9)), positions)  # ~no rotation
     window = (np.arange(t) >= t - 6).astype(np.float32)[None]
-    layer = _attend_one_layer(cfg, q, k, cos, sin, positions, 48, window)
+    layer = _shared(_attend_one_layer(cfg, q, k, cos, sin, positions, 48, window))
     view = SlotView(layer=jnp.int32(0), pos=layer.pos, valid=layer.valid, count=layer.count, k=layer.k, v=layer.v,
                     score=layer.score, n_layers=1)
     out = evict(make_policy("snapkv", {"window": 6, "kernel": 3}), view, jnp.int32(10))
@@ -139,9 +150,10 @@ def test_policies_snapkv_keeps_the_needle_the_window_attends_to():
     assert 9 in kept and set(range(t - 6, t)) <= set(kept) and len(kept) == 10
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
-def test_policies_attention_stats_equal_numpy_softmax(impl):
-    """The per-slot score is the attention mass the counted queries give each slot, summed over query heads."""
+@pytest.mark.parametrize("impl,heads", [("reference", "shared"), ("xla", "shared"), ("xla", "per_head")])
+def test_policies_attention_stats_equal_numpy_softmax(impl, heads):
+    """The per-slot score is the attention mass the counted queries give each slot, summed over the query heads that
+    share the keep set: all of the layer's (shared), or each KV head's group (per_head)."""
     from lcx.model.rope import rope_tables
 
     cfg = dataclasses.replace(CFG, n_layers=1, attention=lcx.AttentionConfig(impl=impl))
@@ -152,17 +164,19 @@ def test_policies_attention_stats_equal_numpy_softmax(impl):
     positions = jnp.arange(t)[None]
     cos, sin = rope_tables(cfg, positions)
     weights = (np.arange(t) % 3 == 0).astype(np.float32)[None]  # queries 0, 3, 6, 9 count
-    layer = _attend_one_layer(cfg, q, k, cos, sin, positions, 16, weights)
+    layer = _attend_one_layer(cfg, q, k, cos, sin, positions, 16, weights, heads=heads)
     from lcx.model.rope import apply_rope
 
     qr = np.asarray(apply_rope(jnp.asarray(q), cos, sin))[0]
     kr = np.asarray(apply_rope(jnp.asarray(k), cos, sin))[0]
-    expected = np.zeros(16)
+    expected = np.zeros((kv, 16))
     for i in (0, 3, 6, 9):
         for head in range(h):
             s = kr[: i + 1, head // (h // kv)] @ qr[i, head] / np.sqrt(d)
             p = np.exp(s - s.max())
-            expected[: i + 1] += p / p.sum()
+            expected[head // (h // kv), : i + 1] += p / p.sum()
+    if heads == "shared":
+        expected = expected.sum(axis=0, keepdims=True)
     np.testing.assert_allclose(np.asarray(layer.score[0]), expected, rtol=1e-4, atol=1e-6)
 
 
@@ -173,7 +187,7 @@ def test_policies_budget_above_length_reproduces_full(name, params):
     ref = Generator(CFG, params, max_new_tokens=8)
     ref_state = ref.decode(ref.prefill(prompts))
     gen = Generator(CFG, params, max_new_tokens=8,
-                    cache=CacheConfig(policy=name, budget=64, interval=8, **POLICY_PARAMS[name]))
+                    cache=CacheConfig(**{"policy": name, "budget": 64, "interval": 8, **POLICY_PARAMS[name]}))
     state = gen.decode(gen.prefill(prompts))
     np.testing.assert_array_equal(np.asarray(state.tokens), np.asarray(ref_state.tokens))
     np.testing.assert_allclose(np.asarray(state.logits), np.asarray(ref_state.logits), atol=2e-5)

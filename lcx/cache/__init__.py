@@ -7,13 +7,14 @@ from lcx.cache import ladder, memory, policies  # noqa: F401  (register the buil
 from lcx.cache.base import CacheCapacityError, CacheKind, CacheState, kind_class, register_kind
 from lcx.cache.config import CacheConfig
 from lcx.cache.kv_cache import KVCache, SlotCacheKind, full_kind, init_cache, kv_bytes
-from lcx.cache.policy import (CachePolicy, EvictionPolicy, SlotView, compact, evict, make_policy, register,
-                              registered, top_budget)
-from lcx.cache.schedule import Left, evict_cache, evict_if_needed, layer_budgets
+from lcx.cache.policy import (CachePolicy, EvictionPolicy, ScoredPolicy, SlotView, adaptive_keep, compact, evict,
+                              make_policy, register, registered, top_budget)
+from lcx.cache.schedule import Left, evict_cache, layer_budgets
 from lcx.cache.schema import Field
 from lcx.cache.simulate import simulate
 
 __all__ = ["CacheCapacityError", "CacheConfig", "CacheKind", "CachePolicy", "CacheState", "EvictionPolicy", "Field",
-           "KVCache", "Left", "SlotCacheKind", "SlotView", "compact", "evict", "evict_cache", "evict_if_needed",
+           "KVCache", "Left", "ScoredPolicy", "SlotCacheKind", "SlotView", "adaptive_keep", "compact", "evict",
+           "evict_cache",
            "full_kind", "init_cache", "kind_class", "kv_bytes", "layer_budgets", "make_policy", "register",
            "register_kind", "registered", "simulate", "top_budget"]

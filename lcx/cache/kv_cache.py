@@ -97,7 +97,16 @@ class SlotCacheKind(CacheKind):
 
     @property
     def keep_heads(self) -> int:
-        return 1
+        """1 when a layer's KV heads share one set of positions, the KV head count when each keeps its own."""
+        return self.model.n_kv_heads if self.policy.per_head else 1
+
+    @property
+    def head_budgets(self) -> tuple[int, ...] | None:
+        """The most slots one keep head holds after an eviction, per layer (the budgets, or more under a
+        head-adaptive budget)."""
+        if self.budgets is None:
+            return None
+        return tuple(self.policy.head_capacity(b, self.keep_heads) for b in self.budgets)
 
     def sizes(self, batch: int, capacity: int) -> dict[str, int]:
         m = self.model
@@ -112,7 +121,7 @@ class SlotCacheKind(CacheKind):
     def plan(self, batch: int, max_prompt: int, max_new_tokens: int) -> int:
         needed = max_prompt + max_new_tokens
         if self.budgets is not None:
-            return min(needed, max(self.budgets) + self.interval)
+            return min(needed, max(self.head_budgets) + self.interval)
         if self.limit is not None and needed > self.limit:
             raise full_overflow(self.model, needed, self.limit, batch, max_prompt, max_new_tokens, self.dtype)
         return needed

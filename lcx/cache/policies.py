@@ -1,8 +1,10 @@
-"""The built-in eviction policies: full, window, StreamingLLM, H2O, TOVA, SnapKV, K-norm, random (the LaCache ladder
-is in ``ladder.py``). Each scores one layer's slots; ``evict`` does the rest.
+"""The built-in eviction policies: full, window, StreamingLLM, H2O, observed attention, TOVA, SnapKV, K-norm, random
+(the LaCache ladder is in ``ladder.py``). Each scores one layer's slots (of one KV head, for per-head policies);
+``compact`` does the rest.
 
 Slots are packed at the front in position order, so slot rank ``j`` counts tokens from the oldest live one and
-``count - 1 - j`` from the newest.
+``count - 1 - j`` from the newest. Attention scores are probabilities summed over the counted queries and the query
+heads that share the keep set (a KV head's group, or the whole layer); sums and means rank alike.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from lcx.cache.policy import EvictionPolicy, SlotView, register
+from lcx.cache.policy import EvictionPolicy, ScoredPolicy, SlotView, register
 from lcx.config_base import ConfigError
 
 _PROTECT = 1e30  # score of slots a policy always keeps (sinks, recent window); finite so ties still sort by age
@@ -81,8 +83,9 @@ class Streaming(EvictionPolicy):
 
 @register
 @dataclasses.dataclass(frozen=True)
-class H2O(EvictionPolicy):
-    """Heavy hitters: ``recent`` newest tokens + the highest accumulated attention (default recent = budget / 2)."""
+class H2O(ScoredPolicy):
+    """Heavy hitters: ``recent`` newest tokens + the highest accumulated attention (default recent = budget / 2),
+    summed over the queries so far - as in the H2O paper, which favours old tokens (more queries saw them)."""
 
     name: ClassVar[str] = "h2o"
     attention_stat: ClassVar[str | None] = "sum"
@@ -99,8 +102,24 @@ class H2O(EvictionPolicy):
 
 @register
 @dataclasses.dataclass(frozen=True)
-class TOVA(EvictionPolicy):
-    """Token omission via attention: evict the tokens the current query attends to least (summed over heads).
+class Observed(ScoredPolicy):
+    """Observed attention (kvpress ``ObservedAttentionPress``): the attention a token received, summed over the
+    queries so far and divided by how many queries saw it - the mean attention per query, so old tokens are not
+    favoured for having been seen longer (the difference from ``h2o``)."""
+
+    name: ClassVar[str] = "observed"
+    attention_stat: ClassVar[str | None] = "sum"
+
+    def scores(self, view, budget):
+        seen = view.consumed()[:, None] - view.pos  # every query from the token's own on saw it
+        return view.score / jnp.maximum(seen, 1).astype(jnp.float32)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class TOVA(ScoredPolicy):
+    """Token omission via attention: evict the tokens the current query attends to least, averaged over all heads of
+    the layer (as the paper does: one keep set per layer); the newest token is always kept (as kvpress does).
 
     With ``interval`` > 1 the ``interval`` lowest are evicted together, judged by the query of the step that
     overflows; ``interval: 1`` is the paper's one-token-per-step schedule.
@@ -109,23 +128,31 @@ class TOVA(EvictionPolicy):
     name: ClassVar[str] = "tova"
     attention_stat: ClassVar[str | None] = "replace"
     prefill_queries: ClassVar[str] = "last"
+    head_mode: ClassVar[str] = "shared"
 
     def scores(self, view, budget):
-        return view.score
+        return view.score + jnp.where(_newest(view, 1), _PROTECT, 0.0)
 
 
 @register
 @dataclasses.dataclass(frozen=True)
-class SnapKV(EvictionPolicy):
-    """SnapKV: attention of the last ``window`` prompt queries, pooled over ``kernel`` neighbouring positions;
-    the window itself is kept. During decode the score keeps accumulating the new queries' attention."""
+class SnapKV(ScoredPolicy):
+    """SnapKV (arXiv 2404.14469): the attention the last ``window`` prompt queries give each earlier token, pooled
+    over ``kernel`` neighbouring positions of the prefix; the window itself is kept. Per KV head, the scores of its
+    query group summed (the reference code averages over a GQA group; the same ranking).
+
+    Defaults are the reference implementation's (``snapkv_utils.py``: window 32, kernel 5, average pooling; kvpress
+    uses window 64). Pooling runs over the prefix only: the window's own columns count as zero, like the padding at
+    the ends, so tokens just before the window get no credit from it. During decode the score keeps accumulating
+    the new queries' attention and the newest ``window`` tokens stay protected.
+    """
 
     name: ClassVar[str] = "snapkv"
     attention_stat: ClassVar[str | None] = "sum"
     prefill_queries: ClassVar[str] = "window"
     window: int = 32
-    kernel: int = 7
-    pooling: str = "max"
+    kernel: int = 5
+    pooling: str = "avg"
 
     def __post_init__(self):
         super().__post_init__()
@@ -137,13 +164,14 @@ class SnapKV(EvictionPolicy):
             raise ConfigError(f"cache.pooling={self.pooling!r} is invalid: must be 'max' or 'avg'")
 
     def scores(self, view, budget):
-        s = jnp.where(view.valid, view.score, 0.0)
+        window = _newest(view, self.window)
+        s = jnp.where(view.valid & ~window, view.score, 0.0)  # the prefix: the window's columns pool as zeros
         dims, strides = (1, self.kernel), (1, 1)
         if self.pooling == "max":
             pooled = jax.lax.reduce_window(s, -jnp.inf, jax.lax.max, dims, strides, "SAME")
         else:
             pooled = jax.lax.reduce_window(s, 0.0, jax.lax.add, dims, strides, "SAME") / self.kernel
-        return pooled + jnp.where(_newest(view, self.window), _PROTECT, 0.0)
+        return pooled + jnp.where(window, _PROTECT, 0.0)
 
     def check(self, n_layers, budgets):
         _need_budget_above(self.name, "cache.window", self.window, budgets)
@@ -151,8 +179,9 @@ class SnapKV(EvictionPolicy):
 
 @register
 @dataclasses.dataclass(frozen=True)
-class KNorm(EvictionPolicy):
-    """Keep the keys with the smallest L2 norm (averaged over KV heads); attention-free."""
+class KNorm(ScoredPolicy):
+    """Keep the keys with the smallest L2 norm (arXiv 2406.11430); attention-free. Per KV head by default; with a
+    shared keep set the norms of the layer's KV heads are averaged."""
 
     name: ClassVar[str] = "knorm"
 
@@ -164,12 +193,14 @@ class KNorm(EvictionPolicy):
 @register
 @dataclasses.dataclass(frozen=True)
 class Random(EvictionPolicy):
-    """A uniformly random subset, reproducible: each (seed, layer, position) draws one fixed number."""
+    """A uniformly random subset, reproducible: each (seed, layer, keep head, position) draws one fixed number."""
 
     name: ClassVar[str] = "random"
     seed: int = 0
 
     def scores(self, view, budget):
         key = jax.random.fold_in(jax.random.key(self.seed), view.layer)
+        if self.per_head:
+            key = jax.random.fold_in(key, view.head)
         draw = jax.vmap(lambda p: jax.random.uniform(jax.random.fold_in(key, p)))
         return draw(view.pos.reshape(-1)).reshape(view.pos.shape)

@@ -8,8 +8,15 @@ plugin registers, see ``lcx.cache.base``).
 An eviction policy is a frozen dataclass (its fields are the policy's parameters, set from ``CacheConfig``)
 registered by name. It is pure and jit-compatible: given one layer's slots (positions, live mask, keys, values, the
 per-slot statistic), the layer index and its budget, it scores the slots (``scores``) or picks the survivors directly
-(``select``); ``evict`` - shared by every policy - keeps the survivors and compacts them, in position order, to the
+(``select``); ``compact`` - shared by every policy - keeps the survivors and packs them, in position order, to the
 front of the fixed capacity.
+
+Keep sets per layer or per KV head (``heads``): ``shared`` - every KV head of a layer keeps the same positions, the
+score summed over all query heads of the layer (structured policies: window, StreamingLLM, the ladder; TOVA, whose
+paper averages over heads); ``per_head`` - each KV head keeps its own positions, scored by the query heads of its
+group (SnapKV, H2O, K-norm, observed attention: the papers and kvpress select per head). A policy sees one (layer,
+keep head) at a time. Score-based policies may also spread a layer's budget unevenly over its KV heads
+(``head_budget: adaptive``, AdaKV): :func:`adaptive_keep`.
 
 When it runs (``lcx.generate``): after prefill (the prompt was attended in full, then compressed), between prefill
 chunks if the prompt exceeds the capacity, and during decode whenever a layer's cache would overflow
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from typing import Any, ClassVar
 
 import flax.struct
@@ -30,6 +38,8 @@ from lcx.config_base import ConfigError, from_dict
 
 _REGISTRY: dict[str, type["CachePolicy"]] = {}
 POSITION_MODES = ("original", "cache")
+HEAD_MODES = ("shared", "per_head")
+HEAD_BUDGETS = ("uniform", "adaptive")
 
 
 @flax.struct.dataclass
@@ -40,10 +50,18 @@ class SlotView:
     pos: jax.Array  # [b, C] original token positions, -1 in empty slots
     valid: jax.Array  # [b, C] live slots
     count: jax.Array  # [b] live slots
-    k: jax.Array  # [b, C, k, d] (zero heads in simulations of attention-free policies)
-    v: jax.Array  # [b, C, k, d]
+    k: jax.Array  # [b, C, j, d] the j KV heads that share these slots (zero heads in simulations)
+    v: jax.Array  # [b, C, j, d]
     score: jax.Array  # [b, C] the per-slot statistic (attention mass for attention-based policies)
+    head: jax.Array | int = 0  # int32 scalar: the keep head (0 when the layer's heads share one set)
+    lengths: jax.Array | None = None  # [b] tokens each sequence has consumed (None: the newest position + 1)
     n_layers: int = flax.struct.field(pytree_node=False, default=1)
+
+    def consumed(self) -> jax.Array:
+        """``[b]`` tokens consumed per row: ``lengths``, or the newest cached position + 1 when not given."""
+        if self.lengths is not None:
+            return self.lengths
+        return jnp.max(jnp.where(self.valid, self.pos, -1), axis=-1) + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +100,28 @@ class EvictionPolicy(CachePolicy):
     attention_stat: ClassVar[str | None] = None
     prefill_queries: ClassVar[str] = "all"
 
+    head_mode: ClassVar[str] = "shared"  # default of ``heads``
+
     positions: str | None = None  # override of position_mode
+    heads: str | None = None  # override of head_mode: "shared" or "per_head"
 
     @property
     def mode(self) -> str:
         return self.positions or self.position_mode
+
+    @property
+    def per_head(self) -> bool:
+        """Whether each KV head keeps its own set of positions."""
+        return (self.heads or self.head_mode) == "per_head"
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether a layer's budget is spread over its KV heads by score (``ScoredPolicy.head_budget``)."""
+        return False
+
+    def head_capacity(self, budget: int, kv_heads: int) -> int:
+        """The most slots one keep head holds after an eviction with layer budget ``budget`` (per head)."""
+        return budget
 
     def scores(self, view: SlotView, budget: jax.Array) -> jax.Array:
         """Per-slot keep scores ``[b, C]``: the ``budget`` highest are kept (ties: newer first)."""
@@ -99,20 +134,97 @@ class EvictionPolicy(CachePolicy):
     def __post_init__(self):
         if self.positions is not None and self.positions not in POSITION_MODES:
             raise ConfigError(f"cache.positions={self.positions!r} is invalid: must be one of {list(POSITION_MODES)}")
+        if self.heads is not None and self.heads not in HEAD_MODES:
+            raise ConfigError(f"cache.heads={self.heads!r} is invalid: must be one of {list(HEAD_MODES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoredPolicy(EvictionPolicy):
+    """An eviction policy that ranks slots by ``scores``, per KV head by default, with head-adaptive budgets.
+
+    ``head_budget``: ``uniform`` - every KV head keeps ``budget`` slots; ``adaptive`` (AdaKV, arXiv 2407.11550) -
+    the layer keeps ``budget x kv_heads`` slots in all, the highest scores over all its heads, each head at least
+    ``head_floor x budget`` of its own best (AdaKV's safeguard, 0.2 as in kvpress) and at most ``head_cap x budget``
+    (the cache has a fixed slot count per head, so the cap sets it: capacity ``head_cap x budget + interval``).
+    Composes with per-layer budgets (a list, or ``budget_schedule: pyramid``): each layer's budget is spread over
+    its heads. Scores of different heads must be comparable - true of attention mass and key norms.
+    """
+
+    head_mode: ClassVar[str] = "per_head"
+
+    head_budget: str = "uniform"
+    head_floor: float = 0.2
+    head_cap: float = 2.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.head_budget not in HEAD_BUDGETS:
+            raise ConfigError(f"cache.head_budget={self.head_budget!r} is invalid: must be one of "
+                              f"{list(HEAD_BUDGETS)}")
+        if self.head_budget == "adaptive" and not self.per_head:
+            raise ConfigError(f"cache.head_budget='adaptive' needs cache.heads='per_head' (got "
+                              f"cache.heads={self.heads!r}): a shared keep set has one budget per layer")
+        if not 0.0 <= self.head_floor <= 1.0:
+            raise ConfigError(f"cache.head_floor={self.head_floor} is invalid: must be in [0, 1] (a share of the "
+                              "budget every head keeps)")
+        if self.head_cap < 1.0:
+            raise ConfigError(f"cache.head_cap={self.head_cap} is invalid: must be >= 1 (the most a head keeps, in "
+                              "multiples of the budget)")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.head_budget == "adaptive"
+
+    def head_capacity(self, budget: int, kv_heads: int) -> int:
+        if not self.adaptive or kv_heads == 1:
+            return budget
+        floor = _floor_slots(budget, self.head_floor)
+        return min(math.ceil(budget * self.head_cap), budget * kv_heads - (kv_heads - 1) * floor)
+
+
+def _floor_slots(budget, share: float):
+    """Slots every head keeps under an adaptive budget: ``floor(share x budget)``, at least 1 when ``share > 0``
+    (kvpress's ``n_safe``). ``budget`` may be traced."""
+    if isinstance(budget, int):
+        n = int(budget * share)
+        return max(1, n) if share > 0 and budget > 0 else n
+    n = jnp.floor(budget * share).astype(jnp.int32)
+    return jnp.maximum(n, 1) if share > 0 else n
+
+
+def _rank(scores: jax.Array, valid: jax.Array, pos: jax.Array) -> jax.Array:
+    """Each slot's rank along the last axis by score (descending; ties: the newer token first); dead slots last."""
+    s = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
+    order = jnp.lexsort((-pos, -s), axis=-1)  # primary key last: score descending, then newest first
+    return jnp.argsort(order, axis=-1)  # inverse permutation: each slot's rank
+
+
+def adaptive_keep(policy: ScoredPolicy, scores: jax.Array, valid: jax.Array, pos: jax.Array,
+                  budget: jax.Array) -> jax.Array:
+    """AdaKV's selection for one layer of one row: ``scores, valid, pos [H, C]`` -> ``keep [H, C]``.
+
+    Each head's best ``floor`` slots are kept; then the highest scores over all heads fill ``budget x H`` slots,
+    no head beyond its best ``cap``. Greedy by score under a per-head floor and cap, which is the optimum of the
+    constrained top-k; without a binding cap it is exactly kvpress's ``AdaKVPress``.
+    """
+    heads = scores.shape[0]
+    rank = _rank(scores, valid, pos)  # [H, C] within each head
+    floor = _floor_slots(budget, policy.head_floor)
+    cap = jnp.floor(budget * policy.head_cap).astype(jnp.int32)
+    eligible = valid & (rank < cap)
+    key = jnp.where(rank < floor, jnp.inf, scores.astype(jnp.float32))
+    overall = _rank(key.reshape(-1), eligible.reshape(-1), pos.reshape(-1)).reshape(scores.shape)
+    return eligible & (overall < budget * heads)
 
 
 def top_budget(scores: jax.Array, view: SlotView, budget: jax.Array) -> jax.Array:
     """Mask of the ``budget`` highest-scoring live slots per row; ties go to the newer token."""
-    s = jnp.where(view.valid, scores.astype(jnp.float32), -jnp.inf)
-    order = jnp.lexsort((-view.pos, -s), axis=-1)  # primary key last: score descending, then newest first
-    rank = jnp.argsort(order, axis=-1)  # inverse permutation: each slot's rank
-    return view.valid & (rank < budget)
+    return view.valid & (_rank(scores, view.valid, view.pos) < budget)
 
 
-def compact(policy: EvictionPolicy, view: SlotView, budget: jax.Array) -> tuple[SlotView, jax.Array]:
-    """Apply ``policy`` to one layer: ``(view, keep)`` - the survivors compacted to the front in position order, and
-    the mask ``keep [b, C]`` of the survivors in the slot layout before compaction."""
-    keep, score = policy.select(view, budget)
+def compact(view: SlotView, keep: jax.Array, score: jax.Array) -> SlotView:
+    """The survivors ``keep [b, C]`` of one layer packed to the front in position order, with their new
+    statistic ``score [b, C]``."""
     keep = keep & view.valid
     big = jnp.iinfo(jnp.int32).max
     order = jnp.argsort(jnp.where(keep, view.pos, big), axis=-1, stable=True)  # [b, C] kept first, by position
@@ -122,15 +234,16 @@ def compact(policy: EvictionPolicy, view: SlotView, budget: jax.Array) -> tuple[
         return jnp.take_along_axis(x, idx, axis=1)
 
     valid = gather(keep)
-    out = view.replace(pos=jnp.where(valid, gather(view.pos), -1), valid=valid,
-                       count=jnp.sum(keep, axis=-1, dtype=jnp.int32), k=gather(view.k), v=gather(view.v),
-                       score=jnp.where(valid, gather(score), 0.0))
-    return out, keep
+    return view.replace(pos=jnp.where(valid, gather(view.pos), -1), valid=valid,
+                        count=jnp.sum(keep, axis=-1, dtype=jnp.int32), k=gather(view.k), v=gather(view.v),
+                        score=jnp.where(valid, gather(score), 0.0))
 
 
 def evict(policy: EvictionPolicy, view: SlotView, budget: jax.Array) -> SlotView:
-    """Apply ``policy`` to one layer: keep its survivors and compact them to the front, in position order."""
-    return compact(policy, view, budget)[0]
+    """Apply ``policy`` to one layer (one keep head): keep its survivors and compact them to the front, in position
+    order."""
+    keep, score = policy.select(view, budget)
+    return compact(view, keep, score)
 
 
 def register(cls: type[CachePolicy]) -> type[CachePolicy]:

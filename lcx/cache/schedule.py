@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lcx.cache.config import CacheConfig
-from lcx.cache.policy import EvictionPolicy, SlotView, compact
+from lcx.cache.policy import EvictionPolicy, SlotView, adaptive_keep, compact
 from lcx.config_base import ConfigError
 
 
@@ -56,6 +56,19 @@ def _by_keep_head(x: jax.Array, heads: int) -> jax.Array:
     return einops.rearrange(x, "L b C (H j) d -> L b H C j d", H=heads)
 
 
+def _per_layer_and_head(fn, head_out: Any, n_layers: int):
+    """``fn(view, budget, *per_slot)`` mapped over layers (views ``[L, b, H, ...]``, budgets ``[L]``) and keep heads
+    (axis 1 of ``[b, H, ...]``); ``head_out``: the keep-head axis of each output (None: not per head)."""
+    head_axes = SlotView(None, 1, 1, 1, 1, 1, 1, head=0, lengths=None, n_layers=n_layers)
+    layer_axes = SlotView(0, 0, 0, 0, 0, 0, 0, head=None, lengths=None, n_layers=n_layers)
+
+    def mapped(views, budgets, *per_slot):
+        inner = jax.vmap(fn, in_axes=(head_axes, None, *[1] * len(per_slot)), out_axes=head_out)
+        return jax.vmap(inner, in_axes=(layer_axes, 0, *[0] * len(per_slot)))(views, budgets, *per_slot)
+
+    return mapped
+
+
 def evict_cache(policy: EvictionPolicy, cache: Any, budgets: jax.Array) -> tuple[Any, Left]:
     """Apply ``policy`` to every layer and keep head of a slot cache (``budgets [L]`` int32) and compact.
 
@@ -63,22 +76,24 @@ def evict_cache(policy: EvictionPolicy, cache: Any, budgets: jax.Array) -> tuple
     n_layers, heads = cache.pos.shape[0], cache.pos.shape[2]
     views = SlotView(layer=jnp.arange(n_layers, dtype=jnp.int32), pos=cache.pos, valid=cache.valid,
                      count=cache.count, k=_by_keep_head(cache.k, heads), v=_by_keep_head(cache.v, heads),
-                     score=cache.score, n_layers=n_layers)
-    # vmap over layers (axis 0, the layer index too), then over keep heads (axis 1 of [b, H, ...]).
-    one = lambda view, budget: compact(policy, view, budget)  # noqa: E731
-    axes = SlotView(None, 1, 1, 1, 1, 1, 1, n_layers=n_layers)
-    per_head = jax.vmap(one, in_axes=(axes, None), out_axes=(axes, 1))
-    out, keep = jax.vmap(per_head)(views, budgets)  # keep [L, b, H, C]
+                     score=cache.score, head=jnp.arange(heads, dtype=jnp.int32), lengths=cache.lengths,
+                     n_layers=n_layers)
+    if policy.adaptive and heads > 1:  # the heads of a layer share its budget: score them, then pick jointly
+        scores = _per_layer_and_head(policy.scores, 1, n_layers)(views, budgets)  # [L, b, H, C]
+        rows = jax.vmap(lambda s, ok, pos, budget: adaptive_keep(policy, s, ok, pos, budget), in_axes=(0, 0, 0, None))
+        keep, score = jax.vmap(rows)(scores, cache.valid, cache.pos, budgets), cache.score  # over layers
+    else:
+        keep, score = _per_layer_and_head(policy.select, (1, 1), n_layers)(views, budgets)  # [L, b, H, C] each
+
+    def pack(view, budget, keep, score):
+        out = compact(view, keep, score)
+        return out.pos, out.valid, out.count, out.k, out.v, out.score
+
+    packed = _per_layer_and_head(pack, (1,) * 6, n_layers)(views, budgets, keep, score)
+    pos, valid, count, k, v, score = packed
     merge = lambda x: einops.rearrange(x, "L b H C j d -> L b C (H j) d")  # noqa: E731
     left = Left(mask=cache.valid & ~keep, pos=cache.pos, k=cache.k, v=cache.v)
-    return cache.replace(k=merge(out.k), v=merge(out.v), pos=out.pos, valid=out.valid, count=out.count,
-                         score=out.score), left
+    return cache.replace(k=merge(k), v=merge(v), pos=pos, valid=valid, count=count, score=score), left
 
 
-def evict_if_needed(policy: EvictionPolicy, cache: Any, budgets: jax.Array, room) -> Any:
-    """Evict when some layer has fewer than ``room`` free slots (every ``interval`` steps during decode)."""
-    full = jnp.any(cache.count + room > cache.pos.shape[-1])
-    return jax.lax.cond(full, lambda c: evict_cache(policy, c, budgets)[0], lambda c: c, cache)
-
-
-__all__ = ["Left", "evict_cache", "evict_if_needed", "layer_budgets"]
+__all__ = ["Left", "evict_cache", "layer_budgets"]

@@ -4,7 +4,8 @@
 decodes ``length`` tokens one at a time through the slot cache that generation uses (its write and eviction code,
 with a one-element key per token) and returns ``kept [n_layers, length]``: True where position p is still cached at
 the end. ``interval`` defaults to 1 here (compact at every step, the policy's exact shape); pass ``interval`` to see
-the schedule generation uses.
+the schedule generation uses. With ``kv_heads`` > 1 and a policy that keeps a set per KV head (``heads:
+per_head``), the result is ``kept [n_layers, kv_heads, length]``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from lcx.config_base import ConfigError
 from lcx.model.config import ModelConfig
 
 
-def simulate(policy: dict, n_layers: int, length: int) -> np.ndarray:
-    """Boolean ``[n_layers, length]``: positions remaining in each layer's cache after ``length`` decode steps."""
+def simulate(policy: dict, n_layers: int, length: int, kv_heads: int = 1) -> np.ndarray:
+    """Boolean ``[n_layers, length]`` (``[n_layers, kv_heads, length]`` for per-head keep sets): positions
+    remaining in each layer's (and KV head's) cache after ``length`` decode steps."""
     spec = dict(policy)
     spec.setdefault("interval", 1)
     cache_cfg = CacheConfig.from_mapping(spec)
@@ -28,19 +30,22 @@ def simulate(policy: dict, n_layers: int, length: int) -> np.ndarray:
     if getattr(pol, "attention_stat", None) is not None or pol.name == "knorm" or pol.cache_type != "slots":
         raise ConfigError(f"cache.policy={pol.name!r} scores tokens from attention or keys; simulate() covers the "
                           "attention-free policies (full, window, streaming, ladder, random)")
+    per_head = pol.evicts and pol.per_head and kv_heads > 1
     if not pol.evicts:
         return np.ones((n_layers, length), bool)
     # The smallest model the cache can hold: what is simulated is which slots survive, not their contents.
-    model = ModelConfig(vocab_size=1, d_model=2, n_layers=n_layers, n_heads=1, n_kv_heads=1, d_ff=1, head_dim=2)
+    model = ModelConfig(vocab_size=1, d_model=2 * kv_heads, n_layers=n_layers, n_heads=kv_heads,
+                        n_kv_heads=kv_heads, d_ff=1, head_dim=2)
     kind = cache_cfg.kind(model)
     capacity = max(kind.budgets) + cache_cfg.interval
-    return np.asarray(_jit_run(kind, capacity, length))
+    kept = np.asarray(_jit_run(kind, capacity, length))  # [L, H, length]
+    return kept if per_head else kept[:, 0]
 
 
 def _run(kind, capacity: int, length: int) -> jax.Array:
     cache = kind.create(1, capacity)
-    n_layers = cache.k.shape[0]
-    zeros = jnp.zeros((1, 1, 1, 2), cache.k.dtype)
+    n_layers, heads = cache.k.shape[0], cache.pos.shape[2]
+    zeros = jnp.zeros((1, 1, cache.k.shape[3], 2), cache.k.dtype)
     write_all = jax.vmap(write, in_axes=(0, None, None, None, None))
 
     def step(cache, p):
@@ -49,9 +54,10 @@ def _run(kind, capacity: int, length: int) -> jax.Array:
         return cache.with_layers(layers, cache.lengths + 1), None
 
     cache, _ = jax.lax.scan(step, cache, jnp.arange(length, dtype=jnp.int32))
-    pos = jnp.where(cache.valid[:, 0, 0], cache.pos[:, 0, 0], length)  # [L, C]; empty slots point past the end
-    rows = jnp.broadcast_to(jnp.arange(n_layers)[:, None], pos.shape)
-    return jnp.zeros((n_layers, length), bool).at[rows, pos].set(True, mode="drop")
+    pos = jnp.where(cache.valid[:, 0], cache.pos[:, 0], length)  # [L, H, C]; empty slots point past the end
+    layer = jnp.broadcast_to(jnp.arange(n_layers)[:, None, None], pos.shape)
+    head = jnp.broadcast_to(jnp.arange(heads)[None, :, None], pos.shape)
+    return jnp.zeros((n_layers, heads, length), bool).at[layer, head, pos].set(True, mode="drop")
 
 
 _jit_run = jax.jit(_run, static_argnums=(0, 1, 2))

@@ -10,7 +10,8 @@ Position modes (``EvictionPolicy.mode``):
 
 Live slots are packed in position order, so a chunk's query i (written at slot ``count + i``) sees exactly the slots
 ``<= count + i`` - the causal mask of the backend's ``chunk`` with per-row offsets: a prefill chunk never builds a
-chunk x capacity mask for the Pallas kernel, and decode (one query) reads the live-slot mask.
+chunk x capacity mask for the Pallas kernel, and decode (one query) reads the live-slot mask. With a keep set per
+KV head, offsets, lengths and live masks are per row and KV head; each query head uses its KV head's.
 
 Attention statistics (H2O / TOVA / SnapKV): with ``stat_weights [b, t]`` (positive for queries that count), the
 probabilities those queries give each slot, summed over queries and the query heads of each keep head, are added to
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 
 from lcx import kernels
 from lcx.model.rope import apply_rope, rope_tables
-from lcx.sharding import BHD, BKS, BSKD, BTHD, ROWS, per_shard
+from lcx.sharding import BHD, BK, BKS, BSKD, BTHD, ROWS, per_shard
 
 
 def write(layer, k: jax.Array, v: jax.Array, positions: jax.Array, ok: jax.Array):
@@ -85,10 +86,8 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
     mode = policy.mode
     if mode == "original":
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
-    heads = layer.pos.shape[1]
-    if heads != 1:
-        raise NotImplementedError("per-KV-head keep sets need per-head masks in the attention kernels")
-    q_offsets = layer.count[:, 0]  # [b] the chunk's first slot
+    heads, kv_heads = layer.pos.shape[1], layer.k.shape[2]
+    q_offsets = layer.count  # [b, H] the chunk's first slot per keep head
     layout = kind.layer_axes()  # each shard writes its rows and KV heads
     layer = per_shard(write, (layout, BSKD, BSKD, ROWS, ROWS), layout)(layer, key, val, positions, ok)
     mask = layer.valid[:, :, None, :] & (layer.pos[:, :, None, :] <= positions[:, None, :, None])  # [b, H, t, C]
@@ -97,6 +96,10 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
         k_att = rotate_by_rank(config, layer.k, jnp.maximum(jnp.cumsum(layer.valid, axis=-1, dtype=jnp.int32) - 1, 0))
         q = rotate_by_rank(config, q, jnp.maximum(jnp.sum(mask, axis=-1, dtype=jnp.int32) - 1, 0))
 
+    # The kernels' row ints and live masks: per row with one shared keep set, else per row and KV head.
+    per_kv = (lambda x: x[:, 0]) if heads == 1 else (  # noqa: E731
+        lambda x: einops.repeat(x, "b H ... -> b (H j) ...", j=kv_heads // heads))
+    ints, live = (ROWS, ROWS) if heads == 1 else (BK, BKS)
     backend = kernels.backend(config.attention.impl)
     scale = q.shape[-1] ** -0.5
     counted = stat_weights is not None and policy.attention_stat is not None
@@ -104,21 +107,21 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
     if q.shape[1] == 1:
         decode = functools.partial(backend.decode, sm_scale=scale, weights=counted)
         call = lambda q1, k, v, valid: decode(q1, k, v, valid=valid)  # noqa: E731
-        result = per_shard(call, (BHD, BSKD, BSKD, ROWS), (BHD, BKS) if counted else BHD)(
-            q[:, 0], k_att, layer.v, mask[:, 0, 0])
+        result = per_shard(call, (BHD, BSKD, BSKD, live), (BHD, BKS) if counted else BHD)(
+            q[:, 0], k_att, layer.v, per_kv(mask[:, :, 0]))
         out, weights = result if counted else (result, None)
         out = out[:, None]
         if counted:
             stats = _keep_head_sums(weights, heads) * (stat_weights[:, :1, None] > 0)
     else:
+        offsets, lengths = per_kv(q_offsets), per_kv(layer.count)
         chunk = lambda q, k, v, off, lens: backend.chunk(q, k, v, q_offsets=off, kv_lengths=lens,  # noqa: E731
                                                           sm_scale=scale)
-        out = per_shard(chunk, (BTHD, BSKD, BSKD, ROWS, ROWS), BTHD)(q, k_att, layer.v, q_offsets, layer.count[:, 0])
+        out = per_shard(chunk, (BTHD, BSKD, BSKD, ints, ints), BTHD)(q, k_att, layer.v, offsets, lengths)
         if counted:
             sums = lambda q, k, off, lens, w: backend.column_sums(q, k, q_offsets=off, kv_lengths=lens,  # noqa: E731
                                                                   query_weights=w, sm_scale=scale)
-            weights = per_shard(sums, (BTHD, BSKD, ROWS, ROWS, ROWS), BKS)(q, k_att, q_offsets, layer.count[:, 0],
-                                                                          stat_weights)
+            weights = per_shard(sums, (BTHD, BSKD, ints, ints, ROWS), BKS)(q, k_att, offsets, lengths, stat_weights)
             stats = _keep_head_sums(weights, heads)
     if stats is not None:
         if policy.attention_stat == "sum":

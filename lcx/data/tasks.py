@@ -285,4 +285,5 @@ class AssociativeRecall(Task):
         return float(output.startswith(example.references[0]))
 
 
-__all__ = ["NOISE", "PASSKEY_INSTRUCTION", "PASSKEY_QUESTION", "PASSKEY_TEMPLATES", "AssociativeRecall", "NeedleInHaystack", "Passkey"]
+__all__ = ["NOISE", "PASSKEY_INSTRUCTION", "PASSKEY_QUESTION", "PASSKEY_TEMPLATES", "AssociativeRecall",
+           "NeedleInHaystack", "Passkey"]

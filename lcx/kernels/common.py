@@ -75,16 +75,19 @@ def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def row_ints(x, batch: int, name: str) -> jax.Array | None:
-    """``x`` as int32 ``[batch]`` (None stays None); ``name`` for the error."""
+def row_ints(x, batch: int, kv_heads: int, name: str) -> jax.Array | None:
+    """``x`` as int32 ``[batch, kv_heads]`` (None stays None): one value per row (``[batch]``, broadcast over the KV
+    heads) or per row and KV head (``[batch, kv_heads]``, caches whose KV heads keep their own tokens)."""
     if x is None:
         return None
     x = jnp.asarray(x)
-    if x.shape != (batch,):
-        raise ValueError(f"{name}.shape={x.shape} must be ({batch},)")
+    if x.shape not in ((batch,), (batch, kv_heads)):
+        raise ValueError(f"{name}.shape={x.shape} must be ({batch},) or ({batch}, {kv_heads})")
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise ValueError(f"{name}.dtype={x.dtype} must be an integer type")
-    return x.astype(jnp.int32)
+    if x.ndim == 1:
+        x = x[:, None]
+    return jnp.broadcast_to(x.astype(jnp.int32), (batch, kv_heads))
 
 
 def check_qkv(q, k, v) -> int:

@@ -4,9 +4,10 @@ Einsum legend: b batch, s cache slots, h query heads, k kv heads, g query heads 
 n cache splits, r rows of one program (the g heads of a KV group, zero-padded to >= 16 for the Triton dot), d head dim.
 
 One query token per sequence attends to a fixed-capacity cache that may have holes (``valid``) and a fill level
-(``lengths``). The cache is cut into ``n`` splits; program (split, b, kv head) streams its split in ``[block_k]``
-tiles with an online softmax for all g heads of the group at once (K/V are read once per group, never repeated) and
-writes its partial ``(acc, m, l)``. XLA combines the splits: ``m = max_n m_n``, ``o = sum_n 2^(m_n - m) acc_n /
+(``lengths``), both per row or per row and KV head (a cache whose KV heads keep different tokens). The cache is cut
+into ``n`` splits; program (split, b, kv head) streams its split in ``[block_k]`` tiles with an online softmax for
+all g heads of the group at once (K/V are read once per group, never repeated) and writes its partial
+``(acc, m, l)``. XLA combines the splits: ``m = max_n m_n``, ``o = sum_n 2^(m_n - m) acc_n /
 sum_n 2^(m_n - m) l_n``.
 
 ``return_weights``: each program also writes its raw scores (base-2 scaled logits, ``[r', s]`` per group, r' = g
@@ -28,7 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from lcx.kernels.common import LN2, LOG2E, MASK_VALUE, dot_nn, dot_nt, fit_block, pad_axis, padded_head_dim
+from lcx.kernels.common import (LN2, LOG2E, MASK_VALUE, dot_nn, dot_nt, fit_block, pad_axis, padded_head_dim,
+                                row_ints)
 from lcx.kernels.mode import pallas_call_kwargs
 from lcx.kernels.reference import decode_attention_reference
 
@@ -71,7 +73,8 @@ def _num_splits(n_tiles: int, want: int) -> int:
 
 
 def decode_kernel(*refs, st: _Static):
-    """One cache split of one KV group. Refs: [lens []], q [r, d], k, v [split, d], live [split] int32
+    """One cache split of one KV group. Refs: [lens [] of this row and KV head], q [r, d], k, v [split, d], live
+    [split] int32
     -> acc [r, d], m [r], l [r], [scores [r', split]]."""
     refs = list(refs)
     kv_len_b = refs.pop(0)[()] if st.has_lengths else None
@@ -116,8 +119,10 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
     Args:
       q: ``[batch, q_heads, head_dim]``.
       k, v: ``[batch, cache_len, kv_heads, head_dim]``; q_heads a multiple of kv_heads.
-      valid: ``[batch, cache_len]`` bool, True for live slots (holes left by eviction are False).
-      lengths: ``[batch]`` ints; slots at index >= length are empty (also skipped, not just masked).
+      valid: ``[batch, cache_len]`` or ``[batch, kv_heads, cache_len]`` bool, True for live slots (holes left by
+        eviction are False); per KV head when each head keeps its own tokens.
+      lengths: ``[batch]`` or ``[batch, kv_heads]`` ints; slots at index >= length are empty (also skipped, not
+        just masked).
       return_weights: also return the attention probabilities summed over each KV head's query group.
       sm_scale: default ``head_dim ** -0.5``.
       block_sizes: :class:`DecodeBlockSizes`.
@@ -140,10 +145,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
         raise ValueError(f"{q.shape=} and {k.shape=} must agree on batch and head_dim")
     if h % kvh:
         raise ValueError(f"q_heads={h} must be a multiple of kv_heads={kvh}")
-    if valid is not None and valid.shape != (b, s):
-        raise ValueError(f"{valid.shape=} must be ({b}, {s})")
-    if lengths is not None and jnp.shape(lengths) != (b,):
-        raise ValueError(f"lengths.shape={jnp.shape(lengths)} must be ({b},)")
+    if valid is not None and valid.shape not in ((b, s), (b, kvh, s)):
+        raise ValueError(f"{valid.shape=} must be ({b}, {s}) or ({b}, {kvh}, {s})")
     # 4-byte caches: half the tile, so two pipelined K/V tiles fit the shared memory that bf16 ones use.
     bs = block_sizes or DecodeBlockSizes(block_k=64 if k.dtype.itemsize >= 4 else 128)
     g = h // kvh
@@ -157,11 +160,12 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
                  sm_scale=float(d ** -0.5 if sm_scale is None else sm_scale), has_lengths=lengths is not None,
                  return_weights=bool(return_weights))
 
-    live = jnp.ones((b, s), bool) if valid is None else valid.astype(bool)
+    lengths = row_ints(lengths, b, kvh, "lengths")  # [b, k]
+    live = jnp.ones((b, 1, s), bool) if valid is None else valid.astype(bool).reshape(b, -1, s)
     if lengths is not None:
-        lengths = jnp.asarray(lengths).astype(jnp.int32)
-        live = live & (jnp.arange(s)[None, :] < lengths[:, None])
-    live = pad_axis(live.astype(jnp.int32), 1, s_pad)  # [b, s_pad]; padded slots are dead
+        live = live & (jnp.arange(s)[None, None, :] < lengths[:, :, None])
+    live = jnp.broadcast_to(live, (b, kvh, s))
+    live = pad_axis(live.astype(jnp.int32), 2, s_pad)  # [b, k, s_pad]; padded slots are dead
     # The query is cast to the cache dtype, not the cache to the query's: that would copy the whole cache.
     qg = einops.rearrange(q.astype(k.dtype), "b (k g) d -> b k g d", k=kvh)  # heads grouped by KV head
     qg = pad_axis(pad_axis(qg, 3, dp), 2, rows)  # [b, k, r, dp]
@@ -173,11 +177,11 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
         pl.BlockSpec((None, None, rows, dp), lambda n, bi, ki: (bi, ki, 0, 0)),
         pl.BlockSpec((None, split, None, dp), lambda n, bi, ki: (bi, n, ki, 0)),
         pl.BlockSpec((None, split, None, dp), lambda n, bi, ki: (bi, n, ki, 0)),
-        pl.BlockSpec((None, split), lambda n, bi, ki: (bi, n)),
+        pl.BlockSpec((None, None, split), lambda n, bi, ki: (bi, ki, n)),
     ]
     args = [qg, kp, vp, live]
     if st.has_lengths:
-        in_specs.insert(0, pl.BlockSpec((None,), lambda n, bi, ki: (bi,)))
+        in_specs.insert(0, pl.BlockSpec((None, None), lambda n, bi, ki: (bi, ki)))
         args.insert(0, lengths)
     out_specs = [pl.BlockSpec((None, None, None, rows, dp), lambda n, bi, ki: (bi, ki, n, 0, 0)),
                  pl.BlockSpec((None, None, None, rows), lambda n, bi, ki: (bi, ki, n, 0)),
@@ -214,7 +218,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
         if st.return_weights:
             lse = jnp.where(empty, jnp.inf, m_all + jnp.log2(jnp.where(empty, 1.0, l_all)))[:, :, :g]  # [b, k, g]
             scores = outs[3][:, :, :g, :s]  # [b, k, g, s]
-            p = jnp.where(live[:, None, None, :s] != 0, jnp.exp2(scores - lse[..., None]), 0.0)
+            p = jnp.where(live[:, :, None, :s] != 0, jnp.exp2(scores - lse[..., None]), 0.0)
             results.append(jnp.sum(p, axis=2))  # [b, k, s]
         if return_residuals:  # base-2 scaled logits -> natural: m_nat = m_2 * ln 2, and 2^(s2 - m2) = e^(s - m)
             m_nat = jnp.where(empty, -jnp.inf, m_all * LN2)[:, :, :g]

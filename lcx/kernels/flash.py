@@ -10,10 +10,11 @@ Backward recomputes ``P = 2^(S - lse)`` tile by tile: one kernel for dQ (per que
 dK/dV (per key tile of one KV head, looping over the ``g`` query heads of its group, so the group sum happens in
 registers, never through repeated K/V).
 
-Masks (``flash_masks.py``): query i sits at key position ``pos = s - t + i``, or ``q_offsets[b] + i`` (a traced
-per-row scalar; the default keeps a static offset); ``causal`` keeps keys <= pos, ``window`` keys > pos - window;
-``kv_lengths [b]`` drops keys at or past the length. Key tiles that are fully visible run a loop without mask
-arithmetic; only the tiles on the diagonal / window edge / length edge pay for it; fully hidden tiles are skipped.
+Masks (``flash_masks.py``): query i sits at key position ``pos = s - t + i``, or ``q_offsets[b, k] + i`` (a
+traced scalar per row and KV head; ``[b]`` is broadcast; the default keeps a static offset); ``causal`` keeps keys
+<= pos, ``window`` keys > pos - window; ``kv_lengths [b]`` or ``[b, k]`` drops keys at or past the length. Key
+tiles that are fully visible run a loop without mask arithmetic; only the tiles on the diagonal / window edge /
+length edge pay for it; fully hidden tiles are skipped.
 
 Shapes that Triton needs are made in the wrapper, identically in interpret mode so CPU tests run the GPU code path:
 sequence lengths are zero-padded to tile multiples (padded keys are masked, padded query rows are sliced off and
@@ -82,7 +83,7 @@ def flash_forward(q, k, v, lens, st: FlashStatic, offs=None):
     b, t, h, d = q.shape
     s = k.shape[1]
     bq, g = st.block_q, st.groups
-    in_specs = row_specs(st, lambda i, bi, hi: (bi,)) + [
+    in_specs = row_specs(st, lambda i, bi, hi: (bi, lax.div(hi, g))) + [
         pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
         pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, lax.div(hi, g), 0)),  # KV head of query head
         pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, lax.div(hi, g), 0)),
@@ -186,7 +187,7 @@ def flash_backward(q, k, v, lens, o, lse, do, st: FlashStatic, offs=None):
     dq = pl.pallas_call(
         functools.partial(flash_dq_kernel, st=st),
         grid=(t // bq, b, h),
-        in_specs=row_specs(st, lambda i, bi, hi: (bi,)) + [
+        in_specs=row_specs(st, lambda i, bi, hi: (bi, lax.div(hi, g))) + [
             pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
             pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
             pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i)),
@@ -207,7 +208,7 @@ def flash_backward(q, k, v, lens, o, lse, do, st: FlashStatic, offs=None):
     dk, dv = pl.pallas_call(
         functools.partial(flash_dkv_kernel, st=st),
         grid=(s // bk, b, kvh),
-        in_specs=row_specs(st, lambda i, bi, ki: (bi,)) + [
+        in_specs=row_specs(st, lambda i, bi, ki: (bi, ki)) + [
             pl.BlockSpec((None, t, None, g * d), lambda i, bi, ki: (bi, 0, ki, 0)),
             pl.BlockSpec((None, t, None, g * d), lambda i, bi, ki: (bi, 0, ki, 0)),
             pl.BlockSpec((None, None, g, t), lambda i, bi, ki: (bi, ki, 0, 0)),
@@ -258,10 +259,12 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
       causal: query i sits at key position ``kv_len - q_len + i`` (or ``q_offsets[b] + i``) and sees keys up to it.
       sm_scale: score scale; default ``head_dim ** -0.5``.
       window: keep only the ``window`` most recent keys (own position included).
-      kv_lengths: ``[batch]`` ints; keys at index >= length are padding.
-      q_offsets: ``[batch]`` ints, not differentiated: query i of row b sits at key position ``q_offsets[b] + i``
-        (``causal`` and ``window`` count from there). E.g. a prefill chunk of t tokens written to cache slots
-        ``[n_b, n_b + t)``: ``k, v`` = the cache, ``q_offsets = n``, ``kv_lengths = n + real tokens``.
+      kv_lengths: ``[batch]`` or ``[batch, kv_heads]`` ints; keys at index >= length are padding.
+      q_offsets: ``[batch]`` or ``[batch, kv_heads]`` ints, not differentiated: query i of row b sits at key
+        position ``q_offsets[b] + i`` (``causal`` and ``window`` count from there). E.g. a prefill chunk of t tokens
+        written to cache slots ``[n_b, n_b + t)``: ``k, v`` = the cache, ``q_offsets = n``, ``kv_lengths = n + real
+        tokens``. Per KV head (``[batch, kv_heads]``): each KV head's slots are its own (a cache whose heads keep
+        different tokens), and its query heads use its offset and length.
       block_sizes: tiles and launch settings (:class:`FlashBlockSizes`).
       interpret: None = interpret unless the default backend is a GPU (``mode.py``).
       return_residuals: also return each row's logit max ``m`` and sum of exponentials ``l`` (``[batch, q_len,
@@ -273,8 +276,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     """
     g = check_qkv(q, k, v)
     b, t, _, d = q.shape
-    kv_lengths = row_ints(kv_lengths, b, "kv_lengths")
-    q_offsets = row_ints(q_offsets, b, "q_offsets")
+    kv_lengths = row_ints(kv_lengths, b, k.shape[2], "kv_lengths")
+    q_offsets = row_ints(q_offsets, b, k.shape[2], "q_offsets")
     st = make_static(t, k.shape[1], g, d, q.dtype, causal=causal, sm_scale=sm_scale, window=window,
                      has_lengths=kv_lengths is not None, block_sizes=block_sizes, interpret=interpret,
                      has_offsets=q_offsets is not None)

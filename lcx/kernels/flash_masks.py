@@ -5,8 +5,9 @@ on, derived once by :func:`make_static`); :func:`pad_inputs` zero-pads the input
 
 Positions: query row ``r`` of batch row ``b`` sits at key position ``r + off``. ``off`` is the static
 ``kv_len - q_len`` (queries aligned to the end of the keys) or, with ``q_offsets``, a traced int32 read in the kernel
-from a 0-d block, one per batch row. Query ``r`` sees key ``c`` iff ``c < kv_len`` (padding), ``c < kv_len_b``
-(``kv_lengths``), ``c <= r + off`` (``causal``) and ``c > r + off - window`` (``window``).
+from a 0-d block, one per batch row and KV head (``[b]`` inputs are broadcast to ``[b, k]``: a cache whose KV heads
+keep different tokens has a fill level per head). Query ``r`` sees key ``c`` iff ``c < kv_len`` (padding),
+``c < kv_len_b`` (``kv_lengths``), ``c <= r + off`` (``causal``) and ``c > r + off - window`` (``window``).
 
 The range functions split the tiles of one loop into ``lo <= lo_full <= hi_full <= hi``: tiles outside ``[lo, hi)``
 hold no visible entry and are skipped, tiles in ``[lo_full, hi_full)`` are visible everywhere and run without mask
@@ -137,9 +138,10 @@ def _cdiv0(x, n: int):
 
 
 def row_specs(st: FlashStatic, index_map) -> list[pl.BlockSpec]:
-    """In_specs of the per-batch-row ints that are given (``[b]`` kv lengths, then ``[b]`` query offsets): 0-d
-    blocks, read in the kernel as ``ref[()]`` by :func:`split_row_refs`."""
-    return [pl.BlockSpec((None,), index_map)] * (int(st.has_lengths) + int(st.has_offsets))
+    """In_specs of the per-row ints that are given (``[b, k]`` kv lengths, then ``[b, k]`` query offsets, one per
+    batch row and KV head): 0-d blocks at ``index_map(*program_ids) = (batch row, kv head)``, read in the kernel as
+    ``ref[()]`` by :func:`split_row_refs`."""
+    return [pl.BlockSpec((None, None), index_map)] * (int(st.has_lengths) + int(st.has_offsets))
 
 
 def row_args(st: FlashStatic, lens, offs) -> list:
@@ -150,7 +152,7 @@ def row_args(st: FlashStatic, lens, offs) -> list:
 def split_row_refs(st: FlashStatic, refs):
     """Peel the refs of :func:`row_specs` off a kernel's refs: ``(kv_len_b or None, off, other refs)``.
 
-    ``off`` is the traced query offset of this batch row, or the static ``st.offset`` (a Python int, so the
+    ``off`` is the traced query offset of this batch row and KV head, or the static ``st.offset`` (a Python int, so the
     no-offsets kernels are exactly the end-aligned ones)."""
     kv_len_b, off = None, st.offset
     if st.has_lengths:

@@ -17,31 +17,45 @@ _HI = jax.lax.Precision.HIGHEST
 def attention_mask(q_len: int, kv_len: int, *, causal: bool, window: int | None = None,
                    kv_lengths: jax.Array | None = None, batch: int = 1,
                    q_offsets: jax.Array | None = None) -> jax.Array:
-    """Boolean mask ``[batch, q_len, kv_len]``, True where a query may attend to a key.
+    """Boolean mask ``[batch, q_len, kv_len]``, True where a query may attend to a key; ``[batch, kv_heads, q_len,
+    kv_len]`` when ``kv_lengths`` or ``q_offsets`` is given per row and KV head (``[batch, kv_heads]``).
 
     Causal alignment puts the queries at the end of the keys: query i sits at key position ``kv_len - q_len + i``
     (a prefill chunk attending to the cache plus itself), or at ``q_offsets[b] + i`` when ``q_offsets [batch]`` is
     given (a chunk written at slot ``q_offsets[b]`` of a cache). ``window`` keeps that many keys back, the query's
     own position included. ``kv_lengths [batch]`` marks keys at or past the length as padding.
     """
+    per_head = any(x is not None and jnp.ndim(x) == 2 for x in (kv_lengths, q_offsets))
+
+    def rows(x):  # [batch] or [batch, kv_heads] -> [batch, heads, 1, 1]
+        x = jnp.asarray(x)
+        return (x[:, None] if x.ndim == 1 else x)[:, :, None, None]
+
     if q_offsets is None:
-        q_pos = jnp.arange(q_len)[None, :, None] + (kv_len - q_len)  # [1, t, 1]
+        q_pos = jnp.arange(q_len)[None, None, :, None] + (kv_len - q_len)  # [1, 1, t, 1]
     else:
-        q_pos = jnp.arange(q_len)[None, :, None] + jnp.asarray(q_offsets)[:, None, None]  # [b, t, 1]
-    k_pos = jnp.arange(kv_len)[None, None, :]  # [1, 1, s]
-    mask = jnp.ones((1, q_len, kv_len), bool)
+        q_pos = jnp.arange(q_len)[None, None, :, None] + rows(q_offsets)  # [b, K, t, 1]
+    k_pos = jnp.arange(kv_len)[None, None, None, :]  # [1, 1, 1, s]
+    mask = jnp.ones((1, 1, q_len, kv_len), bool)
     if causal:
         mask &= k_pos <= q_pos
     if window is not None:
         mask &= k_pos > q_pos - window
-    mask = jnp.broadcast_to(mask, (batch, q_len, kv_len))
     if kv_lengths is not None:
-        mask &= (jnp.arange(kv_len)[None, None, :] < kv_lengths[:, None, None])
-    return mask
+        mask &= k_pos < rows(kv_lengths)
+    if per_head:
+        return jnp.broadcast_to(mask, (batch, mask.shape[1], q_len, kv_len))
+    return jnp.broadcast_to(mask[:, 0], (batch, q_len, kv_len))
+
+
+def _head_mask(mask: jax.Array) -> jax.Array:
+    """A mask ``[b, t, s]`` (every KV head) or ``[b, k, t, s]`` (per KV head) as ``[b, k | 1, 1, t, s]``, broadcast
+    against scores ``[b, k, g, t, s]``."""
+    return mask[:, None, None] if mask.ndim == 3 else mask[:, :, None]
 
 
 def _masked_scores(q, k, mask, sm_scale, precision):
-    """Scaled logits ``[b, k, g, t, s]`` (float32), -inf where ``mask [b, t, s]`` is False."""
+    """Scaled logits ``[b, k, g, t, s]`` (float32), -inf where ``mask [b, t, s]`` (or ``[b, k, t, s]``) is False."""
     b, t, h, d = q.shape
     kv_heads = k.shape[2]
     if h % kv_heads:
@@ -51,7 +65,7 @@ def _masked_scores(q, k, mask, sm_scale, precision):
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), precision=precision,
                         preferred_element_type=jnp.float32) * scale  # [b, k, g, t, s]
     if mask is not None:
-        scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+        scores = jnp.where(_head_mask(mask), scores, -jnp.inf)
     return scores
 
 
@@ -66,7 +80,7 @@ def _softmax_parts(scores):
 def masked_probs(q: jax.Array, k: jax.Array, mask: jax.Array | None, *, sm_scale: float | None = None,
                  precision=_HI) -> jax.Array:
     """Softmax probabilities ``[b, k, g, t, s]`` (float32) of ``q [b, t, h, d]`` over ``k [b, s, k, d]`` with an
-    explicit boolean ``mask [b, t, s]``; fully masked rows are all 0, never NaN."""
+    explicit boolean ``mask [b, t, s]`` or ``[b, k, t, s]``; fully masked rows are all 0, never NaN."""
     if precision == _HI:
         q, k = q.astype(jnp.float32), k.astype(jnp.float32)
     p, _, denom = _softmax_parts(_masked_scores(q, k, mask, sm_scale, precision))
@@ -75,8 +89,9 @@ def masked_probs(q: jax.Array, k: jax.Array, mask: jax.Array | None, *, sm_scale
 
 def masked_attention_parts(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *,
                            sm_scale: float | None = None, precision=_HI):
-    """Softmax attention with ``mask [b, t, s]`` as a partial: ``(o [b, t, h, d] float32, m [b, t, h], l [b, t,
-    h])``, natural-log row max and sum of exponentials (``lcx.kernels.merge_partials``); empty rows: 0, -inf, 0.
+    """Softmax attention with ``mask [b, t, s]`` (or per KV head ``[b, k, t, s]``) as a partial: ``(o [b, t, h, d]
+    float32, m [b, t, h], l [b, t, h])``, natural-log row max and sum of exponentials
+    (``lcx.kernels.merge_partials``); empty rows: 0, -inf, 0.
 
     ``precision=HIGHEST`` computes in float32 (the oracle); the default precision keeps the input dtype for the
     products and accumulates in float32 (the XLA backend)."""
@@ -114,20 +129,24 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
 def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Array | None = None,
                                lengths: jax.Array | None = None, return_weights: bool = False,
                                sm_scale: float | None = None, return_residuals: bool = False, precision=_HI):
-    """Reference for ``decode_attention``: ``q [b, h, d]``, ``k, v [b, s, k, d]``, ``valid [b, s]``, ``lengths [b]``.
+    """Reference for ``decode_attention``: ``q [b, h, d]``, ``k, v [b, s, k, d]``, ``valid [b, s]`` or ``[b, k, s]``,
+    ``lengths [b]`` or ``[b, k]``.
 
     Returns ``out [b, h, d]``; with ``return_weights`` also ``weights [b, k, s]`` (the probabilities summed over the
     query heads of each KV head's group); with ``return_residuals`` then the row max and sum of exponentials
     ``m, l [b, h]``.
     """
     b, s = k.shape[:2]
-    mask = jnp.ones((b, s), bool) if valid is None else valid.astype(bool)
+    mask = jnp.ones((b, 1, s), bool) if valid is None else valid.astype(bool).reshape(b, -1, s)  # [b, k | 1, s]
     if lengths is not None:
-        mask &= jnp.arange(s)[None, :] < jnp.asarray(lengths)[:, None]
-    o, m, l = masked_attention_parts(q[:, None], k, v, mask[:, None, :], sm_scale=sm_scale, precision=precision)
+        lengths = jnp.asarray(lengths)
+        lengths = lengths[:, None] if lengths.ndim == 1 else lengths
+        mask = mask & (jnp.arange(s)[None, None, :] < lengths[:, :, None])
+    mask = mask[:, 0, None, :] if mask.shape[1] == 1 else mask[:, :, None, :]  # [b, 1, s] or [b, k, 1, s]
+    o, m, l = masked_attention_parts(q[:, None], k, v, mask, sm_scale=sm_scale, precision=precision)
     results = [o[:, 0].astype(q.dtype)]
     if return_weights:
-        results.append(masked_column_sums_reference(q[:, None], k, mask[:, None, :], sm_scale=sm_scale,
+        results.append(masked_column_sums_reference(q[:, None], k, mask, sm_scale=sm_scale,
                                                     precision=precision))
     if return_residuals:
         results += [m[:, 0], l[:, 0]]
@@ -144,11 +163,13 @@ def attention_column_sums_reference(q: jax.Array, k: jax.Array, *, causal: bool 
     mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_lengths=kv_lengths,
                           batch=q.shape[0], q_offsets=q_offsets)
     if query_weights is not None:
-        mask &= jnp.asarray(query_weights)[:, :, None] > 0
+        counted = jnp.asarray(query_weights) > 0  # [b, t]
+        mask &= counted[:, :, None] if mask.ndim == 3 else counted[:, None, :, None]
     return masked_column_sums_reference(q, k, mask, sm_scale=sm_scale)
 
 
 def masked_column_sums_reference(q: jax.Array, k: jax.Array, mask: jax.Array | None, *,
                                  sm_scale: float | None = None, precision=_HI) -> jax.Array:
-    """Column sums with an explicit ``mask [b, t, s]``: ``[b, k, s]`` float32; fully masked rows add 0."""
+    """Column sums with an explicit ``mask [b, t, s]`` (or ``[b, k, t, s]``): ``[b, k, s]`` float32; fully masked
+    rows add 0."""
     return jnp.sum(masked_probs(q, k, mask, sm_scale=sm_scale, precision=precision), axis=(2, 3))  # [b, k, s]

@@ -81,8 +81,8 @@ def attention_column_sums(q: jax.Array, k: jax.Array, *, causal: bool = True, sm
     """
     g = check_qkv(q, k, k)
     b, t, _, d = q.shape
-    kv_lengths = row_ints(kv_lengths, b, "kv_lengths")
-    q_offsets = row_ints(q_offsets, b, "q_offsets")
+    kv_lengths = row_ints(kv_lengths, b, k.shape[2], "kv_lengths")
+    q_offsets = row_ints(q_offsets, b, k.shape[2], "q_offsets")
     st = make_static(t, k.shape[1], g, d, q.dtype, causal=causal, sm_scale=sm_scale, window=window,
                      has_lengths=kv_lengths is not None, block_sizes=block_sizes, interpret=interpret,
                      has_offsets=q_offsets is not None)
@@ -98,7 +98,7 @@ def attention_column_sums(q: jax.Array, k: jax.Array, *, causal: bool = True, sm
         sums = pl.pallas_call(
             functools.partial(column_sums_kernel, st=st),
             grid=(s_pad // bk, b, kvh),
-            in_specs=row_specs(st, lambda i, bi, ki: (bi,)) + [
+            in_specs=row_specs(st, lambda i, bi, ki: (bi, ki)) + [
                 pl.BlockSpec((None, t_pad, None, g * dp), lambda i, bi, ki: (bi, 0, ki, 0)),
                 pl.BlockSpec((None, None, g, t_pad), lambda i, bi, ki: (bi, ki, 0, 0)),
                 pl.BlockSpec((None, bk, None, dp), lambda i, bi, ki: (bi, i, ki, 0)),

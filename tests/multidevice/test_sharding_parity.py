@@ -19,6 +19,13 @@ def kv4_on_model8(run_worker):
     return run_worker("parity", impl="pallas", n_kv_heads=4, meshes=[[1, 8]])
 
 
+@pytest.fixture(scope="module")
+def kv8_per_head(run_worker):
+    """SnapKV with per-KV-head keep sets and a head-adaptive budget (the heads of a layer share it), evicting."""
+    cache = {"policy": "snapkv", "budget": 4, "window": 2, "interval": 2, "head_budget": "adaptive"}
+    return run_worker("parity", impl="pallas", n_kv_heads=8, meshes=[[2, 4]], new_tokens=8, cache=cache)[0]
+
+
 @pytest.mark.parametrize("mesh", NAMES)
 def test_sharding_forward_equals_single_device(kv8, mesh):
     assert kv8["meshes"][mesh]["forward_max_abs_diff"] <= 1e-5
@@ -41,6 +48,13 @@ def test_sharding_cache_batch_over_data_kv_heads_over_model(kv8, mesh):
     assert spec[1] == "data" or (data == 1 and spec[1] is None)
     assert spec[3] == "model" or (model == 1 and spec[3] is None)
     assert kv8["lcx_warnings"] == []  # no replication anywhere
+
+
+def test_sharding_per_head_keep_sets_split_with_their_kv_heads(kv8_per_head):
+    got = kv8_per_head["meshes"]["2x4"]
+    assert got["tokens"] == kv8_per_head["ref_tokens"]
+    layers, batch, heads, capacity = got["cache_pos_shape"]
+    assert heads == 8 and got["cache_pos_shard_shape"] == [layers, batch // 2, heads // 4, capacity]
 
 
 def test_sharding_replicated_kv_heads_forward_and_tokens(kv4_on_model8):

@@ -63,20 +63,22 @@ class CountLcxWarnings(logging.Handler):
 
 
 # --------------------------------------------------------------------------------------------------- scenarios
-def parity(impl: str, n_kv_heads: int, meshes: list[list[int]], new_tokens: int = 5) -> dict:
-    """Sharded forward and greedy generate vs one device, for each (data, model) mesh."""
+def parity(impl: str, n_kv_heads: int, meshes: list[list[int]], new_tokens: int = 5, cache: dict | None = None) -> dict:
+    """Sharded forward and greedy generate vs one device, for each (data, model) mesh (``cache``: CacheConfig
+    fields, default the full cache)."""
     logs = CountLcxWarnings()
     logging.getLogger("lcx").addHandler(logs)
     config = tiny(impl, n_kv_heads)
     params = lcx.init_params(config, jax.random.key(0))
     ids = forward_ids()
     ref_logits = forward(config, params, ids)
-    ref_tokens = lcx.generate(config, params, prompts(), max_new_tokens=new_tokens).tokens
+    cache = lcx.CacheConfig(**cache) if cache else None
+    ref_tokens = lcx.generate(config, params, prompts(), max_new_tokens=new_tokens, cache=cache).tokens
     out = {"ref_tokens": ref_tokens.tolist(), "meshes": {}}
     for shape in meshes:
         mesh = sharding.make_mesh(*shape)
         logits = forward(config, params, ids, mesh)
-        gen = Generator(config, params, max_new_tokens=new_tokens, mesh=mesh)
+        gen = Generator(config, params, max_new_tokens=new_tokens, mesh=mesh, cache=cache)
         state = gen.decode(gen.prefill(prompts()))
         cache_k = state.cache.k
         out["meshes"][f"{shape[0]}x{shape[1]}"] = {
@@ -85,6 +87,8 @@ def parity(impl: str, n_kv_heads: int, meshes: list[list[int]], new_tokens: int 
             "cache_k_shape": list(cache_k.shape),
             "cache_k_spec": [None if a is None else str(a) for a in cache_k.sharding.spec],
             "cache_k_shard_shape": list(cache_k.addressable_shards[0].data.shape),
+            "cache_pos_shape": list(state.cache.pos.shape),
+            "cache_pos_shard_shape": list(state.cache.pos.addressable_shards[0].data.shape),
         }
     out["lcx_warnings"] = logs.messages
     return out
