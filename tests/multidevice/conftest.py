@@ -19,7 +19,8 @@ TIMEOUT_S = 300
 def worker_env(devices: int, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LCX_", "JAX_COORDINATOR", "JAX_NUM_PROC",
                                                                      "JAX_PROCESS_ID"))}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f)
+    env.update(XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip(), JAX_PLATFORMS="cpu",
                JAX_DEFAULT_MATMUL_PRECISION="highest",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     env.update(extra)
