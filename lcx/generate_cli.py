@@ -10,18 +10,30 @@ from lcx.config import CacheConfig, ConfigError, ModelConfig, load_model_config
 
 
 def load_model(path: str, *, seed: int = 0, dtype: str | None = None) -> tuple[ModelConfig, dict, str]:
-    """(config, params, source) from an HF checkpoint directory, or random weights for a YAML model config."""
+    """(config, params, source) from an HF checkpoint directory, an lcx run (``runs/NAME``, its ``train`` /
+    ``finetune`` stage or a checkpoint directory: the latest checkpoint), or random weights for a YAML model
+    config."""
     import dataclasses
 
     import jax
 
     from lcx import hf
     from lcx.model import init_params
+    from lcx.train.checkpoint import is_checkpoint, load_checkpoint
 
     p = Path(path)
-    if p.is_dir():
+    if p.is_dir() and (p / "config.json").is_file():
         config, params = hf.load_hf(p, dtype=dtype)
         return config, params, "hf"
+    if p.is_dir():
+        run = next((c for c in (p, p / "finetune", p / "train") if is_checkpoint(c)), None)
+        if run is None:
+            raise ConfigError(f"--model={path!r} is a directory with neither a Hugging Face config.json nor lcx "
+                              "checkpoints (runs/NAME, runs/NAME/train or .../checkpoints)")
+        config, params = load_checkpoint(run)
+        if dtype is not None:
+            config = dataclasses.replace(config, dtype=dtype)
+        return config, params, "lcx"
     if p.is_file():
         config = load_model_config(p)
         if dtype is not None:
@@ -37,11 +49,14 @@ def _tokenizer(model_path: str, config: ModelConfig):
     if tok_file.is_file():
         try:
             from tokenizers import Tokenizer
-        except ImportError:
-            Tokenizer = None
-        if Tokenizer is not None:
-            tok = Tokenizer.from_file(str(tok_file))
-            return (lambda text: tok.encode(text).ids), (lambda ids: tok.decode(list(ids)))
+        except ImportError as err:  # never fall back to bytes for a model that names its tokenizer
+            raise ConfigError(f"{tok_file} needs the 'tokenizers' package (pip install tokenizers); lcx does not "
+                              "fall back to its byte tokenizer for a model trained with another") from err
+        tok = Tokenizer.from_file(str(tok_file))
+        if tok.get_vocab_size() > config.vocab_size:
+            raise ConfigError(f"{tok_file} has {tok.get_vocab_size()} ids but the model's vocab_size is "
+                              f"{config.vocab_size}: the tokenizer does not belong to this model")
+        return (lambda text: tok.encode(text).ids), (lambda ids: tok.decode(list(ids)))
     from lcx.data import ByteTokenizer
 
     byte = ByteTokenizer()
@@ -55,7 +70,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("generate", help="generate tokens from a model, streaming them",
                               description="Generate from a Hugging Face checkpoint directory or an lcx YAML model "
                                           "config (random weights, for trying settings).")
-    p.add_argument("--model", required=True, help="HF checkpoint directory or YAML model config")
+    p.add_argument("--model", required=True, help="HF checkpoint directory, lcx run (runs/NAME) or YAML model config")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--ids", help="prompt token ids, comma separated")

@@ -230,11 +230,25 @@ class _TensorReader:
         return array
 
 
-def load_hf(path: str | Path, dtype: str | None = None) -> tuple[ModelConfig, dict]:
+def load_hf(path: str | Path, dtype: str | None = None, mesh=None) -> tuple[ModelConfig, dict]:
     """Load a local HF checkpoint directory -> ``(ModelConfig, params)`` (params a plain dict of jax arrays).
 
     ``dtype`` overrides the storage dtype of the parameters (and the compute dtype); default: the checkpoint's.
+    ``mesh``: each tensor goes from the host straight into its shards by lcx's placement rules (no device holds
+    the whole model).
     """
+    import jax
+
+    config, params = read_hf_params(path, dtype)
+    if mesh is not None:
+        from lcx.model.placement import shard_params
+
+        return config, shard_params(params, config, mesh)
+    return config, jax.tree.map(jax.numpy.asarray, params)
+
+
+def read_hf_params(path: str | Path, dtype: str | None = None) -> tuple[ModelConfig, dict]:
+    """``load_hf`` on the host: ``(ModelConfig, params)`` with NumPy arrays, for placing them elsewhere."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -272,19 +286,19 @@ def load_hf(path: str | Path, dtype: str | None = None) -> tuple[ModelConfig, di
         shape, fn = shapes[key]
         stacked[key] = np.stack([conv(fn(reader.get(_hf_names(i)[key], shape))) for i in range(config.n_layers)])
     layers = {
-        "attn": {key: jnp.asarray(stacked[key]) for key in wanted if key in
+        "attn": {key: stacked[key] for key in wanted if key in
                  ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias")},
-        "mlp": {key: jnp.asarray(stacked[key]) for key in ("gate", "up", "down")},
-        "attn_norm": {"scale": jnp.asarray(stacked["attn_norm"])},
-        "mlp_norm": {"scale": jnp.asarray(stacked["mlp_norm"])},
+        "mlp": {key: stacked[key] for key in ("gate", "up", "down")},
+        "attn_norm": {"scale": stacked["attn_norm"]},
+        "mlp_norm": {"scale": stacked["mlp_norm"]},
     }
     params = {
-        "embed": jnp.asarray(conv(reader.get("model.embed_tokens.weight", (v, e)))),
+        "embed": conv(reader.get("model.embed_tokens.weight", (v, e))),
         "layers": layers,
-        "final_norm": {"scale": jnp.asarray(conv(reader.get("model.norm.weight", (e,))))},
+        "final_norm": {"scale": conv(reader.get("model.norm.weight", (e,)))},
     }
     if not config.tie_embeddings:
-        params["lm_head"] = jnp.asarray(conv(reader.get("lm_head.weight", (v, e)).T))
+        params["lm_head"] = np.ascontiguousarray(conv(reader.get("lm_head.weight", (v, e)).T))
     return config, params
 
 
@@ -342,4 +356,5 @@ def save_hf(config: ModelConfig, params: Mapping, path: str | Path, *, max_shard
     (path / "config.json").write_text(json.dumps(config_to_hf(config), indent=2))
 
 
-__all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf", "load_hf", "read_hf_config", "save_hf"]
+__all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf", "load_hf", "read_hf_config", "read_hf_params",
+           "save_hf"]

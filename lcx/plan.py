@@ -455,8 +455,8 @@ def render(plan: Plan) -> str:
         f"{fb(plan.gpu_mem_bytes)}" + (f" (mesh data={plan.data} x model={plan.model_axis})" if plan.data > 1 else ""),
         f"weights      {plan.num_params / 1e9:.2f}e9 params in {plan.weight_dtype}: {fb(plan.weight_bytes)} total, "
         f"{fb(plan.weight_bytes_per_device)} per device",
-        f"KV cache     {fb(plan.kv_bytes_per_token)} per token (2 x {plan.n_layers} layers x {plan.n_kv_heads} KV heads "
-        f"x {plan.head_dim} x {dtype_bytes(plan.kv_dtype)} B, {plan.kv_dtype})",
+        f"KV cache     {fb(plan.kv_bytes_per_token)} per token (2 x {plan.n_layers} layers x {plan.n_kv_heads} KV "
+        f"heads x {plan.head_dim} x {dtype_bytes(plan.kv_dtype)} B, {plan.kv_dtype})",
         f"             {fb(plan.kv_bytes_total)} total for {plan.context} tokens x batch {plan.batch}; "
         f"{fb(plan.kv_bytes_per_device)} per device ({plan.kv_heads_per_device} KV head(s) per device"
         + (f", each replicated {plan.kv_replication}x" if plan.kv_replication > 1 else "") + ")",

@@ -53,3 +53,23 @@ def test_byte_tokenizer_roundtrip():
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and max(ids[1:-1]) < 256
     assert tok.decode(ids) == "héllo ✓"
     assert np.all(np.asarray(ids) < tok.vocab_size)
+
+
+def test_generate_cli_tokenizer_json_must_match_the_model(tmp_path, capsys):
+    """A checkpoint's tokenizer.json is used, never replaced by bytes; one larger than the vocabulary is an error."""
+    tokenizers = __import__("pytest").importorskip("tokenizers")
+    params = lcx.init_params(CFG, jax.random.key(3))
+    hf.save_hf(CFG, params, tmp_path)
+    vocab = {f"w{i}": i for i in range(300)}  # 300 ids > the model's 260
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "w1 w2", "--max-new-tokens", "2"]) == 2
+    assert "300 ids but the model's vocab_size is 260" in capsys.readouterr().err
+    small = {f"w{i}": i for i in range(200)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(small, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "w5 w6 w7", "--max-new-tokens", "3"]) == 0
+    expected = lcx.generate(CFG, params, [[5, 6, 7]], max_new_tokens=3).tokens[0].tolist()
+    assert capsys.readouterr().out.split() == tok.decode(expected).split()  # ids past the tokenizer decode to ""

@@ -18,7 +18,8 @@ from lcx.config import ConfigError, from_dict, to_dict
 
 CFG = lcx.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                       max_position_embeddings=2048)
-PROMPTS = [np.random.default_rng(0).integers(0, 61, 150).tolist(), np.random.default_rng(1).integers(0, 61, 97).tolist()]
+PROMPTS = [np.random.default_rng(0).integers(0, 61, 150).tolist(),
+           np.random.default_rng(1).integers(0, 61, 97).tolist()]
 
 
 def memory(**kw) -> lcx.CacheConfig:
@@ -148,7 +149,8 @@ def test_memory_store_round_trip_is_bit_exact(tmp_path, disk):
     for row in range(2):
         for head in range(2):
             for i, block in enumerate(ids[row, head]):
-                src_k = kk[1, row, block] if block < (3 if row == 0 else 2) else kk[1, row, ::-1][block - (3 if row == 0 else 2)]
+                first = 3 if row == 0 else 2
+                src_k = kk[1, row, block] if block < first else kk[1, row, ::-1][block - first]
                 np.testing.assert_array_equal(got_k[row, i * 4:(i + 1) * 4, head], src_k[:, head])
     saved = tmp_path / "saved"
     store.save(saved)

@@ -49,6 +49,8 @@ def test_train_run_writes_metrics_config_and_checkpoints(full_run):
     assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("float32")}  # fp32 master weights
     _, params6 = load_checkpoint(full_run.checkpoint_dir / "6")
     assert not _same(params6, params)
+    events = list((full_run.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and b"train/loss" in events[0].read_bytes()  # TensorBoard scalars next to metrics.jsonl
 
 
 @pytest.mark.parametrize("stop", ["interrupt@3", "interrupt@5", "max_steps@4"])
@@ -153,3 +155,38 @@ def test_train_empty_corpus_folder_error(tmp_path):
     with pytest.raises(ConfigError, match=r"has no files matching data.params.glob='\*\*/\*'"):
         run_training(MODEL, TRAIN, data, tmp_path / "run", progress=False)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_export_writes_a_directory_transformers_loads_with_the_same_logits(full_run, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from lcx.cli import main
+    from lcx.model import Decoder
+
+    out = tmp_path / "hf"
+    assert main(["export", str(full_run.run_dir), "--hf", str(out)]) == 0
+    model, params = load_checkpoint(full_run.run_dir)
+    ids = np.random.default_rng(0).integers(0, 260, (2, 12))
+    ours = np.asarray(Decoder(dataclasses.replace(model, dtype="float32")).apply({"params": params}, ids))
+    with torch.no_grad():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(out).eval()(torch.as_tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(ours, ref, atol=2e-4)
+    assert main(["export", str(full_run.run_dir), "--hf", str(out)]) == 2  # no silent overwrite
+
+
+def test_generate_cli_runs_an_lcx_run_directory(full_run, capsys):
+    import lcx
+    from lcx.cli import main
+
+    assert main(["generate", "--model", str(full_run.run_dir), "--ids", "5,6,7", "--max-new-tokens", "5"]) == 0
+    printed = [int(x) for x in capsys.readouterr().out.split()]
+    model, params = load_checkpoint(full_run.run_dir)
+    assert printed == lcx.generate(model, params, [[5, 6, 7]], max_new_tokens=5).tokens[0].tolist()
+
+
+def test_train_profile_steps_write_a_trace(tmp_path):
+    train = dataclasses.replace(TRAIN, steps=3, save_every=3, profile_steps=(2, 3))
+    run_training(MODEL, train, DATA, tmp_path, progress=False)
+    assert list((tmp_path / "profile").rglob("*.xplane.pb"))
+    with pytest.raises(ConfigError, match=r"train\.profile_steps=\(2, 9\)"):
+        dataclasses.replace(TRAIN, profile_steps=(2, 9))

@@ -111,9 +111,10 @@ class ModelConfig:
                      "max_position_embeddings"):
             value = getattr(self, name)
             check(isinstance(value, int) and value > 0, f"model.{name}", value, "must be a positive integer")
+        divisors = [k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]
         check(self.n_heads % self.n_kv_heads == 0, "model.n_heads", self.n_heads,
               f"must be a multiple of model.n_kv_heads={self.n_kv_heads} (GQA groups must be whole); valid "
-              f"n_kv_heads for {self.n_heads} heads: {[k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]}")
+              f"n_kv_heads for {self.n_heads} heads: {divisors}")
         if self.head_dim is None:
             check(self.d_model % self.n_heads == 0, "model.d_model", self.d_model,
                    f"must be a multiple of model.n_heads={self.n_heads} when model.head_dim is not given")

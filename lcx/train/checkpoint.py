@@ -78,8 +78,12 @@ def check_shapes(expected, actual, source: str) -> None:
 
 
 def _with_sharding(abstract, sharding=None):
-    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract)
+    """Restore targets: ``abstract``'s shapes with ``sharding`` - one sharding for every leaf, a tree of them (a
+    sharded run), or None (the first device)."""
+    if sharding is None or isinstance(sharding, jax.sharding.Sharding):
+        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, sharding)
 
 
 # --------------------------------------------------------------------------------------------------- restore
@@ -126,16 +130,20 @@ def restore_params(manager: ocp.CheckpointManager, step: int, model: ModelConfig
     return _read(manager, step, "params", params=ocp.args.StandardRestore(expected))["params"]
 
 
-def restore_state(manager: ocp.CheckpointManager, abstract_state, step: int | None = None):
-    """``(TrainState, meta)`` of ``step`` (default: latest) with the structure of ``abstract_state``."""
+def restore_state(manager: ocp.CheckpointManager, abstract_state, step: int | None = None, shardings=None):
+    """``(TrainState, meta)`` of ``step`` (default: latest) with the structure of ``abstract_state``, each array read
+    directly into its shards when ``shardings`` (a ``TrainState`` of shardings) is given - whatever mesh wrote it."""
     step = manager.latest_step() if step is None else step
     if step is None:
         raise CheckpointError(f"no checkpoint in {str(manager.directory)!r}")
     where = f"checkpoint {str(manager.directory / str(step))!r}"
     check_shapes(abstract_state.params, _param_metadata(manager, step), where)
-    target = _with_sharding({"opt_state": abstract_state.opt_state, "step": abstract_state.step,
-                             "rng": abstract_state.rng})
-    params = _read(manager, step, "params", params=ocp.args.StandardRestore(_with_sharding(abstract_state.params)))
+    rest = {"opt_state": abstract_state.opt_state, "step": abstract_state.step, "rng": abstract_state.rng}
+    rest_sh = None if shardings is None else {"opt_state": shardings.opt_state, "step": shardings.step,
+                                               "rng": shardings.rng}
+    target = _with_sharding(rest, rest_sh)
+    params = _read(manager, step, "params", params=ocp.args.StandardRestore(
+        _with_sharding(abstract_state.params, None if shardings is None else shardings.params)))
     try:
         out = _read(manager, step, "optimizer state", train_state=ocp.args.StandardRestore(target),
                     meta=ocp.args.JsonRestore())
@@ -169,9 +177,10 @@ def is_checkpoint(path: str | Path) -> bool:
     return step is not None or any(p.name.isdigit() and (p / "params").is_dir() for p in root.iterdir())
 
 
-def load_checkpoint(path: str | Path, step: int | None = None) -> tuple[ModelConfig, dict]:
+def load_checkpoint(path: str | Path, step: int | None = None, shardings=None) -> tuple[ModelConfig, dict]:
     """``(ModelConfig, params)`` of the latest (or ``step``) checkpoint under ``path`` - a run directory, its
-    ``checkpoints`` directory or one step directory. Params are float32 jax arrays on the default device."""
+    ``checkpoints`` directory or one step directory. Params are float32 jax arrays on the default device, or read
+    straight into ``shardings`` (a tree of shardings, e.g. a mesh's) whatever mesh saved them."""
     root, found = resolve(path)
     step = found if step is None else step
     manager = open_manager(root, create=False, async_save=False)
@@ -186,7 +195,7 @@ def load_checkpoint(path: str | Path, step: int | None = None) -> tuple[ModelCon
             raise CheckpointError(f"checkpoint step {step} is not in {str(root)!r}; available: {sorted(steps)}")
         meta = read_meta(manager, step)
         model = from_dict(ModelConfig, meta["model"], prefix="model")
-        params = restore_params(manager, step, model)
+        params = restore_params(manager, step, model, shardings)
     finally:
         manager.close()
     return model, params

@@ -43,6 +43,10 @@ class TrainConfig:
     ``remat``: recompute each layer's activations in the backward pass (null: keep the model config's setting).
     ``init_from``: start from an lcx run/checkpoint directory or a Hugging Face directory instead of random params.
     ``resume``: continue from ``run_dir/checkpoints`` when it holds a checkpoint (else such a run_dir is an error).
+    ``fsdp``: on a mesh, also split weights and optimizer state over the ``data`` axis (memory per device falls with
+    the device count; ``lcx.train.placement``).
+    ``profile_steps: [first, last]``: a ``jax.profiler`` trace of those steps in ``run_dir/profile`` (TensorBoard's
+    profile plugin or Perfetto read it).
     """
 
     steps: int = 1000
@@ -66,6 +70,8 @@ class TrainConfig:
     async_save: bool = True
     init_from: str | None = None
     resume: bool = True
+    fsdp: bool = False
+    profile_steps: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.warmup_steps is None:
@@ -93,6 +99,13 @@ class TrainConfig:
             raise ConfigError(f"train.compute_dtype={self.compute_dtype!r} is invalid: must be one of "
                               f"{list(COMPUTE_DTYPES)} (float16 would need loss scaling, which lcx does not do)")
         object.__setattr__(self, "compute_dtype", dtype)
+        if self.profile_steps is not None:
+            window = tuple(self.profile_steps) if isinstance(self.profile_steps, (list, tuple)) else ()
+            if not (len(window) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in window)
+                    and 1 <= window[0] <= window[1] <= self.steps):
+                raise ConfigError(f"train.profile_steps={self.profile_steps!r} is invalid: must be [first, last] "
+                                  f"with 1 <= first <= last <= train.steps={self.steps}, or null")
+            object.__setattr__(self, "profile_steps", window)
 
     @property
     def micro_batch_size(self) -> int:

@@ -30,7 +30,8 @@ from lcx.train import checkpoint as ckpt
 from lcx.train.config import DataConfig, TrainConfig
 from lcx.train.metrics import MetricsLogger, truncate_metrics
 from lcx.train.optim import make_optimizer
-from lcx.train.step import TrainState, compile_train_step, init_state, state_struct
+from lcx import sharding
+from lcx.train.step import TrainState, compile_train_step, init_state, state_struct, step_shardings
 from lcx.train.warm_start import initial_params
 
 Callback = Callable[[int, dict[str, Any] | None], None]
@@ -91,6 +92,9 @@ def run_training(model: ModelConfig, train: TrainConfig, data: DataConfig, run_d
     exception it raises - ``KeyboardInterrupt`` included - stops the run with the checkpoints intact.
     A checkpoint is written every ``train.save_every`` steps and at the last step run.
     """
+    if train.fsdp and mesh is None:
+        raise ConfigError("train.fsdp=true splits weights over the mesh's data axis, but this run has no mesh; add "
+                          "mesh: {data: D, model: M} (D > 1) or set train.fsdp=false")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model = training_model(model, train)
@@ -100,12 +104,18 @@ def run_training(model: ModelConfig, train: TrainConfig, data: DataConfig, run_d
                          prompt_loss_weight=data.prompt_loss_weight)
     optimizer = make_optimizer(train)
 
+    state_sh, batch_sh = step_shardings(model, train, mesh) if mesh is not None else (None, None)
+
+    def next_batch(index: int):
+        batch = source(index)
+        return batch if mesh is None else {k: sharding.put(v, batch_sh[k]) for k, v in batch.items()}
+
     manager = ckpt.open_manager(run_dir / "checkpoints", keep=train.keep, async_save=train.async_save)
     try:
-        state = _initial_state(manager, run_dir, model, train, optimizer)
+        state = _initial_state(manager, run_dir, model, train, optimizer, state_sh)
         start = int(state.step)
         stop = train.steps if max_steps is None else min(train.steps, max_steps)
-        batch = source(start)  # also surfaces data errors (e.g. an empty corpus) before writing anything
+        batch = next_batch(start)  # also surfaces data errors (e.g. an empty corpus) before writing anything
         _write_config(run_dir / "config.yaml", model, train, data)
         metrics_path = run_dir / "metrics.jsonl"
         truncate_metrics(metrics_path, start)
@@ -116,11 +126,19 @@ def run_training(model: ModelConfig, train: TrainConfig, data: DataConfig, run_d
         meta = ckpt.meta_for(model, data_seed, {"task": data.task})
         logger = MetricsLogger(metrics_path, log_every=train.log_every, tokens_per_step=train.batch_size *
                                train.seq_len, total_steps=train.steps, start_step=start, progress=progress)
+        tracing = False
         try:
             for index in range(start, stop):
-                batch = batch if index == start else source(index)
+                batch = batch if index == start else next_batch(index)
+                if train.profile_steps and index + 1 == train.profile_steps[0]:
+                    jax.profiler.start_trace(str(run_dir / "profile"))
+                    tracing = True
                 state, metrics = step_fn(state, batch)
                 step = index + 1
+                if tracing and step == train.profile_steps[1]:
+                    jax.block_until_ready(state)
+                    jax.profiler.stop_trace()
+                    tracing = False
                 row = logger.add(step, metrics, force=step == stop)
                 if step % train.save_every == 0 or step == stop:
                     ckpt.save(manager, state, meta)
@@ -128,6 +146,8 @@ def run_training(model: ModelConfig, train: TrainConfig, data: DataConfig, run_d
                     callback(step, row)
         finally:
             logger.close()
+            if tracing:  # interrupted inside the profiled window: keep what was traced
+                jax.profiler.stop_trace()
         manager.wait_until_finished()
     except BaseException:
         # Ctrl-C or any failure: let an in-flight async save complete, so the last checkpoint stays restorable.
@@ -139,17 +159,20 @@ def run_training(model: ModelConfig, train: TrainConfig, data: DataConfig, run_d
                        metrics_path=metrics_path, checkpoint_dir=run_dir / "checkpoints", compile_s=compile_s)
 
 
-def _initial_state(manager, run_dir: Path, model: ModelConfig, train: TrainConfig, optimizer) -> TrainState:
-    """Restored from ``run_dir``'s latest checkpoint, else fresh (random or ``train.init_from`` params)."""
+def _initial_state(manager, run_dir: Path, model: ModelConfig, train: TrainConfig, optimizer,
+                   shardings: TrainState | None = None) -> TrainState:
+    """Restored from ``run_dir``'s latest checkpoint, else fresh (random or ``train.init_from`` params); with
+    ``shardings`` (a run on a mesh) every array is created or read directly in its shards."""
     if manager.latest_step() is None:
-        params = initial_params(model, train.init_from, train.seed)
+        params = initial_params(model, train.init_from, train.seed,
+                                shardings=None if shardings is None else shardings.params)
         # One compiled init instead of one small compile per optimizer-state leaf shape run eagerly.
-        return jax.jit(lambda p: init_state(p, optimizer, train.seed))(params)
+        return jax.jit(lambda p: init_state(p, optimizer, train.seed), out_shardings=shardings)(params)
     if not train.resume:
         raise ConfigError(f"run directory {str(run_dir)!r} already holds checkpoints (latest step "
                           f"{manager.latest_step()}) and train.resume=false; choose a new run directory")
     _check_resume_model(run_dir / "config.yaml", model)
-    state, _meta = ckpt.restore_state(manager, state_struct(model, optimizer))
+    state, _meta = ckpt.restore_state(manager, state_struct(model, optimizer), shardings=shardings)
     return state
 
 

@@ -1,8 +1,9 @@
-"""Training metrics: one JSON object per logged step in ``metrics.jsonl``, and a tqdm bar with rate and ETA.
+"""Training metrics: one JSON object per logged step in ``metrics.jsonl``, the same scalars as TensorBoard event
+files in ``tensorboard/`` next to it (``tensorboard --logdir runs``), and a tqdm bar with rate and ETA.
 
 Device metrics are fetched only at log steps (fetching every step would stall the asynchronous dispatch); a logged
 row averages the steps since the previous log. On resume the file is cut back to the restored step, so an interrupted
-and resumed run ends with the same rows as an uninterrupted one.
+and resumed run ends with the same rows as an uninterrupted one (TensorBoard purges the events past it likewise).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
 
 
@@ -48,6 +50,8 @@ class MetricsLogger:
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not progress, unit="step",
                         dynamic_ncols=True, desc="train")
         self.file = path.open("a")
+        # purge_step: events a crashed run wrote after the checkpoint it resumes from are dropped, as in the JSONL.
+        self.board = SummaryWriter(str(path.parent / "tensorboard"), purge_step=start_step + 1, flush_secs=30)
 
     def add(self, step: int, metrics: dict, force: bool = False) -> dict[str, Any] | None:
         """Record the metrics of the step that made ``step`` steps done; returns the logged row, if any."""
@@ -65,6 +69,9 @@ class MetricsLogger:
         row["time"] = time.time()
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        for key, value in row.items():
+            if key not in ("step", "time"):
+                self.board.add_scalar(f"train/{key}", value, step)
         self.bar.set_postfix(loss=f"{row['loss']:.4f}", acc=f"{row['accuracy']:.3f}", lr=f"{row['lr']:.2e}")
         self.pending, self.window_start = [], time.perf_counter()
         return row
@@ -72,6 +79,7 @@ class MetricsLogger:
     def close(self) -> None:
         self.bar.close()
         self.file.close()
+        self.board.close()
 
 
 __all__ = ["MetricsLogger", "read_metrics", "truncate_metrics"]

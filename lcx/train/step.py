@@ -22,8 +22,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lcx import sharding
 from lcx.config import ModelConfig
 from lcx.model.decoder import Decoder, abstract_params
+from lcx.train import placement
 from lcx.train.config import TrainConfig
 from lcx.train.optim import lr_schedule, make_optimizer
 
@@ -123,14 +125,28 @@ def jit_train_step(model: ModelConfig, train: TrainConfig, *, mesh: jax.sharding
                    donate_argnums=0)
 
 
+def step_shardings(model: ModelConfig, train: TrainConfig, mesh: jax.sharding.Mesh):
+    """``(state shardings, batch shardings)`` of a run on ``mesh`` (``lcx.train.placement``; FSDP with
+    ``train.fsdp``)."""
+    optimizer = make_optimizer(train)
+    state = placement.state_shardings(model, optimizer, state_struct(model, optimizer), mesh, fsdp=train.fsdp)
+    return state, placement.batch_shardings(batch_struct(train), mesh)
+
+
 @functools.lru_cache(maxsize=8)
-def compile_train_step(model: ModelConfig, train: TrainConfig, *, mesh: jax.sharding.Mesh | None = None,
-                       state_sharding=None, batch_sharding=None):
-    """The step compiled ahead of time for ``model`` and ``train``'s static shapes; cached, so a resumed or repeated
-    run in the same process does not compile again."""
-    jitted = jit_train_step(model, train, mesh=mesh, state_sharding=state_sharding, batch_sharding=batch_sharding)
-    return jitted.lower(state_struct(model, make_optimizer(train)), batch_struct(train)).compile()
+def compile_train_step(model: ModelConfig, train: TrainConfig, *, mesh: jax.sharding.Mesh | None = None):
+    """The step compiled ahead of time for ``model`` and ``train``'s static shapes (on ``mesh``: with the state and
+    batch shardings of ``step_shardings``, the state donated in place); cached, so a resumed or repeated run in the
+    same process does not compile again."""
+    state, batch = state_struct(model, make_optimizer(train)), batch_struct(train)
+    if mesh is None:
+        return jit_train_step(model, train).lower(state, batch).compile()
+    state_sh, batch_sh = step_shardings(model, train, mesh)
+    jitted = jit_train_step(model, train, mesh=mesh, state_sharding=state_sh, batch_sharding=batch_sh)
+    with sharding.use_mesh(mesh):
+        return jitted.lower(placement.with_shardings(state, state_sh),
+                            placement.with_shardings(batch, batch_sh)).compile()
 
 
 __all__ = ["TrainState", "batch_struct", "compile_train_step", "init_state", "jit_train_step", "state_struct",
-           "token_loss", "train_step"]
+           "step_shardings", "token_loss", "train_step"]

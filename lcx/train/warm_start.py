@@ -15,7 +15,9 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from lcx import sharding
 from lcx.config import AttentionConfig, ModelConfig, RopeConfig
 from lcx.model.decoder import Decoder, abstract_params
 from lcx.train.checkpoint import CheckpointError, check_shapes, is_checkpoint, load_checkpoint
@@ -61,25 +63,33 @@ def _jit_init(model: ModelConfig):
     return jax.jit(Decoder(model).init)
 
 
-def _random_params(model: ModelConfig, seed: int) -> dict:
+def _random_params(model: ModelConfig, seed: int, shardings=None) -> dict:
+    if shardings is not None:  # each device computes only its shards: no device ever holds the whole model
+        init = lambda key: nn.meta.unbox(Decoder(model).init(key, jnp.zeros((1, 1), jnp.int32))["params"])  # noqa: E731
+        return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
     variables = _jit_init(model)(jax.random.key(seed), jnp.zeros((1, 1), jnp.int32))
     return nn.meta.unbox(variables["params"])
 
 
-def initial_params(model: ModelConfig, init_from: str | Path | None, seed: int) -> dict:
-    """float32 params for ``model``: random from ``seed``, or loaded from ``init_from`` (shapes checked)."""
+def initial_params(model: ModelConfig, init_from: str | Path | None, seed: int, shardings=None) -> dict:
+    """float32 params for ``model``: random from ``seed``, or loaded from ``init_from`` (shapes checked).
+    ``shardings`` (a tree of shardings, a run on a mesh): every tensor goes from the host (or the checkpoint)
+    straight into its shards."""
     if init_from is None:
         # Compute dtype, remat and attention kernel do not change the initial values: one init per architecture.
         arch = dataclasses.replace(model, param_dtype="float32", dtype="float32", remat=False,
                                    attention=AttentionConfig())
-        return _random_params(arch, seed)
+        return _random_params(arch, seed, shardings)
     if _kind(init_from) == "hf":
-        from lcx.hf import load_hf
+        from lcx.hf import load_hf, read_hf_params
 
-        _, params = load_hf(init_from, dtype="float32")
+        _, params = read_hf_params(init_from, "float32") if shardings is not None else load_hf(init_from, "float32")
     else:
-        _, params = load_checkpoint(init_from)
+        _, params = load_checkpoint(init_from, shardings=shardings)
     check_shapes(abstract_params(model), params, f"train.init_from={str(init_from)!r}")
+    if shardings is not None:
+        return jax.tree.map(lambda p, s: sharding.put(np.asarray(p, np.float32) if not isinstance(p, jax.Array)
+                                                      else p.astype(jnp.float32), s), params, shardings)
     return jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
 
 

@@ -206,8 +206,64 @@ def generate_tokens(meshes: list[list[int]], impl: str = "xla") -> dict:
     return out
 
 
+def train_sharded(directory: str) -> dict:
+    """A few training steps on one device, on a 2 x 4 mesh and on it with FSDP; then the FSDP run's checkpoint
+    resumed for one more step onto (1, 8), (8, 1) and one device. Losses, shardings and bytes per device."""
+    import dataclasses
+    import shutil
+
+    from lcx.train import DataConfig, TrainConfig, read_metrics, run_training
+    from lcx.train import make_optimizer
+    from lcx.train.step import state_struct, step_shardings
+
+    config = dataclasses.replace(tiny("xla", n_kv_heads=4), vocab_size=260)  # the byte tokenizer's ids
+    data = DataConfig(task="passkey", params={"instruction": False, "template": "compact"})
+
+    def train(steps: int = 4, fsdp: bool = False) -> TrainConfig:
+        return TrainConfig(steps=steps, batch_size=8, seq_len=48, lr=3e-3, warmup_steps=0, compute_dtype="float32",
+                           save_every=4, log_every=1, async_save=False, fsdp=fsdp)
+
+    def losses(run: Path) -> list[float]:
+        return [row["loss"] for row in read_metrics(run / "metrics.jsonl")]
+
+    def device_bytes(tree) -> int:  # what one device holds, from the shard shapes
+        return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+    root = Path(directory)
+    out = {"runs": {}}
+    for name, shape, fsdp in (("single", None, False), ("2x4", [2, 4], False), ("2x4_fsdp", [2, 4], True)):
+        mesh = None if shape is None else sharding.make_mesh(*shape)
+        result = run_training(config, train(fsdp=fsdp), data, root / name, progress=False, mesh=mesh)
+        run = {"losses": losses(root / name)}
+        if mesh is not None:
+            state_sh, _ = step_shardings(config, train(fsdp=fsdp), mesh)
+            abstract = state_struct(config, make_optimizer(train(fsdp=fsdp)))
+            q = result.params["layers"]["attn"]["q"]
+            run.update(q_spec=str(q.sharding.spec), q_shard=list(q.addressable_shards[0].data.shape),
+                       matches_rules=all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in
+                                         zip(jax.tree.leaves(result.params), jax.tree.leaves(state_sh.params))),
+                       param_bytes=device_bytes(result.params),
+                       opt_bytes=sum(int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize for a, s in zip(
+                           jax.tree.leaves(abstract.opt_state), jax.tree.leaves(state_sh.opt_state))))
+        out["runs"][name] = run
+    from lcx.train import checkpoint as ckpt
+
+    manager = ckpt.open_manager(root / "2x4_fsdp" / "checkpoints", create=False, async_save=False)
+    meta = manager.item_metadata(4)["params"]
+    manager.close()
+    out["saved_q_sharding"] = str(getattr(meta["layers"]["attn"]["q"], "sharding", None))
+    out["resumed"] = {}
+    for name, shape in (("1x8", [1, 8]), ("8x1", [8, 1]), ("single", None)):
+        run = root / f"resume_{name}"
+        shutil.copytree(root / "2x4_fsdp", run)
+        mesh = None if shape is None else sharding.make_mesh(*shape)
+        run_training(config, train(steps=5, fsdp=shape is not None), data, run, progress=False, mesh=mesh)
+        out["resumed"][name] = losses(run)
+    return out
+
+
 SCENARIOS = {f.__name__: f for f in (parity, topology_error, decode_hlo, checkpoint_save, checkpoint_restore,
-                                     generate_tokens)}
+                                     generate_tokens, train_sharded)}
 
 if __name__ == "__main__":
     result = SCENARIOS[sys.argv[1]](**json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}"))

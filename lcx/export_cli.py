@@ -1,0 +1,47 @@
+"""``lcx export RUN --hf DIR``: an lcx run's checkpoint as a directory transformers loads (config.json + safetensors).
+
+RUN is a run directory (``runs/NAME``: its ``finetune`` stage if it has one, else ``train``), a stage directory or a
+checkpoint directory; ``--step`` picks a checkpoint (default: the latest). The weights are written in the model's
+``param_dtype`` (float32 for lcx training runs) by ``lcx.hf.save_hf``; lcx's byte tokenizer has no transformers
+equivalent, so no tokenizer files are written for byte-level models.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from lcx.config_base import ConfigError
+
+
+def run(args: argparse.Namespace) -> int:
+    from lcx import hf
+    from lcx.train.checkpoint import is_checkpoint, load_checkpoint
+
+    source = Path(args.run)
+    found = next((c for c in (source / "finetune", source / "train", source) if is_checkpoint(c)), None)
+    if found is None:
+        raise ConfigError(f"RUN={args.run!r} holds no lcx checkpoint (expected runs/NAME, runs/NAME/train or a "
+                          "checkpoints directory)")
+    config, params = load_checkpoint(found, step=args.step)
+    out = Path(args.hf)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise ConfigError(f"--hf={args.hf!r} exists and is not empty; choose a new directory or pass --force")
+    hf.save_hf(config, params, out)
+    print(f"lcx export: {found} -> {out} ({config.n_layers} layers, d_model {config.d_model}, "
+          f"vocab {config.vocab_size})")
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("export", help="write an lcx run's checkpoint as a Hugging Face directory",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("run", metavar="RUN", help="runs/NAME, one of its stages, or a checkpoints directory")
+    p.add_argument("--hf", required=True, metavar="DIR", help="output directory (config.json + safetensors)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --hf directory")
+    p.set_defaults(func=run)
+    return p
+
+
+__all__ = ["add_parser", "run"]

@@ -1,0 +1,69 @@
+"""Where a run's train state and batches live on a device mesh.
+
+The same logical-axis rules as inference (``lcx.model.placement``): query heads, KV heads and MLP columns split over
+``model``; the batch splits over ``data``. With ``train.fsdp`` the weights and the optimizer state are also split over
+``data`` (FSDP / ZeRO-3 style): each parameter's largest dimension that the rules leave whole and that the data axis
+divides is cut into ``data`` pieces, so parameter and optimizer bytes per device fall with the device count; XLA
+gathers a weight where the step needs it whole and reduce-scatters its gradient. Optimizer moments take the sharding
+of their parameter; scalars (step counts, the PRNG key) are replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from lcx import sharding
+from lcx.model.config import ModelConfig
+from lcx.model.decoder import abstract_params
+from lcx.model.placement import param_specs
+
+
+def fsdp_spec(spec: PartitionSpec, shape: tuple[int, ...], data: int) -> PartitionSpec:
+    """``spec`` with ``data`` added to the largest dimension it leaves whole and ``data`` divides (unchanged when
+    none does, or when the mesh axis is already used)."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if data == 1 or any(e == "data" or (isinstance(e, tuple) and "data" in e) for e in entries):
+        return PartitionSpec(*entries)
+    free = [i for i, e in enumerate(entries) if e is None and shape[i] % data == 0]
+    if free:
+        entries[max(free, key=lambda i: shape[i])] = "data"
+    return PartitionSpec(*entries)
+
+
+def train_param_specs(model: ModelConfig, mesh: Mesh, fsdp: bool) -> Any:
+    """``PartitionSpec`` of every parameter of a run on ``mesh``: the inference rules, plus the FSDP split."""
+    specs = param_specs(model, mesh)
+    if not fsdp:
+        return specs
+    data = sharding.axis_size(mesh, "data")
+    return jax.tree.map(lambda s, a: fsdp_spec(s, a.shape, data), specs, abstract_params(model),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def state_shardings(model: ModelConfig, optimizer: optax.GradientTransformation, abstract_state, mesh: Mesh,
+                    fsdp: bool = False):
+    """A ``TrainState`` of ``NamedSharding``: params by the rules, optimizer moments like their parameter,
+    everything else replicated. ``abstract_state``: the run's ``TrainState`` of shapes (``step.state_struct``)."""
+    named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    params = jax.tree.map(named, train_param_specs(model, mesh, fsdp), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    replicated = sharding.replicated(mesh)
+    opt_state = optax.tree_map_params(optimizer, lambda _, s: s, abstract_state.opt_state, params,
+                                      transform_non_params=lambda _: replicated)
+    return abstract_state.replace(step=replicated, params=params, opt_state=opt_state, rng=replicated)
+
+
+def batch_shardings(batch_struct: dict[str, jax.ShapeDtypeStruct], mesh: Mesh) -> dict[str, NamedSharding]:
+    """Every batch array ``[batch, ...]`` split by rows over ``data``."""
+    return {name: sharding.batch_sharding(mesh, s.ndim) for name, s in batch_struct.items()}
+
+
+def with_shardings(abstract, shardings):
+    """``jax.ShapeDtypeStruct`` leaves carrying ``shardings`` (the target of a sharded orbax restore)."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+__all__ = ["batch_shardings", "fsdp_spec", "state_shardings", "train_param_specs", "with_shardings"]
