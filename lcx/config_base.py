@@ -14,7 +14,7 @@ import difflib
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +232,20 @@ def load_dict(path: str | Path | None = None, overrides: Sequence[str] = (), bas
         return OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as err:
         raise ConfigError(f"config {where!r} with overrides {list(overrides)}: {err}") from err
+
+
+def name_registry(table: dict[str, type], what: str) -> Callable[[type], type]:
+    """A class decorator that files a class under its ``name`` attribute in ``table`` (policies, cache types,
+    routers, tasks): a missing name or a second class under a taken name is a ``TypeError`` at import."""
+    def register(cls: type) -> type:
+        if not getattr(cls, "name", None):
+            raise TypeError(f"{cls.__name__} needs a class attribute name")
+        if cls.name in table and table[cls.name] is not cls:
+            raise TypeError(f"a {what} named {cls.name!r} is already registered ({table[cls.name]})")
+        table[cls.name] = cls
+        return cls
+
+    return register
 
 
 def import_plugins(modules: Sequence[str]) -> None:

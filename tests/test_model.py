@@ -72,10 +72,11 @@ def test_model_is_causal():
     assert not np.allclose(np.asarray(a[:, 6:]), np.asarray(b[:, 6:]))
 
 
-def test_model_remat_same_logits_and_grads():
+@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch"])
+def test_model_remat_same_logits_and_grads(policy):
     params = init_params(CFG, jax.random.key(3))
     ids = _ids(2, 8)
-    remat = dataclasses.replace(CFG, remat=True)
+    remat = dataclasses.replace(CFG, remat=True, remat_policy=policy)
 
     def loss(p, cfg):
         return jnp.mean(jax.nn.log_softmax(_logits(cfg, p, ids))[..., 0])

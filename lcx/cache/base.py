@@ -32,7 +32,7 @@ import numpy as np
 from lcx import sharding
 from lcx.cache import schema
 from lcx.cache.schema import Field
-from lcx.config_base import ConfigError
+from lcx.config_base import ConfigError, name_registry
 
 
 class CacheCapacityError(ConfigError):
@@ -202,14 +202,8 @@ class CacheKind(abc.ABC):
 _KINDS: dict[str, type[CacheKind]] = {}
 
 
-def register_kind(cls: type[CacheKind]) -> type[CacheKind]:
-    """Class decorator: make cache type ``cls`` available as ``cache_type = cls.name`` of policies."""
-    if not cls.name:
-        raise TypeError(f"{cls.__name__} needs a class attribute name")
-    if cls.name in _KINDS and _KINDS[cls.name] is not cls:
-        raise TypeError(f"a cache type named {cls.name!r} is already registered ({_KINDS[cls.name]})")
-    _KINDS[cls.name] = cls
-    return cls
+# Class decorator: make cache type ``cls`` available as ``cache_type = cls.name`` of policies.
+register_kind = name_registry(_KINDS, "cache type")
 
 
 def kind_class(name: str) -> type[CacheKind]:

@@ -34,7 +34,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from lcx.config_base import ConfigError, from_dict
+from lcx.config_base import ConfigError, from_dict, name_registry
 
 _REGISTRY: dict[str, type["CachePolicy"]] = {}
 POSITION_MODES = ("original", "cache")
@@ -246,14 +246,8 @@ def evict(policy: EvictionPolicy, view: SlotView, budget: jax.Array) -> SlotView
     return compact(view, keep, score)
 
 
-def register(cls: type[CachePolicy]) -> type[CachePolicy]:
-    """Class decorator: make ``cls`` available under ``cls.name`` in ``CacheConfig(policy=...)``."""
-    if not cls.name:
-        raise TypeError(f"{cls.__name__} needs a class attribute name")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise TypeError(f"a cache policy named {cls.name!r} is already registered ({_REGISTRY[cls.name]})")
-    _REGISTRY[cls.name] = cls
-    return cls
+# Class decorator: make ``cls`` available under ``cls.name`` in ``CacheConfig(policy=...)``.
+register = name_registry(_REGISTRY, "cache policy")
 
 
 def registered() -> list[str]:

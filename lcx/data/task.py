@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from lcx.config_base import ConfigError, from_dict
+from lcx.config_base import ConfigError, from_dict, name_registry
 from lcx.data.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
@@ -107,11 +107,7 @@ def split_id(split: str) -> int:
     return SPLITS[split]
 
 
-def register(cls: type[Task]) -> type[Task]:
-    if not cls.name or cls.name in _REGISTRY:
-        raise ValueError(f"task {cls.__name__} needs a unique non-empty name; got {cls.name!r}")
-    _REGISTRY[cls.name] = cls
-    return cls
+register = name_registry(_REGISTRY, "task")
 
 
 def task_names() -> list[str]:

@@ -77,12 +77,19 @@ class AttentionConfig:
 
 
 # --------------------------------------------------------------------------------------------------- model
+# What a rematerialized layer keeps for the backward pass (the names of ``jax.checkpoint_policies``).
+REMAT_POLICIES = {"full": "nothing_saveable", "dots": "dots_saveable",
+                  "dots_no_batch": "dots_with_no_batch_dims_saveable"}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A Llama-family decoder: Llama, Mistral (no sliding window) and Qwen2 (q/k/v bias) share this shape.
 
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype of the weights; softmax, norm statistics and
-    logits are float32 regardless.
+    logits are float32 regardless. ``remat``: recompute each layer in the backward pass, keeping what
+    ``remat_policy`` saves: ``full`` (nothing but the layer's input), ``dots`` (matmul outputs), ``dots_no_batch``
+    (matmul outputs without batch dimensions: the projections, not the attention scores).
     """
 
     vocab_size: int
@@ -100,6 +107,7 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
+    remat_policy: str = "full"
     init_std: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -112,6 +120,8 @@ class ModelConfig:
             value = getattr(self, name)
             check(isinstance(value, int) and value > 0, f"model.{name}", value, "must be a positive integer")
         divisors = [k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]
+        check(self.remat_policy in REMAT_POLICIES, "model.remat_policy", self.remat_policy,
+              f"must be one of {list(REMAT_POLICIES)}")
         check(self.n_heads % self.n_kv_heads == 0, "model.n_heads", self.n_heads,
               f"must be a multiple of model.n_kv_heads={self.n_kv_heads} (GQA groups must be whole); valid "
               f"n_kv_heads for {self.n_heads} heads: {divisors}")

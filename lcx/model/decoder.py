@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lcx.model.config import ModelConfig
+from lcx.model.config import REMAT_POLICIES, ModelConfig
 from lcx.model.attention import Attention
 from lcx.model.layers import MLP, RMSNorm
 from lcx.model.params import as_dtype, declare, normal
@@ -66,7 +66,8 @@ class Decoder(nn.Module):
 
         block = Block
         if cfg.remat:
-            block = nn.remat(Block, prevent_cse=False)
+            policy = getattr(jax.checkpoint_policies, REMAT_POLICIES[cfg.remat_policy])
+            block = nn.remat(Block, prevent_cse=False, policy=policy)
         layers = nn.scan(
             block,
             variable_axes={"params": 0, "intermediates": 0},

@@ -40,7 +40,8 @@ class TrainConfig:
     ``weight_decay`` on weight matrices only), after clipping the global gradient norm to ``grad_clip`` (null: no
     clipping).
     Master params and optimizer state are float32; ``compute_dtype`` is the matmul dtype (the model's ``dtype``).
-    ``remat``: recompute each layer's activations in the backward pass (null: keep the model config's setting).
+    ``remat``: recompute each layer's activations in the backward pass (null: keep the model config's setting);
+    ``remat_policy``: what a recomputed layer keeps (``full``, ``dots``, ``dots_no_batch``; null: the model's).
     ``init_from``: start from an lcx run/checkpoint directory or a Hugging Face directory instead of random params.
     ``resume``: continue from ``run_dir/checkpoints`` when it holds a checkpoint (else such a run_dir is an error).
     ``fsdp``: on a mesh, also split weights and optimizer state over the ``data`` axis (memory per device falls with
@@ -63,6 +64,7 @@ class TrainConfig:
     grad_accum: int = 1
     compute_dtype: str = "bfloat16"
     remat: bool | None = None
+    remat_policy: str | None = None
     seed: int = 0
     log_every: int = 10
     save_every: int = 100

@@ -53,7 +53,9 @@ class TrainResult:
 def training_model(model: ModelConfig, train: TrainConfig) -> ModelConfig:
     """The model as trained: ``train.compute_dtype`` compute, float32 master params, ``train.remat`` if set."""
     remat = model.remat if train.remat is None else train.remat
-    return dataclasses.replace(model, dtype=train.compute_dtype, param_dtype="float32", remat=remat)
+    policy = model.remat_policy if train.remat_policy is None else train.remat_policy
+    return dataclasses.replace(model, dtype=train.compute_dtype, param_dtype="float32", remat=remat,
+                               remat_policy=policy)
 
 
 def _check_fit(model: ModelConfig, train: TrainConfig) -> None:

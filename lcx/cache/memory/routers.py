@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from lcx.cache.schema import Field
+from lcx.config_base import name_registry
 
 SUMMARY_AXES = ("layers", "batch", "blocks", "kv_heads")
 
@@ -67,9 +68,7 @@ class Router(abc.ABC):
 _ROUTERS: dict[str, type[Router]] = {}
 
 
-def register_router(cls: type[Router]) -> type[Router]:
-    _ROUTERS[cls.name] = cls
-    return cls
+register_router = name_registry(_ROUTERS, "memory router")
 
 
 def make_router(name: str, representatives: int = 4) -> Router:
