@@ -25,8 +25,11 @@ def run(args: argparse.Namespace) -> int:
                           "checkpoints directory)")
     config, params = load_checkpoint(found, step=args.step)
     out = Path(args.hf)
-    if out.exists() and any(out.iterdir()) and not args.force:
-        raise ConfigError(f"--hf={args.hf!r} exists and is not empty; choose a new directory or pass --force")
+    if out.exists() and any(out.iterdir()):
+        if not args.force:
+            raise ConfigError(f"--hf={args.hf!r} exists and is not empty; choose a new directory or pass --force")
+        for old in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
+            old.unlink()  # a previous export's shards would otherwise sit beside (or shadow) the new ones
     hf.save_hf(config, params, out)
     print(f"lcx export: {found} -> {out} ({config.n_layers} layers, d_model {config.d_model}, "
           f"vocab {config.vocab_size})")

@@ -190,3 +190,22 @@ def test_train_profile_steps_write_a_trace(tmp_path):
     assert list((tmp_path / "profile").rglob("*.xplane.pb"))
     with pytest.raises(ConfigError, match=r"train\.profile_steps=\(2, 9\)"):
         dataclasses.replace(TRAIN, profile_steps=(2, 9))
+
+
+def test_train_checks_batch_against_the_data_axis_and_remat_policy(tmp_path):
+    mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+    with pytest.raises(ConfigError, match=r"train\.batch_size=3 .* mesh\.data=2"):
+        run_training(MODEL, dataclasses.replace(TRAIN, batch_size=3), DATA, tmp_path, progress=False, mesh=mesh)
+    with pytest.raises(ConfigError, match=r"train\.remat_policy='most'"):
+        dataclasses.replace(TRAIN, remat_policy="most")
+
+
+def test_train_resumes_a_run_written_before_a_model_field_existed(full_run, tmp_path):
+    """config.yaml of an older lcx lacks fields added since (here remat_policy): they take their defaults."""
+    run = tmp_path / "old"
+    shutil.copytree(full_run.run_dir, run)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    del saved["model"]["remat_policy"]
+    (run / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    resumed = run_training(MODEL, dataclasses.replace(TRAIN, steps=9), DATA, run, progress=False)
+    assert resumed.step == 9

@@ -124,9 +124,10 @@ def _param_metadata(manager: ocp.CheckpointManager, step: int):
 
 
 def restore_params(manager: ocp.CheckpointManager, step: int, model: ModelConfig, sharding=None) -> dict:
-    """The float32 params of ``step``, checked against ``model``'s shapes first."""
-    expected = _with_sharding(abstract_params(dataclasses.replace(model, param_dtype="float32")), sharding)
-    check_shapes(expected, _param_metadata(manager, step), f"checkpoint {str(manager.directory / str(step))!r}")
+    """The float32 params of ``step``, checked against ``model``'s shapes first (before any sharding is applied)."""
+    abstract = abstract_params(dataclasses.replace(model, param_dtype="float32"))
+    check_shapes(abstract, _param_metadata(manager, step), f"checkpoint {str(manager.directory / str(step))!r}")
+    expected = _with_sharding(abstract, sharding)
     return _read(manager, step, "params", params=ocp.args.StandardRestore(expected))["params"]
 
 
@@ -175,6 +176,19 @@ def is_checkpoint(path: str | Path) -> bool:
     except CheckpointError:
         return False
     return step is not None or any(p.name.isdigit() and (p / "params").is_dir() for p in root.iterdir())
+
+
+def checkpoint_config(path: str | Path) -> ModelConfig:
+    """The model config of the latest checkpoint under ``path``, read from its meta (no parameter is loaded)."""
+    root, found = resolve(path)
+    manager = open_manager(root, create=False, async_save=False)
+    try:
+        step = found if found is not None else manager.latest_step()
+        if step is None:
+            raise CheckpointError(f"no checkpoint in {str(root)!r}")
+        return from_dict(ModelConfig, read_meta(manager, step)["model"], prefix="model")
+    finally:
+        manager.close()
 
 
 def load_checkpoint(path: str | Path, step: int | None = None, shardings=None) -> tuple[ModelConfig, dict]:

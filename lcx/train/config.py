@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lcx.config_base import ConfigError, canonical_dtype
+from lcx.model.config import REMAT_POLICIES
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
@@ -108,6 +109,9 @@ class TrainConfig:
                 raise ConfigError(f"train.profile_steps={self.profile_steps!r} is invalid: must be [first, last] "
                                   f"with 1 <= first <= last <= train.steps={self.steps}, or null")
             object.__setattr__(self, "profile_steps", window)
+        if self.remat_policy is not None and self.remat_policy not in REMAT_POLICIES:
+            raise ConfigError(f"train.remat_policy={self.remat_policy!r} is invalid: must be one of "
+                              f"{list(REMAT_POLICIES)} or null (the model's)")
 
     @property
     def micro_batch_size(self) -> int:

@@ -78,6 +78,9 @@ def _check_resume_model(path: Path, model: ModelConfig) -> None:
         return
     saved = (yaml.safe_load(path.read_text()) or {}).get("model", {})
     current = to_dict(model)
+    # A field added to ModelConfig after the run was written takes its default (older runs stay resumable).
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
+    saved = {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
     diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
     if diff:
         pairs = ", ".join(f"model.{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in diff)
@@ -97,6 +100,11 @@ def run_training(model: ModelConfig, train: TrainConfig, data: DataConfig, run_d
     if train.fsdp and mesh is None:
         raise ConfigError("train.fsdp=true splits weights over the mesh's data axis, but this run has no mesh; add "
                           "mesh: {data: D, model: M} (D > 1) or set train.fsdp=false")
+    data_axis = sharding.axis_size(mesh, "data")
+    if train.micro_batch_size % data_axis:
+        raise ConfigError(f"train.batch_size={train.batch_size} (micro-batches of {train.micro_batch_size} with "
+                          f"train.grad_accum={train.grad_accum}) is invalid on mesh.data={data_axis}: every "
+                          f"micro-batch must split evenly over the data axis (a multiple of {data_axis})")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model = training_model(model, train)
@@ -147,9 +155,9 @@ def run_training(model: ModelConfig, train: TrainConfig, data: DataConfig, run_d
                 if callback is not None:
                     callback(step, row)
         finally:
-            logger.close()
             if tracing:  # interrupted inside the profiled window: keep what was traced
                 jax.profiler.stop_trace()
+            logger.close()
         manager.wait_until_finished()
     except BaseException:
         # Ctrl-C or any failure: let an in-flight async save complete, so the last checkpoint stays restorable.

@@ -75,7 +75,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelCo
     if grad_accum == 1:
         (loss, stats), grads = grad_fn(state.params, batch, denom)
     else:
-        micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)  # [a, b/a, t]
+        # Micro-batch j takes rows j, j + a, j + 2a, ...: each device's block of rows (batch split over "data")
+        # feeds every micro-batch, so no rows move between devices (a plain [a, b/a] reshape would).
+        micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, grad_accum, *x.shape[1:]), 0, 1), batch)
 
         def accumulate(carry, mb):
             g_sum, loss_sum, stats_sum = carry

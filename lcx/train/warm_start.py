@@ -20,7 +20,7 @@ import numpy as np
 from lcx import sharding
 from lcx.config import AttentionConfig, ModelConfig, RopeConfig
 from lcx.model.decoder import Decoder, abstract_params
-from lcx.train.checkpoint import CheckpointError, check_shapes, is_checkpoint, load_checkpoint
+from lcx.train.checkpoint import CheckpointError, check_shapes, checkpoint_config, is_checkpoint, load_checkpoint
 
 
 def is_hf_dir(path: str | Path) -> bool:
@@ -42,7 +42,7 @@ def source_config(path: str | Path) -> ModelConfig:
         from lcx.hf import read_hf_config
 
         return read_hf_config(path)
-    return load_checkpoint(path)[0]
+    return checkpoint_config(path)
 
 
 def finetune_config(base: ModelConfig, *, rope: RopeConfig | None = None,
@@ -85,6 +85,9 @@ def initial_params(model: ModelConfig, init_from: str | Path | None, seed: int, 
 
         _, params = read_hf_params(init_from, "float32") if shardings is not None else load_hf(init_from, "float32")
     else:
+        if shardings is not None:  # shapes first: the model's shardings only fit a checkpoint of the same shapes
+            check_shapes(abstract_params(model), abstract_params(checkpoint_config(init_from)),
+                         f"train.init_from={str(init_from)!r}")
         _, params = load_checkpoint(init_from, shardings=shardings)
     check_shapes(abstract_params(model), params, f"train.init_from={str(init_from)!r}")
     if shardings is not None:
