@@ -18,17 +18,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lcx import sharding
 from lcx.model.config import ModelConfig
-from lcx.model.decoder import abstract_params
+from lcx.model.decoder import abstract_params, param_axes
 from lcx.model.placement import param_specs
 
 
-def fsdp_spec(spec: PartitionSpec, shape: tuple[int, ...], data: int) -> PartitionSpec:
+def fsdp_spec(spec: PartitionSpec, shape: tuple[int, ...], data: int, logical: tuple = ()) -> PartitionSpec:
     """``spec`` with ``data`` added to the largest dimension it leaves whole and ``data`` divides (unchanged when
-    none does, or when the mesh axis is already used)."""
+    none does, or when the mesh axis is already used). Never the stacked ``layers`` axis (``logical`` names the
+    dimensions): the layer scan would gather the whole stack for every layer."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
     if data == 1 or any(e == "data" or (isinstance(e, tuple) and "data" in e) for e in entries):
         return PartitionSpec(*entries)
-    free = [i for i, e in enumerate(entries) if e is None and shape[i] % data == 0]
+    names = tuple(logical) + (None,) * (len(shape) - len(logical))
+    free = [i for i, e in enumerate(entries) if e is None and shape[i] % data == 0 and names[i] != "layers"]
     if free:
         entries[max(free, key=lambda i: shape[i])] = "data"
     return PartitionSpec(*entries)
@@ -40,8 +42,8 @@ def train_param_specs(model: ModelConfig, mesh: Mesh, fsdp: bool) -> Any:
     if not fsdp:
         return specs
     data = sharding.axis_size(mesh, "data")
-    return jax.tree.map(lambda s, a: fsdp_spec(s, a.shape, data), specs, abstract_params(model),
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(lambda s, a, names: fsdp_spec(s, a.shape, data, tuple(names)), specs, abstract_params(model),
+                        param_axes(model), is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def state_shardings(model: ModelConfig, optimizer: optax.GradientTransformation, abstract_state, mesh: Mesh,
