@@ -16,10 +16,9 @@ from lcx.config_base import ConfigError
 
 def run(args: argparse.Namespace) -> int:
     from lcx import hf
-    from lcx.train.checkpoint import is_checkpoint, load_checkpoint
+    from lcx.train.checkpoint import load_checkpoint, run_checkpoint
 
-    source = Path(args.run)
-    found = next((c for c in (source / "finetune", source / "train", source) if is_checkpoint(c)), None)
+    found = run_checkpoint(args.run)
     if found is None:
         raise ConfigError(f"RUN={args.run!r} holds no lcx checkpoint (expected runs/NAME, runs/NAME/train or a "
                           "checkpoints directory)")

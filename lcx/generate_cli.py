@@ -19,14 +19,14 @@ def load_model(path: str, *, seed: int = 0, dtype: str | None = None) -> tuple[M
 
     from lcx import hf
     from lcx.model import init_params
-    from lcx.train.checkpoint import is_checkpoint, load_checkpoint
+    from lcx.train.checkpoint import load_checkpoint, run_checkpoint
 
     p = Path(path)
     if p.is_dir() and (p / "config.json").is_file():
         config, params = hf.load_hf(p, dtype=dtype)
         return config, params, "hf"
     if p.is_dir():
-        run = next((c for c in (p, p / "finetune", p / "train") if is_checkpoint(c)), None)
+        run = run_checkpoint(p)
         if run is None:
             raise ConfigError(f"--model={path!r} is a directory with neither a Hugging Face config.json nor lcx "
                               "checkpoints (runs/NAME, runs/NAME/train or .../checkpoints)")

@@ -14,6 +14,15 @@ def _positive_ints(values: Sequence[int], key: str) -> None:
         raise ConfigError(f"{key}={list(values)!r} is invalid: must be a non-empty list of positive integers")
 
 
+def _with_task_params(cls, data: Mapping[str, Any], prefix: str):
+    """``cls`` from ``data`` whose ``params`` (the task's parameters, any mapping) become a sorted tuple of pairs."""
+    data = dict(data)
+    params = data.pop("params", None) or {}
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{prefix}.params={params!r} is invalid: must be a mapping of task parameters")
+    return dataclasses.replace(from_dict(cls, data, prefix=prefix), params=tuple(sorted(params.items())))
+
+
 @dataclasses.dataclass(frozen=True)
 class PerplexityConfig:
     """``eval.perplexity``: perplexity on held-out text (a task whose every token is a target, e.g. ``corpus``) at
@@ -54,11 +63,7 @@ class PerplexityConfig:
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], prefix: str = "eval.perplexity") -> "PerplexityConfig":
-        data = dict(data)
-        params = data.pop("params", None) or {}
-        if not isinstance(params, Mapping):
-            raise ConfigError(f"{prefix}.params={params!r} is invalid: must be a mapping of task parameters")
-        return dataclasses.replace(from_dict(cls, data, prefix=prefix), params=tuple(sorted(params.items())))
+        return _with_task_params(cls, data, prefix)
 
     def to_dict(self) -> dict[str, Any]:
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "params": dict(self.params)}
@@ -115,12 +120,7 @@ class EvalConfig:
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], prefix: str = "eval") -> "EvalConfig":
-        data = dict(data)
-        params = data.pop("params", None) or {}
-        if not isinstance(params, Mapping):
-            raise ConfigError(f"{prefix}.params={params!r} is invalid: must be a mapping of task parameters")
-        built = from_dict(cls, data, prefix=prefix)
-        return dataclasses.replace(built, params=tuple(sorted(params.items())))
+        return _with_task_params(cls, data, prefix)
 
     def metrics(self) -> tuple[str, ...]:
         """The metrics this evaluation reports: the task's, then perplexity when ``perplexity`` is set."""

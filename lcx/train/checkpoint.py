@@ -178,6 +178,13 @@ def is_checkpoint(path: str | Path) -> bool:
     return step is not None or any(p.name.isdigit() and (p / "params").is_dir() for p in root.iterdir())
 
 
+def run_checkpoint(path: str | Path) -> Path | None:
+    """Where the latest model of ``path`` lives: a run directory's ``finetune`` stage, else its ``train`` stage,
+    else ``path`` itself (a stage or checkpoints directory); None when none holds a checkpoint."""
+    path = Path(path)
+    return next((c for c in (path / "finetune", path / "train", path) if is_checkpoint(c)), None)
+
+
 def checkpoint_config(path: str | Path) -> ModelConfig:
     """The model config of the latest checkpoint under ``path``, read from its meta (no parameter is loaded)."""
     root, found = resolve(path)

@@ -226,8 +226,9 @@ def train_sharded(directory: str) -> dict:
     def losses(run: Path) -> list[float]:
         return [row["loss"] for row in read_metrics(run / "metrics.jsonl")]
 
-    def device_bytes(tree) -> int:  # what one device holds, from the shard shapes
-        return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    def device_bytes(arrays, shardings) -> int:  # what one device holds, from the shard shapes
+        return sum(int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
+                   for a, s in zip(jax.tree.leaves(arrays), jax.tree.leaves(shardings)))
 
     root = Path(directory)
     out = {"runs": {}}
@@ -242,9 +243,8 @@ def train_sharded(directory: str) -> dict:
             run.update(q_spec=str(q.sharding.spec), q_shard=list(q.addressable_shards[0].data.shape),
                        matches_rules=all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in
                                          zip(jax.tree.leaves(result.params), jax.tree.leaves(state_sh.params))),
-                       param_bytes=device_bytes(result.params),
-                       opt_bytes=sum(int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize for a, s in zip(
-                           jax.tree.leaves(abstract.opt_state), jax.tree.leaves(state_sh.opt_state))))
+                       param_bytes=device_bytes(result.params, [p.sharding for p in jax.tree.leaves(result.params)]),
+                       opt_bytes=device_bytes(abstract.opt_state, state_sh.opt_state))
         out["runs"][name] = run
     from lcx.train import checkpoint as ckpt
 
