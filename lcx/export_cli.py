@@ -2,8 +2,9 @@
 
 RUN is a run directory (``runs/NAME``: its ``finetune`` stage if it has one, else ``train``), a stage directory or a
 checkpoint directory; ``--step`` picks a checkpoint (default: the latest). The weights are written in the model's
-``param_dtype`` (float32 for lcx training runs) by ``lcx.hf.save_hf``; lcx's byte tokenizer has no transformers
-equivalent, so no tokenizer files are written for byte-level models.
+``param_dtype`` (float32 for lcx training runs) by ``lcx.hf.save_hf``. A run trained with a Hugging Face tokenizer
+(``data.tokenizer``) gets its ``tokenizer.json`` (and the ``tokenizer_config.json`` / ``special_tokens_map.json``
+beside it) copied along; lcx's byte tokenizer has no transformers equivalent, so byte-level models get none.
 """
 
 from __future__ import annotations
@@ -30,9 +31,30 @@ def run(args: argparse.Namespace) -> int:
         for old in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
             old.unlink()  # a previous export's shards would otherwise sit beside (or shadow) the new ones
     hf.save_hf(config, params, out)
+    copied = _copy_tokenizer(found, out)
     print(f"lcx export: {found} -> {out} ({config.n_layers} layers, d_model {config.d_model}, "
-          f"vocab {config.vocab_size})")
+          f"vocab {config.vocab_size}{', ' + copied if copied else ''})")
     return 0
+
+
+def _copy_tokenizer(run: Path, out: Path) -> str | None:
+    """Copy the run's recorded Hugging Face tokenizer files into ``out``; returns what was copied, or None."""
+    import shutil
+
+    from lcx.data.tokenizer import BYTES, run_tokenizer
+
+    spec = run_tokenizer(run)
+    if spec is None or spec == BYTES:
+        return None
+    file = Path(spec)
+    if not file.is_file():
+        raise ConfigError(f"the run was trained with the tokenizer {spec!r}, which no longer exists; the export would "
+                          "have no tokenizer (restore that file and export again)")
+    names = [file.name] + [n for n in ("tokenizer_config.json", "special_tokens_map.json")
+                           if (file.parent / n).is_file()]
+    for name in names:
+        shutil.copyfile(file.parent / name, out / ("tokenizer.json" if name == file.name else name))
+    return f"tokenizer from {file.parent}"
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

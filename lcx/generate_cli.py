@@ -43,27 +43,26 @@ def load_model(path: str, *, seed: int = 0, dtype: str | None = None) -> tuple[M
                       "model config")
 
 
-def _tokenizer(model_path: str, config: ModelConfig):
-    """The checkpoint's tokenizer.json through the `tokenizers` package when both exist; else lcx's bytes."""
-    tok_file = Path(model_path) / "tokenizer.json"
-    if tok_file.is_file():
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as err:  # never fall back to bytes for a model that names its tokenizer
-            raise ConfigError(f"{tok_file} needs the 'tokenizers' package (pip install tokenizers); lcx does not "
-                              "fall back to its byte tokenizer for a model trained with another") from err
-        tok = Tokenizer.from_file(str(tok_file))
-        if tok.get_vocab_size() > config.vocab_size:
-            raise ConfigError(f"{tok_file} has {tok.get_vocab_size()} ids but the model's vocab_size is "
-                              f"{config.vocab_size}: the tokenizer does not belong to this model")
-        return (lambda text: tok.encode(text).ids), (lambda ids: tok.decode(list(ids)))
-    from lcx.data import ByteTokenizer
+def _tokenizer(model_path: str, config: ModelConfig, setting: str = "auto"):
+    """``(encode, decode)`` of the tokenizer ``--tokenizer`` names (``lcx.data.tokenizer``); ``auto``: the checkpoint's
+    tokenizer.json, the tokenizer an lcx run recorded, or bytes for a YAML model config (random weights). A Hugging
+    Face directory without tokenizer.json is an error, never a silent switch to bytes."""
+    from lcx.data.tokenizer import resolve_tokenizer, run_tokenizer
 
-    byte = ByteTokenizer()
-    if config.vocab_size < 256:
-        raise ConfigError(f"--prompt needs a tokenizer: the model's vocab_size={config.vocab_size} is too small for "
-                          "lcx's byte tokenizer (>= 256) and no tokenizer.json was found; pass --ids instead")
-    return (lambda text: byte.encode(text, bos=config.vocab_size > byte.bos_id)), byte.decode
+    p = Path(model_path)
+    if setting == "auto":
+        if p.is_dir() and (p / "tokenizer.json").is_file():
+            setting = str(p)
+        elif p.is_dir() and (p / "config.json").is_file():
+            raise ConfigError(f"--prompt needs a tokenizer: {model_path} has no tokenizer.json; pass --tokenizer PATH "
+                              "(a tokenizer.json), --tokenizer bytes (a byte-level lcx model), or --ids")
+        elif p.is_dir():
+            setting = run_tokenizer(p) or "bytes"  # runs that recorded none predate tokenizers: byte-level
+        else:
+            setting = "bytes"
+    tok = resolve_tokenizer(setting, vocab_size=config.vocab_size, key="--tokenizer")
+    bos = tok.bos_id is not None and tok.bos_id < config.vocab_size
+    return (lambda text: tok.encode(text, bos=bos)), tok.decode
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -81,6 +80,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eos-id", type=int, default=None, help="stop token (default: the model's eos_token_id)")
     p.add_argument("--dtype", default=None, help="parameter and compute dtype (default: the checkpoint's)")
+    p.add_argument("--tokenizer", default="auto",
+                   help="auto (the checkpoint's tokenizer.json or the run's recorded tokenizer), bytes, or a path to "
+                        "a tokenizer.json")
     p.add_argument("--cache-policy", default="full")
     p.add_argument("--cache-budget", type=int, default=None)
     p.add_argument("--cache-dtype", default=None)
@@ -123,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     if prompt is not None:
         show = lambda ids: " ".join(str(i) for i in ids)  # noqa: E731
     else:
-        encode, show = _tokenizer(args.model, config)
+        encode, show = _tokenizer(args.model, config, args.tokenizer)
         prompt = encode(args.prompt)
     eos = args.eos_id if args.eos_id is not None else config.eos_token_id
     gen = Generator(config, params, max_new_tokens=args.max_new_tokens, cache=cache, sampling=sampling,

@@ -85,6 +85,7 @@ BSKD = ("batch", "length", "kv_heads", "head_dim")  # keys and values [b, s, k, 
 BHD = ("batch", "heads", "head_dim")  # one decode query / output [b, h, d]
 BKS = ("batch", "kv_heads", "length")  # per-KV-head slot weights and live masks [b, k, s]
 BK = ("batch", "kv_heads")  # per row and KV head: offsets and lengths of caches whose KV heads keep their own slots
+BT = ("batch", "length")  # per token without heads: segment ids of packed documents [b, t]
 ROWS = ("batch",)  # anything per row without heads: masks [b, t, s], lengths [b], offsets [b]
 
 
@@ -401,7 +402,7 @@ def per_shard(fn: Callable, in_axes: Sequence[Any], out_axes: Any) -> Callable:
     return call
 
 
-__all__ = ["BHD", "BK", "BKS", "BSKD", "BTHD", "LOGICAL_RULES", "MESH_AXES", "ROWS", "MeshConfig", "axis_size",
+__all__ = ["BHD", "BK", "BKS", "BSKD", "BT", "BTHD", "LOGICAL_RULES", "MESH_AXES", "ROWS", "MeshConfig", "axis_size",
            "batch_sharding", "cache_model_config", "check_rules", "check_topology", "kv_replication",
            "logical_to_mesh", "make_mesh", "mesh_topology", "named_sharding", "per_shard", "put",
            "replicate_kv_heads", "replicated", "resolve_mesh_shape", "spec_for", "to_host", "use_mesh",

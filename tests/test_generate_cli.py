@@ -42,7 +42,7 @@ def test_generate_cli_errors(tmp_path, capsys):
     assert main(["generate", "--model", str(path), "--ids", "1,x"]) == 2
     assert "--ids='1,x' is invalid" in capsys.readouterr().err
     assert main(["generate", "--model", str(path), "--prompt", "hi"]) == 2
-    assert "too small for lcx's byte tokenizer" in capsys.readouterr().err
+    assert "lcx's byte tokenizer has 260 ids but model.vocab_size=64" in capsys.readouterr().err
     assert main(["generate", "--model", str(path), "--ids", "1", "--cache-policy", "nope"]) == 2
     assert "cache.policy='nope' is not a registered eviction policy" in capsys.readouterr().err
 
@@ -65,7 +65,7 @@ def test_generate_cli_tokenizer_json_must_match_the_model(tmp_path, capsys):
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     assert main(["generate", "--model", str(tmp_path), "--prompt", "w1 w2", "--max-new-tokens", "2"]) == 2
-    assert "300 ids but the model's vocab_size is 260" in capsys.readouterr().err
+    assert "has 300 ids but model.vocab_size=260" in capsys.readouterr().err
     small = {f"w{i}": i for i in range(200)}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(small, unk_token="w0"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
@@ -73,3 +73,8 @@ def test_generate_cli_tokenizer_json_must_match_the_model(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path), "--prompt", "w5 w6 w7", "--max-new-tokens", "3"]) == 0
     expected = lcx.generate(CFG, params, [[5, 6, 7]], max_new_tokens=3).tokens[0].tolist()
     assert capsys.readouterr().out.split() == tok.decode(expected).split()  # ids past the tokenizer decode to ""
+    (tmp_path / "tokenizer.json").unlink()  # an HF directory without a tokenizer: an error, not bytes
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "w5", "--max-new-tokens", "1"]) == 2
+    assert "has no tokenizer.json; pass --tokenizer PATH" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "1",
+                 "--tokenizer", "bytes"]) == 0

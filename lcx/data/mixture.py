@@ -60,6 +60,16 @@ class Mixture(Task):
         object.__setattr__(self, "parts", tuple(built))
 
     @property
+    def packed(self) -> bool:
+        return any(task.packed for task, _, _ in self.parts)
+
+    def with_tokenizer(self, tokenizer) -> "Mixture":
+        parts = tuple((task.with_tokenizer(tokenizer), w, lw) for task, w, lw in self.parts)
+        out = dataclasses.replace(self, parts=parts)
+        object.__setattr__(out, "tokenizer", tokenizer)  # its pad id pads the batches
+        return out
+
+    @property
     def weights(self) -> np.ndarray:
         w = np.asarray([weight for _, weight, _ in self.parts])
         return w / w.sum()

@@ -13,6 +13,7 @@ built-in tasks live in ``tasks.py`` and ``corpus.py`` and are registered when ``
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
 import difflib
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,8 @@ class Example:
     values joined by spaces); ``references`` the strings a generation is graded against (``Task.score``);
     ``prompt`` the text before the first answer token, so that an evaluation with another tokenizer can re-encode it.
     ``weight``: the loss weight of the answer tokens (a mixture balances its parts with it).
+    ``segments`` / ``positions`` (packed rows of several documents, ``lcx.data.documents``): each token's segment id
+    (>= 1) and its position within its segment; None for a single sequence (positions 0 .. n-1).
     """
 
     ids: np.ndarray
@@ -44,6 +47,8 @@ class Example:
     references: tuple[str, ...]
     prompt: str
     weight: float = 1.0
+    segments: np.ndarray | None = None
+    positions: np.ndarray | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -84,6 +89,27 @@ class Task(abc.ABC):
     """
 
     name: ClassVar[str] = ""
+    # Tasks that build their ids through ``self.tokenizer`` accept any tokenizer (``with_tokenizer``); the
+    # synthetic tasks size their haystacks in bytes and are byte-level only.
+    accepts_tokenizer: ClassVar[bool] = False
+    tokenizer: ClassVar[Any] = TOKENIZER
+
+    @property
+    def packed(self) -> bool:
+        """Whether batches carry segment ids and positions (several documents per row)."""
+        return False
+
+    def with_tokenizer(self, tokenizer) -> "Task":
+        """This task producing ids with ``tokenizer`` (``ConfigError`` for a byte-level task and another one)."""
+        if tokenizer.spec == self.tokenizer.spec:
+            return self
+        if not self.accepts_tokenizer:
+            raise ConfigError(f"data.task={self.name!r} builds byte-level examples and cannot use data.tokenizer="
+                              f"{tokenizer.spec!r}; set data.tokenizer=bytes (the model then learns lcx's byte ids) "
+                              "or train on task 'documents'")
+        out = copy.copy(self)
+        object.__setattr__(out, "tokenizer", tokenizer)
+        return out
 
     def examples(self, seed: int, index: int, count: int, seq_len: int, split: str = "train") -> list[Example]:
         rng = np.random.default_rng([seed, split_id(split), index])

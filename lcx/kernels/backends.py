@@ -3,7 +3,8 @@
 Einsum legend: b batch, t queries, s keys / cache slots, h query heads, k kv heads, d head dim.
 
 =============  =====================================================================================================
-``causal``      self-attention of a whole sequence: ``q [b, t, h, d]``, ``k, v [b, t, k, d]`` -> ``[b, t, h, d]``
+``causal``      self-attention of a whole sequence: ``q [b, t, h, d]``, ``k, v [b, t, k, d]`` -> ``[b, t, h, d]``;
+                ``segment_ids [b, t]`` (packed documents): a query sees only keys of its own segment
 ``chunk``       a prefill chunk against a cache whose live slots are packed in position order: query i of row b
                 sits at slot ``q_offsets[b] + i`` and sees slots ``<= q_offsets[b] + i`` and ``< kv_lengths[b]``
                 (``causal=False``: every slot below the length) -> out, or ``(out, m, l)`` with ``residuals``
@@ -91,11 +92,14 @@ def _jnp_decode(q, k, v, *, valid, sm_scale, weights=False, residuals=False, pre
     return out.astype(dtype)
 
 
-def _xla_causal(q, k, v, *, sm_scale):
+def _xla_causal(q, k, v, *, sm_scale, segment_ids=None):
     # jax.nn.dot_product_attention handles GQA itself (K/V heads broadcast over query groups); cuDNN on GPU.
     dtype = q.dtype
     q, k, v = _compute_dtype(q, k, v)
-    return jax.nn.dot_product_attention(q, k, v, scale=sm_scale, is_causal=True).astype(dtype)
+    mask = None
+    if segment_ids is not None:  # [b, 1, t, s], broadcast over heads; combined with the causal mask
+        mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    return jax.nn.dot_product_attention(q, k, v, scale=sm_scale, is_causal=True, mask=mask).astype(dtype)
 
 
 def _pallas_chunk(q, k, v, *, q_offsets, kv_lengths, sm_scale, causal=True, residuals=False):
@@ -116,14 +120,15 @@ def _pallas_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale)
 BACKENDS: dict[str, Backend] = {
     "reference": Backend(
         "reference",
-        causal=lambda q, k, v, *, sm_scale: attention_reference(q, k, v, causal=True, sm_scale=sm_scale),
+        causal=lambda q, k, v, *, sm_scale, segment_ids=None: attention_reference(
+            q, k, v, causal=True, sm_scale=sm_scale, segment_ids=segment_ids),
         chunk=functools.partial(_jnp_chunk, precision=jax.lax.Precision.HIGHEST),
         decode=functools.partial(_jnp_decode, precision=jax.lax.Precision.HIGHEST),
         column_sums=_jnp_column_sums),
     "xla": Backend("xla", causal=_xla_causal, chunk=functools.partial(_jnp_chunk, precision=_DEFAULT),
                    decode=functools.partial(_jnp_decode, precision=_DEFAULT), column_sums=_jnp_column_sums),
-    "pallas": Backend("pallas", causal=lambda q, k, v, *, sm_scale: flash_attention(q, k, v, causal=True,
-                                                                                     sm_scale=sm_scale),
+    "pallas": Backend("pallas", causal=lambda q, k, v, *, sm_scale, segment_ids=None: flash_attention(
+                          q, k, v, causal=True, sm_scale=sm_scale, segment_ids=segment_ids),
                       chunk=_pallas_chunk, decode=_pallas_decode, column_sums=_pallas_column_sums),
 }
 IMPLS: tuple[str, ...] = ("auto", *BACKENDS)

@@ -34,7 +34,8 @@ from jax.experimental import pallas as pl
 
 from lcx.kernels.common import LN2, LOG2E, MASK_VALUE, check_qkv, dot_nn, dot_nt, dot_tn, row_ints
 from lcx.kernels.flash_masks import (FlashBlockSizes, FlashStatic, key_block_ranges, make_static, pad_inputs,
-                                     query_block_ranges, row_args, row_specs, split_row_refs, three_loops, tile_mask)
+                                     pad_segments, query_block_ranges, row_args, row_specs, segment_specs,
+                                     split_row_refs, three_loops, tile_mask)
 from lcx.kernels.mode import pallas_call_kwargs
 from lcx.kernels.reference import attention_reference
 
@@ -43,9 +44,9 @@ from lcx.kernels.reference import attention_reference
 
 
 def flash_forward_kernel(*refs, st: FlashStatic):
-    """One ``[block_q]`` tile of one query head. Refs: [lens []], [offs []], q [bq, d], k, v [s, d] -> o [bq, d],
-    lse [bq]."""
-    kv_len_b, off, (q_ref, k_ref, v_ref, o_ref, lse_ref) = split_row_refs(st, refs)
+    """One ``[block_q]`` tile of one query head. Refs: [lens []], [offs []], [q segs [bq], k segs [s]], q [bq, d],
+    k, v [s, d] -> o [bq, d], lse [bq]."""
+    kv_len_b, off, segs, (q_ref, k_ref, v_ref, o_ref, lse_ref) = split_row_refs(st, refs)
     bq, bk = st.block_q, st.block_k
     q0 = pl.program_id(0) * bq
     scale2 = st.sm_scale * LOG2E  # base-2 softmax: exp2 is the native instruction
@@ -57,7 +58,7 @@ def flash_forward_kernel(*refs, st: FlashStatic):
         k0 = pl.multiple_of(kb * bk, bk)
         s = dot_nt(q, k_ref[pl.ds(k0, bk), :]) * scale2  # [bq, bk]
         if masked:
-            mask = tile_mask(st, rows, k0 + jnp.arange(bk), kv_len_b, off=off)
+            mask = tile_mask(st, rows, k0 + jnp.arange(bk), kv_len_b, off=off, segs=tile_segs(segs, k0, bk))
             s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp2(s - m_new[:, None])  # [bq, bk]
@@ -77,18 +78,26 @@ def flash_forward_kernel(*refs, st: FlashStatic):
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
 
-def flash_forward(q, k, v, lens, st: FlashStatic, offs=None):
-    """Padded ``q [b, t, h, d]``, ``k, v [b, s, k, d]``, ``lens, offs [b]`` int32 or None -> ``o [b, t, h, d]``,
-    base-2 ``lse [b, h, t]`` (fp32)."""
+def tile_segs(segs, k0, bk):
+    """``(query segments of this tile, key segments [k0, k0 + bk))`` from the refs of ``segment_specs``, or None."""
+    if segs is None:
+        return None
+    return segs[0][...], segs[1][pl.ds(k0, bk)]
+
+
+def flash_forward(q, k, v, lens, st: FlashStatic, offs=None, segs=None):
+    """Padded ``q [b, t, h, d]``, ``k, v [b, s, k, d]``, ``lens, offs [b]`` int32 or None, ``segs`` (query, key
+    segment ids) or None -> ``o [b, t, h, d]``, base-2 ``lse [b, h, t]`` (fp32)."""
     b, t, h, d = q.shape
     s = k.shape[1]
     bq, g = st.block_q, st.groups
-    in_specs = row_specs(st, lambda i, bi, hi: (bi, lax.div(hi, g))) + [
+    in_specs = row_specs(st, lambda i, bi, hi: (bi, lax.div(hi, g))) + segment_specs(
+        st, bq, s, lambda i, bi, hi: (bi, i), lambda i, bi, hi: (bi, 0)) + [
         pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
         pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, lax.div(hi, g), 0)),  # KV head of query head
         pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, lax.div(hi, g), 0)),
     ]
-    args = row_args(st, lens, offs) + [q, k, v]
+    args = row_args(st, lens, offs) + list(segs or ()) + [q, k, v]
     return pl.pallas_call(
         functools.partial(flash_forward_kernel, st=st),
         grid=(t // bq, b, h),  # query tiles fastest: neighbouring programs share the same K/V in L2
@@ -107,7 +116,7 @@ def flash_forward(q, k, v, lens, st: FlashStatic, offs=None):
 def flash_dq_kernel(*refs, st: FlashStatic):
     """dQ of one ``[block_q_dq]`` tile of one query head. Refs: [lens], [offs], q, do [bq, d], lse, delta [bq],
     k, v [s, d]."""
-    kv_len_b, off, (q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref) = split_row_refs(st, refs)
+    kv_len_b, off, segs, (q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref) = split_row_refs(st, refs)
     bq, bk = st.block_q_dq, st.block_k_dq
     q0 = pl.program_id(0) * bq
     scale2 = st.sm_scale * LOG2E
@@ -120,7 +129,8 @@ def flash_dq_kernel(*refs, st: FlashStatic):
         k = k_ref[pl.ds(k0, bk), :]
         s = dot_nt(q, k) * scale2  # [bq, bk]
         if masked:
-            s = jnp.where(tile_mask(st, rows, k0 + jnp.arange(bk), kv_len_b, off=off), s, MASK_VALUE)
+            mask = tile_mask(st, rows, k0 + jnp.arange(bk), kv_len_b, off=off, segs=tile_segs(segs, k0, bk))
+            s = jnp.where(mask, s, MASK_VALUE)
         p = jnp.exp2(s - lse[:, None])
         dp = dot_nt(do, v_ref[pl.ds(k0, bk), :])  # [bq, bk]
         ds = p * (dp - delta[:, None])
@@ -136,7 +146,7 @@ def flash_dkv_kernel(*refs, st: FlashStatic):
 
     Refs: [lens], [offs], q, do [t, g * d] (head j in columns ``j*d:(j+1)*d``), lse, delta [g, t], k, v [bk, d].
     """
-    kv_len_b, off, (q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref) = split_row_refs(st, refs)
+    kv_len_b, off, segs, (q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref) = split_row_refs(st, refs)
     bq, bk = st.block_q_dkv, st.block_k_dkv
     d = k_ref.shape[-1]
     k0 = pl.program_id(0) * bk
@@ -158,7 +168,8 @@ def flash_dkv_kernel(*refs, st: FlashStatic):
             delta = delta_ref[j, pl.ds(r0, bq)]
             s = dot_nt(q, k) * scale2  # [bq, bk]
             if masked:
-                mask = tile_mask(st, r0 + jnp.arange(bq), cols, kv_len_b, row_valid=True, off=off)
+                row_segs = None if segs is None else (segs[0][pl.ds(r0, bq)], segs[1][...])
+                mask = tile_mask(st, r0 + jnp.arange(bq), cols, kv_len_b, row_valid=True, off=off, segs=row_segs)
                 s = jnp.where(mask, s, MASK_VALUE)
             p = jnp.exp2(s - lse[:, None])
             dv = dv + dot_tn(p.astype(do.dtype), do)
@@ -173,7 +184,7 @@ def flash_dkv_kernel(*refs, st: FlashStatic):
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def flash_backward(q, k, v, lens, o, lse, do, st: FlashStatic, offs=None):
+def flash_backward(q, k, v, lens, o, lse, do, st: FlashStatic, offs=None, segs=None):
     """Padded inputs as in :func:`flash_forward`, ``do [b, t, h, d]`` -> ``dq, dk, dv``."""
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
@@ -181,13 +192,14 @@ def flash_backward(q, k, v, lens, o, lse, do, st: FlashStatic, offs=None):
     # delta_i = sum_j P_ij dP_ij = do_i . o_i: an O(t h d) row statistic, cheapest as one fused XLA op.
     delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))  # [b, h, t]
     kw = pallas_call_kwargs(st.interpret, num_warps=st.num_warps, num_stages=st.num_stages_bwd)
-    row_arrays = row_args(st, lens, offs)
+    row_arrays = row_args(st, lens, offs) + list(segs or ())
 
     bq, bk = st.block_q_dq, st.block_k_dq
     dq = pl.pallas_call(
         functools.partial(flash_dq_kernel, st=st),
         grid=(t // bq, b, h),
-        in_specs=row_specs(st, lambda i, bi, hi: (bi, lax.div(hi, g))) + [
+        in_specs=row_specs(st, lambda i, bi, hi: (bi, lax.div(hi, g))) + segment_specs(
+            st, bq, s, lambda i, bi, hi: (bi, i), lambda i, bi, hi: (bi, 0)) + [
             pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
             pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
             pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i)),
@@ -208,7 +220,8 @@ def flash_backward(q, k, v, lens, o, lse, do, st: FlashStatic, offs=None):
     dk, dv = pl.pallas_call(
         functools.partial(flash_dkv_kernel, st=st),
         grid=(s // bk, b, kvh),
-        in_specs=row_specs(st, lambda i, bi, ki: (bi, ki)) + [
+        in_specs=row_specs(st, lambda i, bi, ki: (bi, ki)) + segment_specs(
+            st, t, bk, lambda i, bi, ki: (bi, 0), lambda i, bi, ki: (bi, i)) + [
             pl.BlockSpec((None, t, None, g * d), lambda i, bi, ki: (bi, 0, ki, 0)),
             pl.BlockSpec((None, t, None, g * d), lambda i, bi, ki: (bi, 0, ki, 0)),
             pl.BlockSpec((None, None, g, t), lambda i, bi, ki: (bi, ki, 0, 0)),
@@ -227,21 +240,21 @@ def flash_backward(q, k, v, lens, o, lse, do, st: FlashStatic, offs=None):
 # ----------------------------------------------------------------------------------------------- custom VJP
 
 
-# lens and offs are int32 arrays (or None): primal inputs whose cotangent is None, i.e. not differentiable.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, lens, offs, st: FlashStatic):
-    return flash_forward(q, k, v, lens, st, offs)[0]
+# lens, offs and segs are int32 arrays (or None): primal inputs whose cotangent is None, i.e. not differentiable.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, lens, offs, segs, st: FlashStatic):
+    return flash_forward(q, k, v, lens, st, offs, segs)[0]
 
 
-def _flash_fwd(q, k, v, lens, offs, st: FlashStatic):
-    o, lse = flash_forward(q, k, v, lens, st, offs)
-    return o, (q, k, v, lens, offs, o, lse)
+def _flash_fwd(q, k, v, lens, offs, segs, st: FlashStatic):
+    o, lse = flash_forward(q, k, v, lens, st, offs, segs)
+    return o, (q, k, v, lens, offs, segs, o, lse)
 
 
 def _flash_bwd(st: FlashStatic, res, do):
-    q, k, v, lens, offs, o, lse = res
-    dq, dk, dv = flash_backward(q, k, v, lens, o, lse, do, st, offs)
-    return dq, dk, dv, None, None
+    q, k, v, lens, offs, segs, o, lse = res
+    dq, dk, dv = flash_backward(q, k, v, lens, o, lse, do, st, offs, segs)
+    return dq, dk, dv, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -249,8 +262,9 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, sm_scale: float | None = None,
                     window: int | None = None, kv_lengths: jax.Array | None = None,
-                    q_offsets: jax.Array | None = None, block_sizes: FlashBlockSizes | None = None,
-                    interpret: bool | None = None, return_residuals: bool = False):
+                    q_offsets: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                    block_sizes: FlashBlockSizes | None = None, interpret: bool | None = None,
+                    return_residuals: bool = False):
     """Tiled softmax attention with a Pallas forward and backward (``jax.grad`` works through it).
 
     Args:
@@ -265,6 +279,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
         written to cache slots ``[n_b, n_b + t)``: ``k, v`` = the cache, ``q_offsets = n``, ``kv_lengths = n + real
         tokens``. Per KV head (``[batch, kv_heads]``): each KV head's slots are its own (a cache whose heads keep
         different tokens), and its query heads use its offset and length.
+      segment_ids: ``[batch, len]`` ints of a self-attention (``q_len == kv_len``, no ``q_offsets``): query i sees
+        key j only when ``segment_ids[b, i] == segment_ids[b, j]`` (documents packed into one row stay apart, in the
+        forward and the backward). Every visible tile then runs with the mask: the cost of plain causal attention.
       block_sizes: tiles and launch settings (:class:`FlashBlockSizes`).
       interpret: None = interpret unless the default backend is a GPU (``mode.py``).
       return_residuals: also return each row's logit max ``m`` and sum of exponentials ``l`` (``[batch, q_len,
@@ -278,15 +295,19 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     b, t, _, d = q.shape
     kv_lengths = row_ints(kv_lengths, b, k.shape[2], "kv_lengths")
     q_offsets = row_ints(q_offsets, b, k.shape[2], "q_offsets")
+    if segment_ids is not None and (jnp.shape(segment_ids) != (b, t) or k.shape[1] != t or q_offsets is not None):
+        raise ValueError(f"segment_ids.shape={jnp.shape(segment_ids)} must be (batch, len) = ({b}, {t}) of a "
+                         f"self-attention (kv_len={k.shape[1]} == q_len={t}, no q_offsets)")
     st = make_static(t, k.shape[1], g, d, q.dtype, causal=causal, sm_scale=sm_scale, window=window,
                      has_lengths=kv_lengths is not None, block_sizes=block_sizes, interpret=interpret,
-                     has_offsets=q_offsets is not None)
+                     has_offsets=q_offsets is not None, has_segments=segment_ids is not None)
     with jax.named_scope("lcx_flash_attention"):
         # One dtype for the dots (a cache kept in another dtype than the activations); a no-op when they agree.
         qp, kp, vp = pad_inputs(q, k.astype(q.dtype), v.astype(q.dtype), st)
+        segs = pad_segments(segment_ids, st)
         if not return_residuals:
-            return _flash(qp, kp, vp, kv_lengths, q_offsets, st)[:, :t, :, :d]
-        o, lse = flash_forward(qp, kp, vp, kv_lengths, st, q_offsets)  # lse [b, h, t_pad], base 2
+            return _flash(qp, kp, vp, kv_lengths, q_offsets, segs, st)[:, :t, :, :d]
+        o, lse = flash_forward(qp, kp, vp, kv_lengths, st, q_offsets, segs)  # lse [b, h, t_pad], base 2
     lse = jnp.swapaxes(lse[:, :, :t], 1, 2)  # [b, t, h]
     seen = jnp.isfinite(lse)
     return (o[:, :t, :, :d], jnp.where(seen, lse * LN2, -jnp.inf), seen.astype(jnp.float32))

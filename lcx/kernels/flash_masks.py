@@ -7,7 +7,8 @@ Positions: query row ``r`` of batch row ``b`` sits at key position ``r + off``. 
 ``kv_len - q_len`` (queries aligned to the end of the keys) or, with ``q_offsets``, a traced int32 read in the kernel
 from a 0-d block, one per batch row and KV head (``[b]`` inputs are broadcast to ``[b, k]``: a cache whose KV heads
 keep different tokens has a fill level per head). Query ``r`` sees key ``c`` iff ``c < kv_len`` (padding),
-``c < kv_len_b`` (``kv_lengths``), ``c <= r + off`` (``causal``) and ``c > r + off - window`` (``window``).
+``c < kv_len_b`` (``kv_lengths``), ``c <= r + off`` (``causal``), ``c > r + off - window`` (``window``) and, with
+``segment_ids`` (packed documents), ``segment[r] == segment[c]``.
 
 The range functions split the tiles of one loop into ``lo <= lo_full <= hi_full <= hi``: tiles outside ``[lo, hi)``
 hold no visible entry and are skipped, tiles in ``[lo_full, hi_full)`` are visible everywhere and run without mask
@@ -85,6 +86,7 @@ class FlashStatic:
     num_stages_bwd: int
     interpret: bool | None
     has_offsets: bool = False  # per-row q_offsets [b] replace ``offset`` (a traced scalar in the kernels)
+    has_segments: bool = False  # segment ids [b, t] of packed documents: queries see keys of their own segment
 
     @property
     def offset(self) -> int:
@@ -94,12 +96,12 @@ class FlashStatic:
     def masked(self, block_q: int, block_k: int, *, rows: bool = False) -> bool:
         """Whether any tile can need a mask; ``rows``: also hide padded query rows (the dK/dV sum needs that)."""
         return (self.causal or self.window is not None or self.has_lengths or self.kv_len % block_k != 0
-                or (rows and self.q_len % block_q != 0))
+                or self.has_segments or (rows and self.q_len % block_q != 0))
 
 
 def make_static(q_len: int, kv_len: int, groups: int, head_dim: int, dtype, *, causal: bool, sm_scale: float | None,
                 window: int | None, has_lengths: bool, block_sizes: FlashBlockSizes | None,
-                interpret: bool | None, has_offsets: bool = False) -> FlashStatic:
+                interpret: bool | None, has_offsets: bool = False, has_segments: bool = False) -> FlashStatic:
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"{window=} must be None or a positive int")
     bs = FlashBlockSizes.for_dtype(dtype) if block_sizes is None else block_sizes
@@ -113,7 +115,7 @@ def make_static(q_len: int, kv_len: int, groups: int, head_dim: int, dtype, *, c
         block_q_dkv=fit_block(bs.block_q_dkv, q_len), block_k_dkv=fit_block(bs.block_k_dkv, kv_len),
         block_q_dq=fit_block(bs.block_q_dq, q_len), block_k_dq=fit_block(bs.block_k_dq, kv_len),
         num_warps=bs.num_warps or (4 if dp <= 64 else 8), num_stages=bs.num_stages,
-        num_stages_bwd=bs.num_stages_bwd, interpret=interpret, has_offsets=has_offsets)
+        num_stages_bwd=bs.num_stages_bwd, interpret=interpret, has_offsets=has_offsets, has_segments=has_segments)
 
 
 def pad_inputs(q, k, v, st: FlashStatic):
@@ -125,6 +127,17 @@ def pad_inputs(q, k, v, st: FlashStatic):
     k = pad_axis(pad_axis(k, 3, dp), 1, s_pad)  # [b, s_pad, k, dp]
     v = pad_axis(pad_axis(v, 3, dp), 1, s_pad)
     return q, k, v
+
+
+def pad_segments(segment_ids, st: FlashStatic):
+    """``(query segments [b, t_pad], key segments [b, s_pad])`` int32, or None; padded entries are masked anyway
+    (padded keys by ``kv_len``, padded query rows are sliced off or hidden by ``row_valid``)."""
+    if segment_ids is None:
+        return None
+    seg = jnp.asarray(segment_ids, jnp.int32)
+    t_pad = round_up(st.q_len, max(st.block_q, st.block_q_dkv, st.block_q_dq))
+    s_pad = round_up(st.kv_len, max(st.block_k, st.block_k_dkv, st.block_k_dq))
+    return pad_axis(seg, 1, t_pad), pad_axis(seg, 1, s_pad)
 
 
 def _div0(x, n: int):
@@ -150,20 +163,32 @@ def row_args(st: FlashStatic, lens, offs) -> list:
 
 
 def split_row_refs(st: FlashStatic, refs):
-    """Peel the refs of :func:`row_specs` off a kernel's refs: ``(kv_len_b or None, off, other refs)``.
+    """Peel the refs of :func:`row_specs` and :func:`segment_specs` off a kernel's refs: ``(kv_len_b or None, off,
+    (query segment ref, key segment ref) or None, other refs)``.
 
     ``off`` is the traced query offset of this batch row and KV head, or the static ``st.offset`` (a Python int, so the
     no-offsets kernels are exactly the end-aligned ones)."""
-    kv_len_b, off = None, st.offset
+    kv_len_b, off, segs = None, st.offset, None
     if st.has_lengths:
         kv_len_b, refs = refs[0][()], refs[1:]
     if st.has_offsets:
         off, refs = refs[0][()], refs[1:]
-    return kv_len_b, off, refs
+    if st.has_segments:
+        segs, refs = (refs[0], refs[1]), refs[2:]
+    return kv_len_b, off, segs, refs
 
 
-def tile_mask(st: FlashStatic, rows, cols, kv_len_b, *, row_valid: bool = False, off=None):
-    """``[len(rows), len(cols)]`` bool: query index ``rows`` may see key index ``cols``; ``off`` None = static."""
+def segment_specs(st: FlashStatic, q_block: int, k_block: int, q_index, k_index) -> list[pl.BlockSpec]:
+    """In_specs of the query and key segment ids (``[b, t_pad]`` and ``[b, s_pad]`` int32) when ``st.has_segments``:
+    1-d blocks of ``q_block`` / ``k_block`` entries at ``q_index(*ids)`` / ``k_index(*ids)`` = (batch row, tile)."""
+    if not st.has_segments:
+        return []
+    return [pl.BlockSpec((None, q_block), q_index), pl.BlockSpec((None, k_block), k_index)]
+
+
+def tile_mask(st: FlashStatic, rows, cols, kv_len_b, *, row_valid: bool = False, off=None, segs=None):
+    """``[len(rows), len(cols)]`` bool: query index ``rows`` may see key index ``cols``; ``off`` None = static;
+    ``segs``: the segment ids ``(of rows, of cols)`` when ``st.has_segments``."""
     off = st.offset if off is None else off
     pos = rows[:, None] + off  # [bq, 1] key-space position of each query
     key = cols[None, :]  # [1, bk]
@@ -176,6 +201,8 @@ def tile_mask(st: FlashStatic, rows, cols, kv_len_b, *, row_valid: bool = False,
         mask = mask & (key < kv_len_b)
     if row_valid:
         mask = mask & (rows[:, None] < st.q_len)
+    if segs is not None:
+        mask = mask & (segs[0][:, None] == segs[1][None, :])
     return jnp.broadcast_to(mask, (rows.shape[0], cols.shape[0]))
 
 
@@ -201,7 +228,13 @@ def key_block_ranges(st: FlashStatic, q0, block_q: int, block_k: int, n_kb: int,
     lo = jnp.minimum(lo, hi)
     lo_full = jnp.clip(lo_full, lo, hi)
     hi_full = jnp.clip(hi_full, lo_full, hi)
-    return lo, lo_full, hi_full, hi
+    return _segmented(st, (lo, lo_full, hi_full, hi))
+
+
+def _segmented(st: FlashStatic, ranges):
+    """With segment ids no tile is known to be fully visible: every visible tile runs the masked loop."""
+    lo, lo_full, hi_full, hi = ranges
+    return (lo, hi, hi, hi) if st.has_segments else ranges
 
 
 def query_block_ranges(st: FlashStatic, k0, block_q: int, block_k: int, n_qb: int, kv_len_b, off=None):
@@ -224,7 +257,7 @@ def query_block_ranges(st: FlashStatic, k0, block_q: int, block_k: int, n_qb: in
     hi = jnp.maximum(hi, lo)
     lo_full = jnp.where(keys_full, jnp.clip(lo_full, lo, hi), hi)
     hi_full = jnp.clip(hi_full, lo_full, hi)
-    return lo, lo_full, hi_full, hi
+    return _segmented(st, (lo, lo_full, hi_full, hi))
 
 
 def three_loops(body, ranges, carry, masked: bool):
@@ -237,5 +270,6 @@ def three_loops(body, ranges, carry, masked: bool):
     return lax.fori_loop(hi_full, hi, functools.partial(body, masked=True), carry)
 
 
-__all__ = ["FlashBlockSizes", "FlashStatic", "key_block_ranges", "make_static", "pad_inputs", "query_block_ranges",
-           "row_args", "row_specs", "split_row_refs", "three_loops", "tile_mask"]
+__all__ = ["FlashBlockSizes", "FlashStatic", "key_block_ranges", "make_static", "pad_inputs", "pad_segments",
+           "query_block_ranges", "row_args", "row_specs", "segment_specs", "split_row_refs", "three_loops",
+           "tile_mask"]

@@ -16,14 +16,16 @@ _HI = jax.lax.Precision.HIGHEST
 
 def attention_mask(q_len: int, kv_len: int, *, causal: bool, window: int | None = None,
                    kv_lengths: jax.Array | None = None, batch: int = 1,
-                   q_offsets: jax.Array | None = None) -> jax.Array:
+                   q_offsets: jax.Array | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
     """Boolean mask ``[batch, q_len, kv_len]``, True where a query may attend to a key; ``[batch, kv_heads, q_len,
     kv_len]`` when ``kv_lengths`` or ``q_offsets`` is given per row and KV head (``[batch, kv_heads]``).
 
     Causal alignment puts the queries at the end of the keys: query i sits at key position ``kv_len - q_len + i``
     (a prefill chunk attending to the cache plus itself), or at ``q_offsets[b] + i`` when ``q_offsets [batch]`` is
     given (a chunk written at slot ``q_offsets[b]`` of a cache). ``window`` keeps that many keys back, the query's
-    own position included. ``kv_lengths [batch]`` marks keys at or past the length as padding.
+    own position included. ``kv_lengths [batch]`` marks keys at or past the length as padding. ``segment_ids
+    [batch, len]`` (self-attention, ``q_len == kv_len``): a query sees only keys of its own segment - documents
+    packed into one row never attend to each other.
     """
     per_head = any(x is not None and jnp.ndim(x) == 2 for x in (kv_lengths, q_offsets))
 
@@ -43,6 +45,12 @@ def attention_mask(q_len: int, kv_len: int, *, causal: bool, window: int | None 
         mask &= k_pos > q_pos - window
     if kv_lengths is not None:
         mask &= k_pos < rows(kv_lengths)
+    if segment_ids is not None:
+        seg = jnp.asarray(segment_ids)
+        if seg.shape != (batch, q_len) or q_len != kv_len:
+            raise ValueError(f"segment_ids.shape={seg.shape} must be (batch, len) = ({batch}, {q_len}) of a "
+                             f"self-attention (q_len={q_len} == kv_len={kv_len})")
+        mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
     if per_head:
         return jnp.broadcast_to(mask, (batch, mask.shape[1], q_len, kv_len))
     return jnp.broadcast_to(mask[:, 0], (batch, q_len, kv_len))
@@ -114,15 +122,16 @@ def masked_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: j
 
 def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                         sm_scale: float | None = None, window: int | None = None,
-                        kv_lengths: jax.Array | None = None, q_offsets: jax.Array | None = None) -> jax.Array:
+                        kv_lengths: jax.Array | None = None, q_offsets: jax.Array | None = None,
+                        segment_ids: jax.Array | None = None) -> jax.Array:
     """Reference for ``flash_attention``: ``q [b, t, h, d]``, ``k, v [b, s, k, d]`` -> ``[b, t, h, d]``; ``kv_lengths``,
-    ``q_offsets [b]`` as in :func:`attention_mask`."""
+    ``q_offsets [b]``, ``segment_ids [b, t]`` as in :func:`attention_mask`."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [batch, len, heads, head_dim]; got {q.shape=}, {k.shape=}, {v.shape=}")
     mask = None
-    if causal or window is not None or kv_lengths is not None:
+    if causal or window is not None or kv_lengths is not None or segment_ids is not None:
         mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_lengths=kv_lengths,
-                              batch=q.shape[0], q_offsets=q_offsets)
+                              batch=q.shape[0], q_offsets=q_offsets, segment_ids=segment_ids)
     return masked_attention_reference(q, k, v, mask, sm_scale=sm_scale)
 
 

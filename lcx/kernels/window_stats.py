@@ -35,7 +35,7 @@ from lcx.kernels.reference import attention_column_sums_reference
 def column_sums_kernel(*refs, st):
     """One ``[block_k_dkv]`` key tile of one KV head. Refs: [lens []], [offs []], q [t, g * d] (head j in columns
     ``j*d:(j+1)*d``), lse [g, t], k [bk, d] -> sums [bk]."""
-    kv_len_b, off, (q_ref, lse_ref, k_ref, out_ref) = split_row_refs(st, refs)
+    kv_len_b, off, _, (q_ref, lse_ref, k_ref, out_ref) = split_row_refs(st, refs)
     bq, bk = st.block_q_dkv, st.block_k_dkv
     d = k_ref.shape[-1]
     k0 = pl.program_id(0) * bk

@@ -17,13 +17,14 @@ from lcx import kernels, sharding
 from lcx.model.config import ModelConfig
 from lcx.model.params import as_dtype, declare, normal, zeros
 from lcx.model.rope import apply_rope
-from lcx.sharding import BSKD, BTHD
+from lcx.sharding import BSKD, BT, BTHD
 
 
 class Attention(nn.Module):
     """Self-attention over ``x [b, t, e]``; returns ``(out [b, t, e], cache)``.
 
-    Without a cache the sequence attends causally to itself. With one (a layer of a cache state, see
+    Without a cache the sequence attends causally to itself (within its segment when ``segment_ids [b, t]`` is
+    given: packed documents). With one (a layer of a cache state, see
     ``lcx.cache.base``), the cache's own ``attend`` appends the new keys and values (where ``ok``) and attends.
     """
 
@@ -32,7 +33,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache=None,
                  positions: jax.Array | None = None, ok: jax.Array | None = None,
-                 stat_weights: jax.Array | None = None):
+                 stat_weights: jax.Array | None = None, segment_ids: jax.Array | None = None):
         cfg = self.config
         e, h, k, d = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         init, pdt, dt = normal(cfg.init_std), as_dtype(cfg.param_dtype), cfg.dtype
@@ -57,8 +58,14 @@ class Attention(nn.Module):
                 self.sow("intermediates", "k", key)
                 q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
                 attend = functools.partial(kernels.backend(cfg.attention.impl).causal, sm_scale=d ** -0.5)
-                out = sharding.per_shard(attend, (BTHD, BSKD, BSKD), BTHD)(q, key, val)  # no communication
+                if segment_ids is None:
+                    out = sharding.per_shard(attend, (BTHD, BSKD, BSKD), BTHD)(q, key, val)  # no communication
+                else:
+                    packed = lambda q, k, v, seg: attend(q, k, v, segment_ids=seg)  # noqa: E731
+                    out = sharding.per_shard(packed, (BTHD, BSKD, BSKD, BT), BTHD)(q, key, val, segment_ids)
             else:
+                if segment_ids is not None:
+                    raise ValueError("segment_ids (packed documents) are for training and scoring without a cache")
                 out, cache = cache.kind.attend(cache, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
                                                stat_weights=stat_weights)
         out = jnp.einsum("bthd,hde->bte", out.astype(dt), wo.astype(dt))  # [b, t, e]

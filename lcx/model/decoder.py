@@ -24,10 +24,11 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array | None,
-                 ok: jax.Array | None, stat_weights: jax.Array | None, cache):
+                 ok: jax.Array | None, stat_weights: jax.Array | None, segment_ids: jax.Array | None, cache):
         with jax.named_scope("attention_block"):
             attn = Attention(self.config, name="attn")
-            h, cache = attn(RMSNorm(self.config, name="attn_norm")(x), cos, sin, cache, positions, ok, stat_weights)
+            h, cache = attn(RMSNorm(self.config, name="attn_norm")(x), cos, sin, cache, positions, ok, stat_weights,
+                            segment_ids)
             x = x + h
         with jax.named_scope("mlp_block"):
             x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x))
@@ -42,6 +43,8 @@ class Decoder(nn.Module):
     all; False marks padding) and returns ``(logits, cache)``; each layer attends through the cache's own
     ``attend``. ``logits_index [b]`` computes the logits of one position per row only (e.g. the last prompt token),
     giving ``[b, 1, vocab]``. ``stat_weights [b, t]`` marks the queries whose attention feeds eviction statistics.
+    ``segment_ids [b, t]`` (no cache): documents packed into one row - a token attends only within its segment;
+    give ``positions`` restarting at 0 per document so each document is rotated as if it ran alone.
     """
 
     config: ModelConfig
@@ -49,7 +52,7 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None, cache=None,
                  ok: jax.Array | None = None, logits_index: jax.Array | None = None,
-                 stat_weights: jax.Array | None = None):
+                 stat_weights: jax.Array | None = None, segment_ids: jax.Array | None = None):
         cfg = self.config
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq]; got shape {input_ids.shape}")
@@ -72,11 +75,11 @@ class Decoder(nn.Module):
             block,
             variable_axes={"params": 0, "intermediates": 0},
             split_rngs={"params": True},
-            in_axes=(nn.broadcast,) * 5 + (0,),
+            in_axes=(nn.broadcast,) * 6 + (0,),
             length=cfg.n_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg, name="layers")
-        x, layer_caches = layers(x, cos, sin, positions, ok, stat_weights,
+        x, layer_caches = layers(x, cos, sin, positions, ok, stat_weights, segment_ids,
                                  None if cache is None else cache.layers())
 
         if logits_index is not None:

@@ -124,13 +124,17 @@ class DataConfig:
 
     ``seed``: the data seed (null: ``train.seed``); batch i is a pure function of (seed, i).
     ``prompt_loss_weight``: loss weight of non-answer tokens (0: the loss is on answer tokens only); ignored by
-    ``corpus``, where every token is a target.
+    ``corpus`` and ``documents``, where every token is a target.
+    ``tokenizer``: ``auto`` (the tokenizer of ``train.init_from``'s model - a Hugging Face directory's
+    ``tokenizer.json`` or what an lcx run recorded - else bytes), ``bytes``, or a path to a ``tokenizer.json`` (or
+    a directory holding one); see ``lcx.data.tokenizer``. The synthetic tasks are byte-level only.
     """
 
     task: str = "passkey"
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     seed: int | None = None
     prompt_loss_weight: float = 0.0
+    tokenizer: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.params, Mapping):
@@ -140,7 +144,14 @@ class DataConfig:
         if self.seed is not None:
             _int(self.seed, "data.seed", minimum=0)
         _number(self.prompt_loss_weight, "data.prompt_loss_weight", 0.0, 1.0)
-        self.make_task()  # validates the name and the parameters now, not at the first batch
+        if not isinstance(self.tokenizer, str) or not self.tokenizer:
+            raise ConfigError(f"data.tokenizer={self.tokenizer!r} is invalid: must be 'auto', 'bytes' or a path to a "
+                              "tokenizer.json")
+        task = self.make_task()  # validates the name and the parameters now, not at the first batch
+        if self.tokenizer not in ("auto", "bytes"):
+            from lcx.data.tokenizer import resolve_tokenizer
+
+            task.with_tokenizer(resolve_tokenizer(self.tokenizer))  # the file and the task's support, now
 
     def make_task(self):
         from lcx.data import make_task
@@ -149,7 +160,7 @@ class DataConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"task": self.task, "params": _thaw(self.params), "seed": self.seed,
-                "prompt_loss_weight": self.prompt_loss_weight}
+                "prompt_loss_weight": self.prompt_loss_weight, "tokenizer": self.tokenizer}
 
 
 class _FrozenParams(Mapping):

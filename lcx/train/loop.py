@@ -25,7 +25,7 @@ import yaml
 
 from lcx.config import ConfigError, ModelConfig, to_dict
 from lcx.data.batches import BatchSource
-from lcx.data.task import TOKENIZER
+from lcx.data.tokenizer import resolve_tokenizer
 from lcx.train import checkpoint as ckpt
 from lcx.train.config import DataConfig, TrainConfig
 from lcx.train.metrics import MetricsLogger, truncate_metrics
@@ -63,13 +63,11 @@ def _check_fit(model: ModelConfig, train: TrainConfig) -> None:
         raise ConfigError(f"train.seq_len={train.seq_len} is invalid: must be <= model.max_position_embeddings="
                           f"{model.max_position_embeddings}; to train longer, raise max_position_embeddings (and "
                           f"set model.rope scaling for a long-context fine-tune)")
-    if model.vocab_size < TOKENIZER.vocab_size:
-        raise ConfigError(f"model.vocab_size={model.vocab_size} is invalid for training on lcx data: the byte "
-                          f"tokenizer needs at least {TOKENIZER.vocab_size} ids")
 
 
-def _write_config(path: Path, model: ModelConfig, train: TrainConfig, data: DataConfig) -> None:
-    doc = {"model": to_dict(model), "train": to_dict(train), "data": to_dict(data)}
+def _write_config(path: Path, model: ModelConfig, train: TrainConfig, data: DataConfig, tokenizer: str) -> None:
+    # The tokenizer as resolved (``auto`` -> a path or bytes): what generate, export and later fine-tunes reuse.
+    doc = {"model": to_dict(model), "train": to_dict(train), "data": {**to_dict(data), "tokenizer": tokenizer}}
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
@@ -110,11 +108,13 @@ def run_training(model: ModelConfig, train: TrainConfig, data: DataConfig, run_d
     model = training_model(model, train)
     _check_fit(model, train)
     data_seed = train.seed if data.seed is None else data.seed
-    source = BatchSource(data.make_task(), seq_len=train.seq_len, batch_size=train.batch_size, seed=data_seed,
+    tokenizer = resolve_tokenizer(data.tokenizer, init_from=train.init_from, vocab_size=model.vocab_size)
+    task = data.make_task().with_tokenizer(tokenizer)
+    source = BatchSource(task, seq_len=train.seq_len, batch_size=train.batch_size, seed=data_seed,
                          prompt_loss_weight=data.prompt_loss_weight)
     optimizer = make_optimizer(train)
 
-    state_sh, batch_sh = step_shardings(model, train, mesh) if mesh is not None else (None, None)
+    state_sh, batch_sh = step_shardings(model, train, mesh, task.packed) if mesh is not None else (None, None)
 
     def next_batch(index: int):
         batch = source(index)
@@ -126,11 +126,11 @@ def run_training(model: ModelConfig, train: TrainConfig, data: DataConfig, run_d
         start = int(state.step)
         stop = train.steps if max_steps is None else min(train.steps, max_steps)
         batch = next_batch(start)  # also surfaces data errors (e.g. an empty corpus) before writing anything
-        _write_config(run_dir / "config.yaml", model, train, data)
+        _write_config(run_dir / "config.yaml", model, train, data, tokenizer.spec)
         metrics_path = run_dir / "metrics.jsonl"
         truncate_metrics(metrics_path, start)
         t0 = time.perf_counter()
-        step_fn = compile_train_step(model, train, mesh=mesh) if start < stop else None
+        step_fn = compile_train_step(model, train, mesh=mesh, packed=task.packed) if start < stop else None
         compile_s = time.perf_counter() - t0
 
         meta = ckpt.meta_for(model, data_seed, {"task": data.task})

@@ -5,7 +5,9 @@ tokens, 0 on padding) and divided by the batch's total weight - a mean over the 
 accumulation runs the micro-batches in a ``lax.scan`` inside the step, each contributing its weighted sum divided by
 the *whole* batch's weight, so the accumulated gradient equals the full-batch gradient and the optimizer sees one
 update per step. Batch arrays are ``[batch, seq_len]``: ``inputs``/``targets`` int32, ``weights`` and ``answer``
-(1 on answer tokens) float32 - see ``lcx.data.batches``.
+(1 on answer tokens) float32 - see ``lcx.data.batches``; a packed batch (documents packed into rows) adds
+``positions`` and ``segment_ids`` int32, so that every document is rotated from position 0 and attends only to
+itself.
 
 Einsum-free; shapes: b batch, t positions, v vocab, a accumulation micro-batches.
 """
@@ -54,7 +56,8 @@ def init_state(params, optimizer: optax.GradientTransformation, seed: int) -> Tr
 def token_loss(model: ModelConfig, params, batch: dict[str, jax.Array], total_weight: jax.Array):
     """``(sum of weighted nll / total_weight, answer stats)`` of one (micro-)batch; the stats are sums over answer
     tokens: ``[nll, correct argmax predictions]``."""
-    logits = Decoder(model).apply({"params": params}, batch["inputs"])  # [b, t, v] float32
+    logits = Decoder(model).apply({"params": params}, batch["inputs"], positions=batch.get("positions"),
+                                  segment_ids=batch.get("segment_ids"))  # [b, t, v] float32
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]  # [b, t]
     answer = batch["answer"]
@@ -99,11 +102,15 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelCo
     return new, jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics)
 
 
-def batch_struct(train: TrainConfig) -> dict[str, jax.ShapeDtypeStruct]:
-    """Shapes and dtypes of one batch: ``[batch_size, seq_len]`` each."""
+def batch_struct(train: TrainConfig, packed: bool = False) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes and dtypes of one batch: ``[batch_size, seq_len]`` each (``packed``: with positions and segment ids)."""
     shape = (train.batch_size, train.seq_len)
-    return {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32), "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
-            "weights": jax.ShapeDtypeStruct(shape, jnp.float32), "answer": jax.ShapeDtypeStruct(shape, jnp.float32)}
+    out = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32), "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
+           "weights": jax.ShapeDtypeStruct(shape, jnp.float32), "answer": jax.ShapeDtypeStruct(shape, jnp.float32)}
+    if packed:
+        out |= {"positions": jax.ShapeDtypeStruct(shape, jnp.int32),
+                "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32)}
+    return out
 
 
 def state_struct(model: ModelConfig, optimizer: optax.GradientTransformation) -> TrainState:
@@ -127,23 +134,24 @@ def jit_train_step(model: ModelConfig, train: TrainConfig, *, mesh: jax.sharding
                    donate_argnums=0)
 
 
-def step_shardings(model: ModelConfig, train: TrainConfig, mesh: jax.sharding.Mesh):
+def step_shardings(model: ModelConfig, train: TrainConfig, mesh: jax.sharding.Mesh, packed: bool = False):
     """``(state shardings, batch shardings)`` of a run on ``mesh`` (``lcx.train.placement``; FSDP with
     ``train.fsdp``)."""
     optimizer = make_optimizer(train)
     state = placement.state_shardings(model, optimizer, state_struct(model, optimizer), mesh, fsdp=train.fsdp)
-    return state, placement.batch_shardings(batch_struct(train), mesh)
+    return state, placement.batch_shardings(batch_struct(train, packed), mesh)
 
 
 @functools.lru_cache(maxsize=8)
-def compile_train_step(model: ModelConfig, train: TrainConfig, *, mesh: jax.sharding.Mesh | None = None):
+def compile_train_step(model: ModelConfig, train: TrainConfig, *, mesh: jax.sharding.Mesh | None = None,
+                       packed: bool = False):
     """The step compiled ahead of time for ``model`` and ``train``'s static shapes (on ``mesh``: with the state and
-    batch shardings of ``step_shardings``, the state donated in place); cached, so a resumed or repeated run in the
-    same process does not compile again."""
-    state, batch = state_struct(model, make_optimizer(train)), batch_struct(train)
+    batch shardings of ``step_shardings``, the state donated in place; ``packed``: batches carry positions and
+    segment ids); cached, so a resumed or repeated run in the same process does not compile again."""
+    state, batch = state_struct(model, make_optimizer(train)), batch_struct(train, packed)
     if mesh is None:
         return jit_train_step(model, train).lower(state, batch).compile()
-    state_sh, batch_sh = step_shardings(model, train, mesh)
+    state_sh, batch_sh = step_shardings(model, train, mesh, packed)
     jitted = jit_train_step(model, train, mesh=mesh, state_sharding=state_sh, batch_sharding=batch_sh)
     with sharding.use_mesh(mesh):
         return jitted.lower(placement.with_shardings(state, state_sh),
