@@ -540,6 +540,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--utilization", type=float, default=UTILIZATION,
                    help=f"usable fraction of device memory (default {UTILIZATION})")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    t = p.add_argument_group("training (--train): params, optimizer state, gradients and activations per device")
+    t.add_argument("--train", action="store_true", help="plan a training run: --context is train.seq_len and "
+                   "--batch train.batch_size")
+    t.add_argument("--fsdp", action="store_true", help="also split weights and optimizer state over --data")
+    t.add_argument("--remat", default="none", help="none, full, dots or dots_no_batch (default none)")
+    t.add_argument("--attention", default="flash", help="flash (Pallas) or xla (materialized scores)")
+    t.add_argument("--compute-dtype", default="bfloat16", help="matmul dtype (default bfloat16)")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
     p.set_defaults(func=run)
     return p
 
@@ -564,6 +572,16 @@ def run(args: argparse.Namespace) -> int:
     """Print the plan; 0 when a plan was made (whatever the checkpoints say), ConfigError for bad input."""
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem")
     model = load_model(args.config, args.overrides)
+    if args.train:
+        from lcx.plan_train import TrainPlanInputs, render_train, train_plan
+
+        t_inputs = TrainPlanInputs(model=model, seq_len=args.context, batch=args.batch, gpu_mem_bytes=gpu_mem,
+                                   devices=args.devices, data=args.data, fsdp=args.fsdp, remat=args.remat,
+                                   attention=args.attention, compute_dtype=args.compute_dtype,
+                                   grad_accum=args.grad_accum, utilization=args.utilization)
+        t_plan = train_plan(t_inputs)
+        print(json.dumps(t_plan, indent=2) if args.json else render_train(t_inputs, t_plan, str(args.config)))
+        return 0
     inputs = PlanInputs(model=model, context=args.context, batch=args.batch, gpu_mem_bytes=gpu_mem,
                         devices=args.devices, data=args.data, kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype,
                         budget=args.budget, utilization=args.utilization,
