@@ -8,6 +8,7 @@ before anything runs (``lcx.generate.plan_capacity``), and the planner reports t
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 
@@ -20,12 +21,30 @@ def usable_bytes(total_bytes: int, utilization: float = UTILIZATION) -> int:
 
 
 def device_memory_bytes() -> int | None:
-    """The memory limit the first local device reports (None where the backend reports none)."""
+    """The memory limit the first local device reports; on the CPU backend, which reports none, the host's
+    available memory (its arrays live there); None where neither is known."""
     try:
         stats = jax.local_devices()[0].memory_stats()
     except Exception:  # some backends do not implement memory_stats
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return host_memory_bytes() if jax.default_backend() == "cpu" else None
+
+
+def host_memory_bytes() -> int | None:
+    """Available host memory: ``MemAvailable`` of ``/proc/meminfo`` (Linux), else the physical memory size."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
         return None
-    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
-__all__ = ["UTILIZATION", "device_memory_bytes", "usable_bytes"]
+__all__ = ["UTILIZATION", "device_memory_bytes", "host_memory_bytes", "usable_bytes"]

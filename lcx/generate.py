@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -63,14 +64,23 @@ class GenerateResult:
 
 # --------------------------------------------------------------------------------------------------- prompts
 def pad_prompts(prompt_ids: Any, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """A ``[b, len]`` int array or a list of token lists -> (right-padded ids ``[b, max_len]``, lengths ``[b]``)."""
+    """A ``[b, len]`` int array or a list of token lists -> (right-padded ids ``[b, max_len]``, lengths ``[b]``).
+    Anything else - a flat list, float ids, an empty prompt - is a ``ConfigError`` saying what was expected."""
     if isinstance(prompt_ids, (np.ndarray, jax.Array)):
         ids = np.asarray(prompt_ids)
         if ids.ndim != 2 or ids.shape[1] == 0 or not np.issubdtype(ids.dtype, np.integer):
+            hint = "; one prompt of shape [len] is written ids[None]" if ids.ndim == 1 else ""
             raise ConfigError(f"prompt_ids has shape {ids.shape} and dtype {ids.dtype}: expected a non-empty int "
-                              "array [batch, len] or a list of token lists")
+                              f"array [batch, len] or a list of token lists{hint}")
         return ids.astype(np.int32), np.full((ids.shape[0],), ids.shape[1], np.int32)
-    rows = [list(r) for r in prompt_ids]
+    if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
+        raise ConfigError(f"prompt_ids={prompt_ids!r:.60} is invalid: expected a list of token-id lists (one per "
+                          "prompt) or an int array [batch, len]; encode text with a tokenizer first")
+    rows = list(prompt_ids)
+    if rows and all(_is_int(x) for x in rows):
+        raise ConfigError(f"prompt_ids is a flat list of {len(rows)} ids: expected a list of prompts, each a list "
+                          "of token ids - wrap one prompt as [ids]")
+    rows = [_prompt_row(r, i) for i, r in enumerate(rows)]
     if not rows or any(len(r) == 0 for r in rows):
         raise ConfigError("prompt_ids must hold at least one prompt and no empty prompt")
     lengths = np.asarray([len(r) for r in rows], np.int32)
@@ -78,6 +88,40 @@ def pad_prompts(prompt_ids: Any, pad_id: int = 0) -> tuple[np.ndarray, np.ndarra
     for i, r in enumerate(rows):
         ids[i, : len(r)] = r
     return ids, lengths
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _prompt_row(row, i: int) -> list[int]:
+    if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
+        raise ConfigError(f"prompt_ids[{i}]={row!r:.60} is invalid: each prompt is a list of token ids")
+    row = list(np.asarray(row).tolist()) if isinstance(row, (np.ndarray, jax.Array)) else list(row)
+    bad = next((x for x in row if not _is_int(x)), None)
+    if bad is not None:
+        raise ConfigError(f"prompt_ids[{i}] holds {bad!r} ({type(bad).__name__}): token ids must be integers")
+    return row
+
+
+def check_positions(config: ModelConfig, cache: CacheConfig, max_prompt: int, max_new_tokens: int,
+                    strict: bool = False) -> None:
+    """Warn (``strict``: raise) when a full cache would place tokens past ``max_position_embeddings`` with plain RoPE:
+    nothing then keeps the positions inside the range the model was trained on, and the output degrades."""
+    last = max_prompt + max_new_tokens
+    if cache.policy != "full" or config.rope.type != "default" or last <= config.max_position_embeddings:
+        return
+    msg = (f"positions reach {last} (prompt {max_prompt} + max_new_tokens {max_new_tokens}), past "
+           f"model.max_position_embeddings={config.max_position_embeddings}, with rope.type='default' and "
+           "cache.policy='full': the model has not seen these positions; set a RoPE scaling (model.rope, e.g. "
+           "yarn) or an eviction policy (e.g. cache.policy=streaming) that keeps them in range")
+    if strict:
+        raise ConfigError(msg)
+    warnings.warn(msg, PositionRangeWarning, stacklevel=3)
+
+
+class PositionRangeWarning(UserWarning):
+    """Generation places tokens at positions the model was not trained on."""
 
 
 # --------------------------------------------------------------------------------------------------- planning
@@ -107,7 +151,7 @@ def plan_capacity(config: ModelConfig, cache: CacheConfig, batch: int, max_promp
         weights = (config.num_params() * dtype_bytes(config.param_dtype) if mesh is None
                    else param_bytes_per_device(config, mesh))  # the planner's placement arithmetic
         limit = device_memory.usable_bytes(device_limit) - weights
-        source = f"{device_memory.UTILIZATION:.0%} of device memory less the weights"
+        source = f"{device_memory.UTILIZATION:.0%} of {jax.default_backend()} memory less the weights"
     if limit is not None and need_bytes > limit:
         per_token = max(kind.nbytes(batch, 1) // (mesh.size if mesh is not None else 1), 1)
         fit = max(limit // per_token, 0)
@@ -204,11 +248,17 @@ class Generator:
 
     def __init__(self, config: ModelConfig, params, *, max_new_tokens: int, cache: CacheConfig | None = None,
                  sampling: SamplingConfig | None = None, eos_id: int | None = None, seed: int = 0,
-                 pad_id: int | None = None, mesh=None, capacity: int | None = None):
+                 pad_id: int | None = None, mesh=None, capacity: int | None = None, strict: bool = False):
         """``capacity`` fixes the cache slots (at least what each request needs): requests of different lengths then
-        share one compiled prefill and decode (evaluation grids). ``mesh``: shard params and cache over it."""
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        share one compiled prefill and decode (evaluation grids). ``mesh``: shard params and cache over it.
+        ``strict``: positions past the trained range (``check_positions``) are an error instead of a warning."""
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive integer")
+        for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
+            if value is not None and not (_is_int(value) and 0 <= value < config.vocab_size):
+                raise ConfigError(f"{name}={value!r} is invalid: must be a token id in [0, {config.vocab_size}) "
+                                  "(the model's vocabulary) or None")
+        self.strict = strict
         self.config, self.params, self.mesh = config, params, mesh
         if mesh is not None:
             sharding.mesh_topology(config, mesh)  # raises for a model axis that cannot split the KV heads
@@ -264,6 +314,7 @@ class Generator:
             bad = int(ids[(ids < 0) | (ids >= self.config.vocab_size)][0])
             raise ConfigError(f"prompt token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
         batch, max_len = ids.shape
+        check_positions(self.config, self.cache_config, max_len, self.max_new_tokens, self.strict)
         capacity = plan_capacity(self.config, self.cache_config, batch, max_len, self.max_new_tokens, self.mesh)
         if self.capacity is not None:
             if self.capacity < capacity:
@@ -419,18 +470,18 @@ class Generator:
 
 def generate(config: ModelConfig, params, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
-             cache: CacheConfig | None = None, seed: int = 0, mesh=None) -> GenerateResult:
+             cache: CacheConfig | None = None, seed: int = 0, mesh=None, strict: bool = False) -> GenerateResult:
     """Generate ``max_new_tokens`` per prompt. ``prompt_ids``: int array ``[batch, len]`` or a list of token lists.
 
     Returns ``.tokens [batch, max_new_tokens]`` (padded with ``eos_id`` after EOS) and ``.lengths``.
     ``mesh`` (``lcx.sharding.make_mesh``): generate sharded over it (see ``Generator``); the tokens equal the
-    single-device ones.
+    single-device ones. ``strict``: positions past the model's trained range are an error, not a warning.
     """
     gen = Generator(config, params, max_new_tokens=max_new_tokens, cache=cache,
                     sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p), eos_id=eos_id,
-                    seed=seed, mesh=mesh)
+                    seed=seed, mesh=mesh, strict=strict)
     return gen.result(gen.decode(gen.prefill(prompt_ids)))
 
 
-__all__ = ["CacheCapacityError", "DecodeState", "GenerateResult", "Generator", "cache_kind", "generate",
-           "pad_prompts", "plan_capacity"]
+__all__ = ["CacheCapacityError", "DecodeState", "GenerateResult", "Generator", "PositionRangeWarning", "cache_kind",
+           "check_positions", "generate", "pad_prompts", "plan_capacity"]

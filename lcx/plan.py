@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import yaml
-from jax.sharding import AbstractMesh, AxisType
 
 from lcx import hf, sharding
 from lcx.cache.kv_cache import kv_bytes
@@ -73,8 +72,7 @@ def kv_bytes_per_token_per_device(model: ModelConfig, kv_dtype: str, model_axis:
     return kv_bytes_per_token(model, kv_dtype) * kv_heads_per_device(model, model_axis) // model.n_kv_heads
 
 
-def abstract_mesh(data: int, model_axis: int) -> AbstractMesh:
-    return AbstractMesh((data, model_axis), sharding.MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+abstract_mesh = sharding.abstract_mesh
 
 
 def weight_bytes_per_device(model: ModelConfig, dtype: str, model_axis: int, data: int = 1) -> int:

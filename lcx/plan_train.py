@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 
+from lcx import sharding
 from lcx.config import ConfigError, ModelConfig
 from lcx.config_base import canonical_dtype, dtype_bytes, format_bytes
 from lcx.device_memory import UTILIZATION, usable_bytes
@@ -86,13 +87,12 @@ class TrainPlanInputs:
 def state_bytes_per_device(model: ModelConfig, data: int, model_axis: int, fsdp: bool) -> dict[str, int]:
     """Exact ``{"params", "optimizer", "gradients"}`` bytes one device holds: shard shapes of the run's state
     shardings on an abstract mesh (AdamW, float32 master weights)."""
-    from lcx.plan import abstract_mesh
     from lcx.train.config import TrainConfig
     from lcx.train.optim import make_optimizer
     from lcx.train.placement import state_shardings
     from lcx.train.step import state_struct
 
-    mesh = abstract_mesh(data, model_axis)
+    mesh = sharding.abstract_mesh(data, model_axis)
     optimizer = make_optimizer(TrainConfig(steps=10))
     arch = dataclasses.replace(model, param_dtype="float32")
     state = state_struct(arch, optimizer)

@@ -8,9 +8,11 @@ as that row sampled alone.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lcx.config_base import ConfigError
 
@@ -24,16 +26,21 @@ class SamplingConfig:
     top_p: float | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ConfigError(f"temperature={self.temperature!r} is invalid: must be >= 0 (0 = greedy)")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+        if not _real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature!r} is invalid: must be a finite number >= 0 (0 = greedy)")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool)
+                                       or self.top_k < 1):
             raise ConfigError(f"top_k={self.top_k!r} is invalid: must be a positive integer or None")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p={self.top_p!r} is invalid: must be in (0, 1] or None")
+        if self.top_p is not None and not (_real(self.top_p) and 0 < self.top_p <= 1):  # NaN fails the comparison
+            raise ConfigError(f"top_p={self.top_p!r} is invalid: must be a number in (0, 1] or None")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
 def filter_logits(logits: jax.Array, top_k: int | None, top_p: float | None) -> jax.Array:

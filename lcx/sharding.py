@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import einops
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from lcx.config_base import ConfigError
 
@@ -149,6 +149,11 @@ def resolve_mesh_shape(data: int | str, model: int | str, n_devices: int, n_kv_h
     if n_kv_heads is not None:
         check_topology(n_kv_heads, model, n_heads)
     return data, model
+
+
+def abstract_mesh(data: int, model: int) -> AbstractMesh:
+    """A ``("data", "model")`` mesh of shapes only (no devices): for planning placements and bytes per device."""
+    return AbstractMesh((data, model), MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto))
 
 
 def make_mesh(data: int | str = "auto", model: int | str = "auto", devices: Sequence[Any] | None = None) -> Mesh:
@@ -402,8 +407,9 @@ def per_shard(fn: Callable, in_axes: Sequence[Any], out_axes: Any) -> Callable:
     return call
 
 
-__all__ = ["BHD", "BK", "BKS", "BSKD", "BT", "BTHD", "LOGICAL_RULES", "MESH_AXES", "ROWS", "MeshConfig", "axis_size",
-           "batch_sharding", "cache_model_config", "check_rules", "check_topology", "kv_replication",
+__all__ = ["BHD", "BK", "BKS", "BSKD", "BT", "BTHD", "LOGICAL_RULES", "MESH_AXES", "ROWS", "MeshConfig",
+           "abstract_mesh", "axis_size", "batch_sharding", "cache_model_config", "check_rules", "check_topology",
+           "kv_replication",
            "logical_to_mesh", "make_mesh", "mesh_topology", "named_sharding", "per_shard", "put",
            "replicate_kv_heads", "replicated", "resolve_mesh_shape", "spec_for", "to_host", "use_mesh",
            "valid_model_axis_sizes"]
