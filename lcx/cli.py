@@ -39,9 +39,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ConfigError as err:
-        # Bad user input: one clear line, no traceback.
+        # Bad user input or a failed save: one clear line, no traceback.
         print(f"lcx {args.command}: error: {err}", file=sys.stderr)
+        _exit_if_stuck(2)
         return 2
+    except KeyboardInterrupt as err:
+        print(f"lcx {args.command}: {err or 'interrupted'}", file=sys.stderr)
+        _exit_if_stuck(130)
+        return 130
+
+
+def _exit_if_stuck(code: int) -> None:
+    """Exit now when orbax's writer threads are still alive after a failed save (waiting on signals that will never
+    come, for 20 minutes): the interpreter would wait for them at exit. Other threads are left alone."""
+    import threading
+
+    stuck = [t for t in threading.enumerate() if type(t).__module__.startswith("orbax") and not t.daemon]
+    for t in stuck:
+        t.join(timeout=2.0)
+    if any(t.is_alive() for t in stuck):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ Run directory::
     runs/NAME/eval/, runs/NAME/ablate/    results.csv, results.md, *.png, done.json
 
 Rerunning a finished stage reuses its outputs: training resumes from its last checkpoint (nothing to do when it
-reached ``steps``), eval and ablate are skipped when ``done.json`` records the same settings.
+reached ``steps``), eval, ablate and router are skipped when ``done.json`` records the same inputs - the settings
+they read and the exact checkpoint (step and content fingerprint) they evaluated, so more training, a new fine-tune
+or a replaced checkpoint reruns them. ``results.md`` ends with the checkpoint it came from.
 """
 
 from __future__ import annotations
@@ -137,12 +139,13 @@ def _mesh(cfg: ExperimentConfig):
     return cfg.mesh.make_mesh(n_kv_heads=cfg.model.n_kv_heads, n_heads=cfg.model.n_heads)
 
 
-def run_train(cfg: ExperimentConfig, progress: bool = True):
+def run_train(cfg: ExperimentConfig, progress: bool = True, allow_changes: bool = False):
     from lcx.train import run_training
 
     cfg.require("train")
     _say(f"train -> {cfg.run_dir / 'train'}")
-    return run_training(cfg.model, cfg.train, cfg.data, cfg.run_dir / "train", progress=progress, mesh=_mesh(cfg))
+    return run_training(cfg.model, cfg.train, cfg.data, cfg.run_dir / "train", progress=progress, mesh=_mesh(cfg),
+                        allow_changes=allow_changes)
 
 
 def finetune_sections(cfg: ExperimentConfig) -> tuple[ModelConfig, TrainConfig, DataConfig]:
@@ -161,13 +164,14 @@ def finetune_sections(cfg: ExperimentConfig) -> tuple[ModelConfig, TrainConfig, 
     return model, train, data
 
 
-def run_finetune(cfg: ExperimentConfig, progress: bool = True):
+def run_finetune(cfg: ExperimentConfig, progress: bool = True, allow_changes: bool = False):
     from lcx.train import run_training
 
     cfg.require("finetune")
     model, train, data = finetune_sections(cfg)
     _say(f"finetune (rope {model.rope.type}, seq_len {train.seq_len}) -> {cfg.run_dir / 'finetune'}")
-    return run_training(model, train, data, cfg.run_dir / "finetune", progress=progress, mesh=_mesh(cfg))
+    return run_training(model, train, data, cfg.run_dir / "finetune", progress=progress, mesh=_mesh(cfg),
+                        allow_changes=allow_changes)
 
 
 def run_router(cfg: ExperimentConfig, progress: bool = True) -> dict:
@@ -175,9 +179,10 @@ def run_router(cfg: ExperimentConfig, progress: bool = True) -> dict:
     from lcx.train.router import train_router
 
     cfg.require("router")
-    model, params, source = latest_params(cfg)
+    model, params, info = latest_params(cfg)
+    source = info.path
     out_dir = cfg.run_dir / "router"
-    settings = json.loads(json.dumps({"stage": "router", "source": str(source), "router": to_dict(cfg.router),
+    settings = json.loads(json.dumps({"stage": "router", "checkpoint": info.to_dict(), "router": to_dict(cfg.router),
                                       "data": to_dict(cfg.data)}, default=str))
     if _done(out_dir, settings):
         _say(f"router: {out_dir} is up to date (delete done.json to rerun)")
@@ -190,32 +195,35 @@ def run_router(cfg: ExperimentConfig, progress: bool = True) -> dict:
 
 
 def latest_params(cfg: ExperimentConfig):
-    """(model config, params) to evaluate: ``eval.checkpoint``, else the run's finetune or train stage."""
-    from lcx.train import load_checkpoint
+    """(model config, params, ``CheckpointInfo``) to evaluate: ``eval.checkpoint``, else the run's finetune or train
+    stage (its newest checkpoint that passes verification)."""
+    from lcx.train.checkpoint import load_checkpoint_info
 
     source = cfg.eval.checkpoint if cfg.eval is not None else None
     candidates = [Path(source)] if source else [cfg.run_dir / "finetune", cfg.run_dir / "train"]
     for path in candidates:
         if (path / "checkpoints").is_dir() or (source and path.exists()):
-            model, params = load_checkpoint(path)
+            model, params, info = load_checkpoint_info(path)
             # evaluate with the experiment's attention implementation and dtypes of the model section
             model = dataclasses.replace(model, attention=cfg.model.attention, dtype=cfg.model.dtype)
-            return model, params, path
+            return model, params, info
     raise ConfigError(f"nothing to evaluate: no checkpoint under {[str(c) for c in candidates]}; run the train stage "
                       "first or set eval.checkpoint")
 
 
 def variant_checkpoints(cfg: ExperimentConfig) -> dict[str, tuple]:
-    """(model, params) of the ablation's RoPE variants that name a ``checkpoint``: a stage of this run or a path."""
-    from lcx.train import load_checkpoint
+    """(model, params, ``CheckpointInfo``) of the ablation's RoPE variants that name a ``checkpoint``: a stage of
+    this run or a path."""
+    from lcx.train.checkpoint import load_checkpoint_info
 
     out = {}
     for variant in cfg.ablate.ropes if cfg.ablate is not None else ():
         if variant.checkpoint is None:
             continue
         path = cfg.run_dir / variant.checkpoint if variant.checkpoint in STAGES else Path(variant.checkpoint)
-        model, params = load_checkpoint(path)
-        out[variant.name] = (dataclasses.replace(model, attention=cfg.model.attention, dtype=cfg.model.dtype), params)
+        model, params, info = load_checkpoint_info(path)
+        model = dataclasses.replace(model, attention=cfg.model.attention, dtype=cfg.model.dtype)
+        out[variant.name] = (model, params, info)
     return out
 
 
@@ -228,8 +236,11 @@ def _finish(out_dir: Path, settings: dict) -> None:
     (out_dir / "done.json").write_text(json.dumps(settings, indent=2, sort_keys=True))
 
 
-def _settings(cfg: ExperimentConfig, stage: str, source: Path) -> dict:
-    out = {"stage": stage, "source": str(source), "model": to_dict(cfg.model), "eval": cfg.eval.to_dict()}
+def _settings(cfg: ExperimentConfig, stage: str, info, variants: dict | None = None) -> dict:
+    """What an eval / ablate stage consumes: its settings and the exact checkpoints (step + content fingerprint)."""
+    out = {"stage": stage, "checkpoint": info.to_dict(), "model": to_dict(cfg.model), "eval": cfg.eval.to_dict()}
+    if variants:
+        out["variant_checkpoints"] = {name: v[2].to_dict() for name, v in sorted(variants.items())}
     out["cache" if stage == "eval" else "ablate"] = (cfg.cache.to_dict() if stage == "eval"
                                                      else cfg.ablate.to_dict())
     return json.loads(json.dumps(out, default=str))
@@ -239,35 +250,58 @@ def run_eval_stage(cfg: ExperimentConfig, stage: str = "eval", progress: bool = 
     from lcx.eval.grid import run_ablate, run_eval
 
     cfg.require(stage)
-    model, params, source = latest_params(cfg)
+    model, params, info = latest_params(cfg)
+    variants = variant_checkpoints(cfg) if stage == "ablate" else {}
     out_dir = cfg.run_dir / stage
-    settings = _settings(cfg, stage, source)
+    settings = _settings(cfg, stage, info, variants)
     if _done(out_dir, settings):
-        _say(f"{stage}: {out_dir / 'results.md'} is up to date (delete done.json to rerun)")
+        _say(f"{stage}: {out_dir / 'results.md'} is up to date with checkpoint {info.path} (delete done.json to "
+             "rerun)")
         return out_dir
-    _say(f"{stage} {source} -> {out_dir}")
+    if (out_dir / "done.json").is_file():
+        _say(f"{stage}: inputs changed since the last run (now checkpoint {info.path}, step {info.step}): rerunning")
+    _say(f"{stage} {info.path} -> {out_dir}")
     if stage == "eval":
         run_eval(model, params, cfg.eval, cfg.cache, out_dir, progress=progress)
     else:
         run_ablate(model, params, cfg.eval, cfg.ablate, out_dir, progress=progress,
-                   checkpoints=variant_checkpoints(cfg))
+                   checkpoints={name: v[:2] for name, v in variants.items()})
+    with open(out_dir / "results.md", "a") as f:
+        f.write(_provenance(cfg, info, variants))
     _finish(out_dir, settings)
     print((out_dir / "results.md").read_text())
     return out_dir
 
 
-def run(cfg: ExperimentConfig, stages: Sequence[str] | None = None, progress: bool = True) -> Path:
-    """Run ``stages`` (default: the config's ``stages``) in order; returns the run directory."""
+def _provenance(cfg: ExperimentConfig, info, variants: dict) -> str:
+    """The line results.md ends with: which checkpoint(s) the numbers come from."""
+    def name(i):
+        try:
+            return i.path.relative_to(cfg.run_dir.absolute()).as_posix()
+        except ValueError:
+            return str(i.path)
+
+    extra = "".join(f"; variant {v}: `{name(c[2])}` (step {c[2].step}, {c[2].fingerprint})"
+                    for v, c in sorted(variants.items()))
+    return f"\nModel: checkpoint `{name(info)}` (step {info.step}, content {info.fingerprint}){extra}.\n"
+
+
+def run(cfg: ExperimentConfig, stages: Sequence[str] | None = None, progress: bool = True,
+        allow_changes: bool = False) -> Path:
+    """Run ``stages`` (default: the config's ``stages``) in order; returns the run directory. ``allow_changes``:
+    training stages resume even with changed settings (recorded in their ``settings.jsonl``)."""
     stages = list(stages or cfg.stages)
     if not stages:
         raise ConfigError("stages is empty: list the stages to run (e.g. stages: [train, eval, ablate])")
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    from lcx.train.loop import make_run_dir
+
+    make_run_dir(cfg.run_dir)
     (cfg.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     for stage in stages:
         if stage == "train":
-            run_train(cfg, progress)
+            run_train(cfg, progress, allow_changes)
         elif stage == "finetune":
-            run_finetune(cfg, progress)
+            run_finetune(cfg, progress, allow_changes)
         elif stage == "router":
             run_router(cfg, progress)
         else:
@@ -285,12 +319,15 @@ def add_parsers(subparsers) -> None:
         p.add_argument("config", metavar="CONFIG", help="experiment YAML")
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=100")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
+        p.add_argument("--allow-changes", action="store_true",
+                       help="resume training with changed train / data settings (recorded per segment of steps)")
         p.set_defaults(func=_cli, stage=None if name == "run" else name.replace("train-router", "router"))
 
 
 def _cli(args) -> int:
     cfg = load_experiment(args.config, args.overrides)
-    run(cfg, None if args.stage is None else [args.stage], progress=not args.no_progress)
+    run(cfg, None if args.stage is None else [args.stage], progress=not args.no_progress,
+        allow_changes=args.allow_changes)
     return 0
 
 

@@ -83,6 +83,11 @@ def config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> ModelCo
         sliding = hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or [])
         if sliding:
             raise _refuse(where, "use_sliding_window=true / sliding_attention layers are not supported by lcx")
+    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    missing = [k for k in required if k not in hf]
+    if missing:
+        raise _refuse(where, f"the required key(s) {missing} are missing (a {family} config.json has "
+                             f"{list(required)})")
     n_heads = hf["num_attention_heads"]
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     attention_bias = bool(hf.get("attention_bias", False))
@@ -120,8 +125,11 @@ def read_hf_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{str(path)!r} is not a Hugging Face checkpoint directory: {cfg_path} does not exist")
     try:
         hf = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{cfg_path} is not valid JSON: {err}") from err
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{cfg_path} is not valid JSON: {err}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{cfg_path} holds a JSON {type(hf).__name__}, not an object of model settings; it is not "
+                          "a Hugging Face config.json")
     return config_from_hf(hf, where=str(cfg_path))
 
 
@@ -198,15 +206,29 @@ class _TensorReader:
         index = path / "model.safetensors.index.json"
         single = path / "model.safetensors"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+                raise ConfigError(f"{index} is not a valid safetensors index (a JSON object with a 'weight_map' of "
+                                  f"tensor name -> shard file): {type(err).__name__}: {err}") from None
+            absent = [f for f in files if not (path / f).is_file()]
+            if absent:
+                raise ConfigError(f"{index} lists shard(s) {absent[:3]} that are missing from {str(path)!r}; "
+                                  "download or copy the complete checkpoint")
         elif single.is_file():
             files = ["model.safetensors"]
             weight_map = None
         else:
             raise ConfigError(f"{str(path)!r} holds no model.safetensors or model.safetensors.index.json "
                               "(lcx reads safetensors only; convert .bin checkpoints with transformers first)")
-        self._handles = {f: safe_open(str(path / f), framework="numpy") for f in files}
+        self._handles = {}
+        for f in files:
+            try:
+                self._handles[f] = safe_open(str(path / f), framework="numpy")
+            except Exception as err:  # safetensors raises its own SafetensorError
+                raise ConfigError(f"{path / f} is not a readable safetensors file ({type(err).__name__}: "
+                                  f"{str(err)[:200]}); the file is truncated or damaged - copy it again") from None
         self._where = {}
         for f, h in self._handles.items():
             for name in h.keys():
@@ -223,7 +245,11 @@ class _TensorReader:
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self._where:
             raise ConfigError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
-        array = self._handles[self._where[name]].get_tensor(name)
+        try:
+            array = self._handles[self._where[name]].get_tensor(name)
+        except Exception as err:
+            raise ConfigError(f"{self.path / self._where[name]}: tensor {name!r} cannot be read ({type(err).__name__}: "
+                              f"{str(err)[:200]}); the file is truncated or damaged") from None
         if tuple(array.shape) != tuple(shape):
             raise ConfigError(f"{self.path}: tensor {name!r} has shape {tuple(array.shape)}, the config implies "
                               f"{tuple(shape)}")

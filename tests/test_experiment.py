@@ -73,6 +73,26 @@ def test_experiment_all_stages_then_rerun_reuses_outputs(micro, tmp_path, capsys
     assert [r["step"] for r in train_rows] == [1, 2, 3]  # the rerun trained nothing more
 
 
+def test_eval_reruns_when_its_checkpoint_changed(micro, tmp_path, capsys):
+    """More training on a finished run: eval's done.json names the checkpoint it evaluated, so it reruns."""
+    def args(*more):
+        return ["run", str(micro), "stages=[train,eval]", "eval.perplexity=null", *more, "--no-progress"]
+
+    assert main(args()) == 0
+    md = tmp_path / "runs" / "micro" / "eval" / "results.md"
+    assert "Model: checkpoint `train/checkpoints/3` (step 3, content " in md.read_text()
+    capsys.readouterr()
+    assert main(args("train.steps=5")) == 2  # changed settings need --allow-changes
+    assert "train.steps: 3 -> 5" in capsys.readouterr().err
+    assert main(args("train.steps=5", "--allow-changes")) == 0
+    assert "inputs changed since the last run (now checkpoint" in capsys.readouterr().err
+    assert "Model: checkpoint `train/checkpoints/5` (step 5, content " in md.read_text()
+    done = json.loads((md.parent / "done.json").read_text())
+    assert done["checkpoint"]["step"] == 5 and len(done["checkpoint"]["fingerprint"]) == 16
+    assert main(args("train.steps=5")) == 0  # nothing changed now: up to date
+    assert "is up to date with checkpoint" in capsys.readouterr().err
+
+
 def test_experiment_finetune_sections_change_rope_and_length(micro):
     cfg = load_experiment(micro)
     model, train, data = finetune_sections(cfg)

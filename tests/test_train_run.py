@@ -88,7 +88,7 @@ def test_train_resume_refuses_a_different_model(full_run, tmp_path):
         run_training(MODEL, dataclasses.replace(TRAIN, resume=False), DATA, run, progress=False)
 
 
-def test_train_corrupt_and_missing_checkpoints(full_run, tmp_path):
+def test_train_corrupt_and_missing_checkpoints(full_run, tmp_path, capfd):
     with pytest.raises(CheckpointError, match=r"checkpoint path '.*nope' does not exist"):
         load_checkpoint(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
@@ -99,11 +99,15 @@ def test_train_corrupt_and_missing_checkpoints(full_run, tmp_path):
     for f in (run / "checkpoints" / "8" / "params").rglob("*"):
         if f.is_file():
             f.write_bytes(b"garbage")
+    # verified: the damaged newest step is skipped (and said so), an explicit request for it refused
+    assert _same(load_checkpoint(run)[1], load_checkpoint(run / "checkpoints" / "6")[1])
+    assert "checkpoints/8 failed verification (file params/" in capfd.readouterr().err
+    with pytest.raises(CheckpointError, match=r"checkpoints/8' failed verification .*choose another step"):
+        load_checkpoint(run, step=8)
+    # without a manifest (a checkpoint from before lcx kept them) the damage shows when reading
+    (run / "checkpoints" / "8" / "lcx_checksums.json").unlink()
     with pytest.raises(CheckpointError, match=r"checkpoint '.*run/checkpoints/8' has unreadable parameter metadata"):
         load_checkpoint(run)
-    with pytest.raises(CheckpointError, match=r"checkpoints/8'.*delete that step directory"):
-        run_training(MODEL, TRAIN, DATA, run, progress=False)
-    assert load_checkpoint(run / "checkpoints" / "6")[0] == full_run.model  # the older one is intact
     with pytest.raises(CheckpointError, match=r"checkpoint step 5 is not in .*available: \[6, 8\]"):
         load_checkpoint(run, step=5)
 
@@ -201,11 +205,15 @@ def test_train_checks_batch_against_the_data_axis_and_remat_policy(tmp_path):
 
 
 def test_train_resumes_a_run_written_before_a_model_field_existed(full_run, tmp_path):
-    """config.yaml of an older lcx lacks fields added since (here remat_policy): they take their defaults."""
+    """config.yaml of an older lcx lacks fields added since (here remat_policy, train.fsdp, data.tokenizer and the
+    settings history): they take their defaults, and only a real change (steps) needs allow_changes."""
     run = tmp_path / "old"
     shutil.copytree(full_run.run_dir, run)
     saved = yaml.safe_load((run / "config.yaml").read_text())
-    del saved["model"]["remat_policy"]
+    del saved["model"]["remat_policy"], saved["train"]["fsdp"], saved["data"]["tokenizer"]
     (run / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
-    resumed = run_training(MODEL, dataclasses.replace(TRAIN, steps=9), DATA, run, progress=False)
+    (run / "settings.jsonl").unlink()
+    with pytest.raises(ConfigError, match=r"trained to step 8 with other settings \(train.steps: 8 -> 9\)"):
+        run_training(MODEL, dataclasses.replace(TRAIN, steps=9), DATA, run, progress=False)
+    resumed = run_training(MODEL, dataclasses.replace(TRAIN, steps=9), DATA, run, progress=False, allow_changes=True)
     assert resumed.step == 9
