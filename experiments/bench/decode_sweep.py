@@ -1,0 +1,167 @@
+"""Decoding speed as users call it: ``lcx.generate`` with default settings vs transformers ``generate``, across
+model shapes, with a per-call breakdown of where lcx's time goes.
+
+    python experiments/bench/decode_sweep.py                    # every shape, batch 1 and 8 (CPU: ~15 minutes)
+    python experiments/bench/decode_sweep.py --shapes tiny-gqa --batches 1
+
+Per shape: a random-weight transformers Llama (float32, eager attention) saved with ``save_pretrained`` and loaded
+by ``lcx.hf.load_hf`` - the same weights in one process. Each library runs a warm-up call, then ``--repeats`` fresh
+calls (``lcx.generate(config, params, prompt, max_new_tokens=128)``: a new Generator each time, as user code
+does; ``model.generate(ids, max_new_tokens=128, min_new_tokens=128, do_sample=False)``); the best wall time gives
+tokens/s = batch x new tokens / time. Greedy tokens are compared.
+
+The breakdown times the phases of one more lcx call with the public ``Generator`` API, synchronizing after each:
+``host`` (Generator construction: cache planning, compiled-function lookup), ``prefill`` (prompt padding, capacity
+check, cache creation and the prefill chunks), ``decode`` (the on-device decode loop: a while_loop of model steps and
+sampling), ``to_host`` (copying the tokens back); ``sampling`` is the greedy argmax over ``[batch, vocab]`` timed on
+its own per token (it runs inside the decode loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import lcx
+from lcx import hf
+from lcx.generate import Generator
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+    kv_heads: int
+    d_ff: int
+
+
+SHAPES = (
+    Shape("tiny-mha", 512, 128, 2, 4, 4, 344),
+    Shape("tiny-gqa", 512, 256, 4, 8, 2, 688),
+    Shape("small-32k", 32000, 256, 4, 8, 2, 688),
+    Shape("wide-32k", 32000, 1024, 4, 16, 4, 2752),
+    Shape("deep-32k", 32000, 256, 8, 8, 8, 688),
+    Shape("vocab-128k", 128256, 256, 2, 8, 2, 688),
+)
+
+
+def hf_model(shape: Shape):
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.d_model, intermediate_size=shape.d_ff,
+                                   num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                                   num_key_value_heads=shape.kv_heads, max_position_embeddings=4096,
+                                   bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                   attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def best_of(fn, repeats: int) -> float:
+    fn()  # warm-up: compiles (lcx) / allocates (torch)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def breakdown(config, params, prompt, new: int) -> dict[str, float]:
+    """Seconds per phase of one call through the public Generator API (see the module docstring)."""
+    t = {}
+    t0 = time.perf_counter()
+    gen = Generator(config, params, max_new_tokens=new)
+    t["host"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(gen.prefill(prompt))
+    t["prefill"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(gen.decode(state))
+    t["decode"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    gen.result(state)
+    t["to_host"] = time.perf_counter() - t0
+    # ``new`` greedy argmaxes over [batch, vocab] float32 in one compiled loop (as inside the decode loop)
+    logits = jax.random.normal(jax.random.key(0), (prompt.shape[0], config.vocab_size), jnp.float32)
+    loop = jax.jit(lambda x: jax.lax.fori_loop(0, new, lambda i, acc: acc + jnp.argmax(x + i, axis=-1), 0 * x[:, 0]))
+    jax.block_until_ready(loop(logits))
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(logits))
+    t["sampling"] = time.perf_counter() - t0
+    return t
+
+
+def run_shape(shape: Shape, batches, prompt_len: int, new: int, repeats: int) -> list[dict]:
+    import torch
+
+    model = hf_model(shape)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        config, params = hf.load_hf(tmp)
+    rows = []
+    for batch in batches:
+        prompt = np.random.default_rng(batch).integers(0, shape.vocab, (batch, prompt_len))
+        ids = torch.as_tensor(prompt)
+        out = {}
+
+        def run_lcx():
+            out["lcx"] = lcx.generate(config, params, prompt, max_new_tokens=new).tokens
+
+        def run_hf():
+            with torch.no_grad():
+                out["hf"] = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                           pad_token_id=0)[:, prompt_len:].numpy()
+
+        t_lcx, t_hf = best_of(run_lcx, repeats), best_of(run_hf, repeats)
+        parts = breakdown(config, params, prompt, new)
+        rows.append({"shape": shape, "batch": batch, "lcx_tok_s": batch * new / t_lcx, "hf_tok_s": batch * new / t_hf,
+                     "ratio": t_hf / t_lcx, "same": bool(np.array_equal(out["lcx"], out["hf"])), **parts})
+        print(_row(rows[-1], new), flush=True)
+    return rows
+
+
+HEADER = ("| shape | vocab | d_model | layers | heads / KV | batch | lcx tok/s | HF tok/s | lcx / HF | same tokens "
+          "| host ms | prefill ms | decode ms/token | sampling ms/token | to host ms |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _row(r: dict, new: int) -> str:
+    s = r["shape"]
+    return (f"| {s.name} | {s.vocab} | {s.d_model} | {s.layers} | {s.heads} / {s.kv_heads} | {r['batch']} | "
+            f"{r['lcx_tok_s']:.0f} | {r['hf_tok_s']:.0f} | {r['ratio']:.2f}x | {r['same']} | "
+            f"{r['host'] * 1e3:.1f} | {r['prefill'] * 1e3:.1f} | {r['decode'] * 1e3 / new:.2f} | "
+            f"{r['sampling'] * 1e3 / new:.3f} | {r['to_host'] * 1e3:.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="*", default=[s.name for s in SHAPES], help="shape names (default all)")
+    parser.add_argument("--batches", nargs="*", type=int, default=[1, 8])
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    known = {s.name: s for s in SHAPES}
+    unknown = [n for n in args.shapes if n not in known]
+    if unknown:
+        parser.error(f"unknown shape(s) {unknown}; known: {list(known)}")
+    print(f"jax {jax.__version__} on {jax.default_backend()}; prompt {args.prompt} + {args.new} new tokens, greedy, "
+          f"float32, best of {args.repeats} fresh calls after a warm-up")
+    print(HEADER)
+    for name in args.shapes:
+        run_shape(known[name], args.batches, args.prompt, args.new, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
