@@ -70,7 +70,8 @@ def bench_vs_hf(model, config, params, batch: int, prompt_len: int, new: int, re
 
         def run_hf():
             with torch.no_grad():
-                return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                      min_new_tokens=new, do_sample=False,
                                       pad_token_id=0)
 
         theirs = run_hf()[:, prompt_len:].numpy()

@@ -20,19 +20,31 @@ from lcx.model.rope import apply_rope, rope_tables
 
 
 class Block(nn.Module):
+    """One layer. The scan carries ``(x, cache, i)``: the whole stacked cache rides in the carry and layer ``i``
+    reads its slice and writes it back in place (``dynamic_update_slice`` on a loop-carried buffer). Passing the cache
+    as scanned inputs and outputs instead would build a fresh stacked cache every call - several full copies of every
+    layer's keys and values per decoded token."""
+
     config: ModelConfig
+    fresh: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array | None,
-                 ok: jax.Array | None, stat_weights: jax.Array | None, segment_ids: jax.Array | None, cache):
+    def __call__(self, carry, cos: jax.Array, sin: jax.Array, positions: jax.Array | None,
+                 ok: jax.Array | None, stat_weights: jax.Array | None, segment_ids: jax.Array | None):
+        x, cache, i = carry
+        layer = None if cache is None else jax.tree.map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), cache)
         with jax.named_scope("attention_block"):
-            attn = Attention(self.config, name="attn")
-            h, cache = attn(RMSNorm(self.config, name="attn_norm")(x), cos, sin, cache, positions, ok, stat_weights,
+            attn = Attention(self.config, fresh=self.fresh, name="attn")
+            h, layer = attn(RMSNorm(self.config, name="attn_norm")(x), cos, sin, layer, positions, ok, stat_weights,
                             segment_ids)
             x = x + h
         with jax.named_scope("mlp_block"):
             x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x))
-        return x, cache
+        if cache is not None:
+            cache = jax.tree.map(lambda a, u: jax.lax.dynamic_update_index_in_dim(a, u.astype(a.dtype), i, 0),
+                                 cache, layer)
+        return (x, cache, i + 1), None
 
 
 class Decoder(nn.Module):
@@ -43,6 +55,7 @@ class Decoder(nn.Module):
     all; False marks padding) and returns ``(logits, cache)``; each layer attends through the cache's own
     ``attend``. ``logits_index [b]`` computes the logits of one position per row only (e.g. the last prompt token),
     giving ``[b, 1, vocab]``. ``stat_weights [b, t]`` marks the queries whose attention feeds eviction statistics.
+    ``fresh_cache`` (static): ``cache`` holds nothing yet - a request's first prefill chunk (``CacheKind.attend``).
     ``segment_ids [b, t]`` (no cache): documents packed into one row - a token attends only within its segment;
     give ``positions`` restarting at 0 per document so each document is rotated as if it ran alone.
     """
@@ -52,7 +65,8 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None, cache=None,
                  ok: jax.Array | None = None, logits_index: jax.Array | None = None,
-                 stat_weights: jax.Array | None = None, segment_ids: jax.Array | None = None):
+                 stat_weights: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                 fresh_cache: bool = False):
         cfg = self.config
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq]; got shape {input_ids.shape}")
@@ -75,12 +89,12 @@ class Decoder(nn.Module):
             block,
             variable_axes={"params": 0, "intermediates": 0},
             split_rngs={"params": True},
-            in_axes=(nn.broadcast,) * 6 + (0,),
+            in_axes=(nn.broadcast,) * 6,
             length=cfg.n_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg, name="layers")
-        x, layer_caches = layers(x, cos, sin, positions, ok, stat_weights, segment_ids,
-                                 None if cache is None else cache.layers())
+        )(cfg, fresh=fresh_cache and cache is not None, name="layers")
+        carry = (x, None if cache is None else cache.layers(), jnp.zeros((), jnp.int32))
+        (x, layer_caches, _), _ = layers(carry, cos, sin, positions, ok, stat_weights, segment_ids)
 
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None].astype(jnp.int32), axis=1)  # [b, 1, e]
