@@ -92,36 +92,6 @@ def _jnp_decode(q, k, v, *, valid, sm_scale, weights=False, residuals=False, pre
     return out.astype(dtype)
 
 
-def _xla_decode(q, k, v, *, valid, sm_scale, weights=False, residuals=False):
-    """One query per row against the cache: a matrix-vector product per row and KV head, bound by reading K and V.
-
-    Written as multiply + reduce over the cache's own layout ``[b, s, k, d]``, so XLA reads K once and V once in
-    fused loops; a ``dot_general`` would first transpose the whole cache to put its batch dimensions (b, k) in front -
-    a copy of K and V per layer and token that dominated CPU decoding. float32 accumulation, as the other paths.
-    """
-    dtype = q.dtype
-    b, h, d = q.shape
-    kvh = k.shape[2]
-    g = h // kvh
-    f32 = jnp.float32
-    qg = q.reshape(b, 1, kvh, g, d).astype(f32) * sm_scale
-    scores = jnp.sum(qg * k[:, :, :, None, :].astype(f32), axis=-1)  # [b, s, k, g]
-    mask = valid.astype(bool)
-    mask = mask[:, :, None, None] if mask.ndim == 2 else jnp.swapaxes(mask, 1, 2)[..., None]  # [b, s, k | 1, 1]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    m = jnp.max(scores, axis=1)  # [b, k, g]; -inf for a row without a live slot
-    p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0)[:, None])  # [b, s, k, g]; 0 on masked slots
-    l = jnp.sum(p, axis=1)  # [b, k, g]
-    inv = 1.0 / jnp.where(l == 0, 1.0, l)
-    o = jnp.sum(p[..., None] * v[:, :, :, None, :].astype(f32), axis=1) * inv[..., None]  # [b, k, g, d]
-    results = [o.reshape(b, h, d).astype(dtype)]
-    if weights:
-        results.append(jnp.swapaxes(jnp.sum(p * inv[:, None], axis=-1), 1, 2))  # [b, k, s]
-    if residuals:
-        results += [m.reshape(b, h), l.reshape(b, h)]
-    return results[0] if len(results) == 1 else tuple(results)
-
-
 def _xla_causal(q, k, v, *, sm_scale, segment_ids=None):
     # jax.nn.dot_product_attention handles GQA itself (K/V heads broadcast over query groups); cuDNN on GPU.
     dtype = q.dtype
@@ -156,7 +126,7 @@ BACKENDS: dict[str, Backend] = {
         decode=functools.partial(_jnp_decode, precision=jax.lax.Precision.HIGHEST),
         column_sums=_jnp_column_sums),
     "xla": Backend("xla", causal=_xla_causal, chunk=functools.partial(_jnp_chunk, precision=_DEFAULT),
-                   decode=_xla_decode, column_sums=_jnp_column_sums),
+                   decode=functools.partial(_jnp_decode, precision=_DEFAULT), column_sums=_jnp_column_sums),
     "pallas": Backend("pallas", causal=lambda q, k, v, *, sm_scale, segment_ids=None: flash_attention(
                           q, k, v, causal=True, sm_scale=sm_scale, segment_ids=segment_ids),
                       chunk=_pallas_chunk, decode=_pallas_decode, column_sums=_pallas_column_sums),
