@@ -57,7 +57,10 @@ def _tokenizer(model_path: str, config: ModelConfig, setting: str = "auto"):
             raise ConfigError(f"--prompt needs a tokenizer: {model_path} has no tokenizer.json; pass --tokenizer PATH "
                               "(a tokenizer.json), --tokenizer bytes (a byte-level lcx model), or --ids")
         elif p.is_dir():
-            setting = run_tokenizer(p) or "bytes"  # runs that recorded none predate tokenizers: byte-level
+            from lcx.train.checkpoint import run_checkpoint
+
+            stage = run_checkpoint(p) or p  # runs/NAME -> the stage whose checkpoint is loaded
+            setting = run_tokenizer(stage) or "bytes"  # runs that recorded none predate tokenizers: byte-level
         else:
             setting = "bytes"
     tok = resolve_tokenizer(setting, vocab_size=config.vocab_size, key="--tokenizer")

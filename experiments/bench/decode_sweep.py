@@ -120,8 +120,9 @@ def run_shape(shape: Shape, batches, prompt_len: int, new: int, repeats: int) ->
 
         def run_hf():
             with torch.no_grad():
-                out["hf"] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                           pad_token_id=0)[:, prompt_len:].numpy()
+                # attention_mask: with pad_token_id=0 alone, transformers would mask prompt tokens equal to 0
+                out["hf"] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                           min_new_tokens=new, do_sample=False, pad_token_id=0)[:, prompt_len:].numpy()
 
         t_lcx, t_hf = best_of(run_lcx, repeats), best_of(run_hf, repeats)
         parts = breakdown(config, params, prompt, new)
