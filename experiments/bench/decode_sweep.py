@@ -21,14 +21,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import lcx
+sys.path.insert(0, str(Path(__file__).parent))
+
+import lcx  # noqa: E402
+from decode import _time  # noqa: E402  (the sibling script: best wall time of repeated calls)
 from lcx import hf
 from lcx.generate import Generator
 
@@ -69,12 +74,7 @@ def hf_model(shape: Shape):
 
 def best_of(fn, repeats: int) -> float:
     fn()  # warm-up: compiles (lcx) / allocates (torch)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return _time(fn, repeats)
 
 
 def breakdown(config, params, prompt, new: int) -> dict[str, float]:

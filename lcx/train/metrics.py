@@ -19,18 +19,27 @@ from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
 
 
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop rows with ``step`` greater than ``step`` (written after the checkpoint a run resumes from)."""
+def jsonl_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(line, object)`` of every intact JSON-object line of a JSONL file (a line cut short by a crash is skipped);
+    empty when the file does not exist."""
     if not path.exists():
-        return
-    kept = []
+        return []
+    out = []
     for line in path.read_text().splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            continue  # a row cut short by a crash
-        if isinstance(row, dict) and row.get("step", 0) <= step:
-            kept.append(line)
+            continue
+        if isinstance(row, dict):
+            out.append((line, row))
+    return out
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop rows with ``step`` greater than ``step`` (written after the checkpoint a run resumes from)."""
+    if not path.exists():
+        return
+    kept = [line for line, row in jsonl_rows(path) if row.get("step", 0) <= step]
     path.write_text("".join(line + "\n" for line in kept))
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lcx.config_base import ConfigError
+from lcx.train.metrics import jsonl_rows
 
 HISTORY = "settings.jsonl"
 OPERATIONAL = frozenset({"log_every", "save_every", "keep", "async_save", "profile_steps", "resume"})
@@ -22,18 +23,7 @@ OPERATIONAL = frozenset({"log_every", "save_every", "keep", "async_save", "profi
 
 def segments(run_dir: str | Path) -> list[dict[str, Any]]:
     """The recorded segments, oldest first (empty for runs written before the history existed)."""
-    path = Path(run_dir) / HISTORY
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash
-        if isinstance(row, dict) and "from_step" in row:
-            out.append(row)
-    return out
+    return [row for _, row in jsonl_rows(Path(run_dir) / HISTORY) if "from_step" in row]
 
 
 def changed_keys(before: dict[str, dict], after: dict[str, dict]) -> list[str]:
