@@ -183,12 +183,11 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
             return cache
         return jax.lax.with_sharding_constraint(cache, kind.shardings(cache, mesh))
 
-    def prefill_chunk(params, cache, ids, ok, last_index, last_logits, stat_weights, fresh=False):
-        # last_index [b]: index of the row's last prompt token within this chunk, or -1; fresh: the first chunk
+    def prefill_chunk(params, cache, ids, ok, last_index, last_logits, stat_weights):
+        # last_index [b]: index of the row's last prompt token within this chunk, or -1
         cache = kind.make_room(cache, jnp.max(jnp.sum(ok, axis=1)))  # room for this chunk's real tokens
         logits, cache = model.apply({"params": params}, ids, cache=cache, ok=ok,
-                                    logits_index=jnp.maximum(last_index, 0), stat_weights=stat_weights,
-                                    fresh_cache=fresh)
+                                    logits_index=jnp.maximum(last_index, 0), stat_weights=stat_weights)
         last_logits = jnp.where((last_index >= 0)[:, None], logits[:, 0], last_logits)
         return pin(cache), last_logits
 
@@ -228,8 +227,7 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
         (cache, logits), logprobs = jax.lax.scan(body, (cache, logits), tokens.T)
         return cache, logits, logprobs.T
 
-    return (jax.jit(prefill_chunk, donate_argnums=(1,), static_argnames=("fresh",)),
-            jax.jit(end_prefill, donate_argnums=(0,)),
+    return (jax.jit(prefill_chunk, donate_argnums=(1,)), jax.jit(end_prefill, donate_argnums=(0,)),
             jax.jit(decode_loop, donate_argnums=(1,)), jax.jit(forced_loop))
 
 
@@ -342,7 +340,7 @@ class Generator:
                 cache, last_logits = self._prefill_chunk(
                     self.params, cache, self._put(padded[:, lo:lo + chunk]), self._put(ok[:, lo:lo + chunk]),
                     self._put(last_index), last_logits,
-                    None if weights is None else self._put(weights[:, lo:lo + chunk]), fresh=c == 0)
+                    None if weights is None else self._put(weights[:, lo:lo + chunk]))
             cache = self.kind.sync(cache)
             bar.update(chunk * batch)
         bar.close()

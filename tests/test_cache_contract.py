@@ -69,7 +69,7 @@ class MirrorKind(CacheKind):
     def plan(self, batch, max_prompt, max_new_tokens):
         return max_prompt + max_new_tokens
 
-    def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, fresh=False):
+    def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
         slot = jnp.where(ok, layer.count[:, None] + jnp.cumsum(ok, axis=1) - 1, layer.capacity)  # [b, t]
         rows = jnp.arange(q.shape[0])[:, None]

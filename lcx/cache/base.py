@@ -149,13 +149,11 @@ class CacheKind(abc.ABC):
     # ------------------------------------------------------------------------------------------- in the model
     @abc.abstractmethod
     def attend(self, layer: CacheState, q: jax.Array, key: jax.Array, val: jax.Array, *, cos: jax.Array,
-               sin: jax.Array, positions: jax.Array, ok: jax.Array, stat_weights: jax.Array | None,
-               fresh: bool = False) -> tuple[jax.Array, CacheState]:
+               sin: jax.Array, positions: jax.Array, ok: jax.Array, stat_weights: jax.Array | None
+               ) -> tuple[jax.Array, CacheState]:
         """One layer: append ``key, val [b, t, k, d]`` (unrotated, where ``ok [b, t]``) at ``positions [b, t]`` and
         attend ``q [b, t, h, d]`` (unrotated; ``cos, sin`` are the RoPE tables of ``positions``) to the cache.
         ``stat_weights [b, t]``: the queries whose attention feeds eviction statistics (None: none).
-        ``fresh`` (static): the cache held nothing before this call (a request's first prefill chunk), so the new
-        tokens only see each other - a type may then use causal self-attention instead of attending every slot.
         Returns ``(out [b, t, h, d], layer)``."""
 
     # ------------------------------------------------------------------------------------------- between calls

@@ -148,9 +148,9 @@ class SlotCacheKind(CacheKind):
         return chosen.astype(np.float32)
 
     # ------------------------------------------------------------------------------------------- attention
-    def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, fresh=False):
+    def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
         return slot_attention.attend(self, layer, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
-                                     stat_weights=stat_weights, fresh=fresh)
+                                     stat_weights=stat_weights)
 
     # ------------------------------------------------------------------------------------------- eviction
     def evict(self, state: KVCache):

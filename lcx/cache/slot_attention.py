@@ -76,15 +76,16 @@ def _keep_head_sums(weights: jax.Array, heads: int) -> jax.Array:
     return einops.reduce(weights, "b (H j) C -> b H C", "sum", H=heads)
 
 
-def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, fresh=False):
+def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
     """``SlotCacheKind.attend``: append ``key, val [b, t, k, d]`` (unrotated) to ``layer`` and attend ``q [b, t, h,
     d]`` (unrotated) to it; ``cos, sin`` are the RoPE tables of ``positions`` (used in "original" mode).
 
-    ``fresh`` (the request's first chunk): row b's real tokens sit in slots ``[0, n_b)`` at ranks and positions
-    ``0 .. n_b - 1`` (prompts are right-padded, padding is not written), so each real query sees exactly the slots
-    at or before its own index among the first ``t``: causal self-attention over ``k[:, :t]`` - the backend's
-    ``causal`` (flash on GPU skips the upper triangle; XLA skips the ``capacity - t`` empty slots and the
-    per-row masks). Padding queries get garbage outputs nobody reads."""
+    A chunk written into an empty cache (a request's first prefill chunk; checked at run time, ``lax.cond``): row
+    b's real tokens sit in slots ``[0, n_b)`` at ranks and positions ``0 .. n_b - 1`` (prompts are right-padded,
+    padding is not written), so each real query sees exactly the slots at or before its own index among the first
+    ``t``: causal self-attention over ``k[:, :t]`` - the backend's ``causal`` (flash on GPU skips the upper
+    triangle; XLA skips the ``capacity - t`` empty slots and the per-row masks). Padding queries get outputs nobody
+    reads."""
     config, policy = kind.model, kind.policy
     chex.assert_rank([q, key, val], 4)
     chex.assert_equal_shape([key, val])
@@ -122,14 +123,17 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, f
     else:
         offsets, lengths = per_kv(q_offsets), per_kv(layer.count)
         t = q.shape[1]
-        if fresh and heads == 1 and t <= k_att.shape[1]:
+        chunk = lambda q, k, v, off, lens: backend.chunk(q, k, v, q_offsets=off, kv_lengths=lens,  # noqa: E731
+                                                          sm_scale=scale)
+        attend_all = lambda: per_shard(chunk, (BTHD, BSKD, BSKD, ints, ints), BTHD)(  # noqa: E731
+            q, k_att, layer.v, offsets, lengths)
+        if heads == 1 and t <= k_att.shape[1]:
             causal = functools.partial(backend.causal, sm_scale=scale)
-            out = per_shard(causal, (BTHD, BSKD, BSKD), BTHD)(q, k_att[:, :t].astype(q.dtype),
-                                                              layer.v[:, :t].astype(q.dtype))
+            among_new = lambda: per_shard(causal, (BTHD, BSKD, BSKD), BTHD)(  # noqa: E731
+                q, k_att[:, :t].astype(q.dtype), layer.v[:, :t].astype(q.dtype)).astype(q.dtype)
+            out = jax.lax.cond(jnp.all(q_offsets == 0), among_new, lambda: attend_all().astype(q.dtype))
         else:
-            chunk = lambda q, k, v, off, lens: backend.chunk(q, k, v, q_offsets=off, kv_lengths=lens,  # noqa: E731
-                                                              sm_scale=scale)
-            out = per_shard(chunk, (BTHD, BSKD, BSKD, ints, ints), BTHD)(q, k_att, layer.v, offsets, lengths)
+            out = attend_all()
         if counted:
             sums = lambda q, k, off, lens, w: backend.column_sums(q, k, q_offsets=off, kv_lengths=lens,  # noqa: E731
                                                                   query_weights=w, sm_scale=scale)

@@ -29,7 +29,6 @@ class Attention(nn.Module):
     """
 
     config: ModelConfig
-    fresh: bool = False  # the cache held nothing before this call (see ``CacheKind.attend``)
 
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache=None,
@@ -68,7 +67,7 @@ class Attention(nn.Module):
                 if segment_ids is not None:
                     raise ValueError("segment_ids (packed documents) are for training and scoring without a cache")
                 out, cache = cache.kind.attend(cache, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
-                                               stat_weights=stat_weights, fresh=self.fresh)
+                                               stat_weights=stat_weights)
         out = jnp.einsum("bthd,hde->bte", out.astype(dt), wo.astype(dt))  # [b, t, e]
         if cfg.o_bias:
             out = out + declare(self, "o_bias", (e,), ("embed",), zeros, pdt).astype(dt)

@@ -26,7 +26,6 @@ class Block(nn.Module):
     layer's keys and values per decoded token."""
 
     config: ModelConfig
-    fresh: bool = False
 
     @nn.compact
     def __call__(self, carry, cos: jax.Array, sin: jax.Array, positions: jax.Array | None,
@@ -35,7 +34,7 @@ class Block(nn.Module):
         layer = None if cache is None else jax.tree.map(
             lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), cache)
         with jax.named_scope("attention_block"):
-            attn = Attention(self.config, fresh=self.fresh, name="attn")
+            attn = Attention(self.config, name="attn")
             h, layer = attn(RMSNorm(self.config, name="attn_norm")(x), cos, sin, layer, positions, ok, stat_weights,
                             segment_ids)
             x = x + h
@@ -55,7 +54,6 @@ class Decoder(nn.Module):
     all; False marks padding) and returns ``(logits, cache)``; each layer attends through the cache's own
     ``attend``. ``logits_index [b]`` computes the logits of one position per row only (e.g. the last prompt token),
     giving ``[b, 1, vocab]``. ``stat_weights [b, t]`` marks the queries whose attention feeds eviction statistics.
-    ``fresh_cache`` (static): ``cache`` holds nothing yet - a request's first prefill chunk (``CacheKind.attend``).
     ``segment_ids [b, t]`` (no cache): documents packed into one row - a token attends only within its segment;
     give ``positions`` restarting at 0 per document so each document is rotated as if it ran alone.
     """
@@ -65,8 +63,7 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None, cache=None,
                  ok: jax.Array | None = None, logits_index: jax.Array | None = None,
-                 stat_weights: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                 fresh_cache: bool = False):
+                 stat_weights: jax.Array | None = None, segment_ids: jax.Array | None = None):
         cfg = self.config
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq]; got shape {input_ids.shape}")
@@ -92,7 +89,7 @@ class Decoder(nn.Module):
             in_axes=(nn.broadcast,) * 6,
             length=cfg.n_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg, fresh=fresh_cache and cache is not None, name="layers")
+        )(cfg, name="layers")
         carry = (x, None if cache is None else cache.layers(), jnp.zeros((), jnp.int32))
         (x, layer_caches, _), _ = layers(carry, cos, sin, positions, ok, stat_weights, segment_ids)
 

@@ -46,7 +46,7 @@ def _err(x, y):
     return float(jnp.max(jnp.abs(x - y)))
 
 
-@pytest.mark.parametrize("h,kv,d", [(4, 4, 32), (4, 2, 48)])
+@pytest.mark.parametrize("h,kv,d", [(4, 2, 48)])  # GQA and a head_dim the kernel pads
 def test_flash_segments_match_reference_forward_and_gradients(h, kv, d):
     q, k, v, ct = _inputs(h, kv, d)
     seg = _segments()

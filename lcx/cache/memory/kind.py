@@ -204,7 +204,7 @@ class MemoryKind(CacheKind):
         return (np.arange(width)[None, :] < lengths[:, None]).astype(np.float32)
 
     # ------------------------------------------------------------------------------------------- attention
-    def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, fresh=False):
+    def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
         return memory_attend.attend(self, layer, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
                                     stat_weights=stat_weights)
 
