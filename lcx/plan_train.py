@@ -26,6 +26,7 @@ deterministic); it ignores XLA's fusion choices and workspace, so read it as +-3
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -84,6 +85,7 @@ class TrainPlanInputs:
         return self.devices // self.data
 
 
+@functools.lru_cache(maxsize=64)  # the longest-seq_len search asks for the same state many times
 def state_bytes_per_device(model: ModelConfig, data: int, model_axis: int, fsdp: bool) -> dict[str, int]:
     """Exact ``{"params", "optimizer", "gradients"}`` bytes one device holds: shard shapes of the run's state
     shardings on an abstract mesh (AdamW, float32 master weights)."""
