@@ -30,8 +30,6 @@ MODEL = ModelConfig(vocab_size=260, d_model=32, n_layers=1, n_heads=2, n_kv_head
 TRAIN = TrainConfig(steps=8, batch_size=2, seq_len=32, lr=1e-2, warmup_steps=1, log_every=1, save_every=2, keep=3)
 DATA = DataConfig(task="mqar", params={"num_pairs": 3, "num_queries": 2})
 ROOT = Path(__file__).resolve().parents[1]
-# A failed orbax write leaves coroutines it never awaits; Python reports them whenever they are collected.
-pytestmark = pytest.mark.filterwarnings("ignore:coroutine .* was never awaited")
 
 
 def _curve(path: Path) -> list[tuple]:
