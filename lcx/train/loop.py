@@ -117,14 +117,18 @@ def _write_config(path: Path, model: ModelConfig, train: TrainConfig, data: Data
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
+def _with_defaults(saved: dict, cls) -> dict:
+    """A section an older lcx wrote, with the fields added to ``cls`` since then at their declared defaults (so older
+    runs stay resumable)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    return {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
+
+
 def _check_resume_model(path: Path, model: ModelConfig) -> None:
     if not path.exists():
         return
-    saved = (yaml.safe_load(path.read_text()) or {}).get("model", {})
+    saved = _with_defaults((yaml.safe_load(path.read_text()) or {}).get("model", {}), ModelConfig)
     current = to_dict(model)
-    # A field added to ModelConfig after the run was written takes its default (older runs stay resumable).
-    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
-    saved = {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
     diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
     if diff:
         pairs = ", ".join(f"model.{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in diff)
@@ -286,11 +290,9 @@ def _saved_settings(path: Path) -> dict | None:
     if not path.is_file():
         return None
     saved = yaml.safe_load(path.read_text()) or {}
-    train_defaults = to_dict(TrainConfig())
-    data_saved = dict(saved.get("data") or {})
-    data_saved.setdefault("tokenizer", "bytes")
-    train_saved = {**{k: v for k, v in train_defaults.items() if k != "warmup_steps"}, **(saved.get("train") or {})}
-    return {"train": train_saved, "data": {**to_dict(DataConfig()), **data_saved}}
+    data_saved = {"tokenizer": "bytes", **(saved.get("data") or {})}
+    return {"train": _with_defaults(saved.get("train") or {}, TrainConfig),
+            "data": _with_defaults(data_saved, DataConfig)}
 
 
 def _initial_state(manager, run_dir: Path, model: ModelConfig, train: TrainConfig, optimizer,
