@@ -32,6 +32,18 @@ def device_memory_bytes() -> int | None:
     return host_memory_bytes() if jax.default_backend() == "cpu" else None
 
 
+def free_bytes() -> int | None:
+    """Memory the first local device has free now (limit less bytes in use); on the CPU backend the host's
+    available memory; None where unknown."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return host_memory_bytes() if jax.default_backend() == "cpu" else None
+
+
 def host_memory_bytes() -> int | None:
     """Available host memory: ``MemAvailable`` of ``/proc/meminfo`` (Linux), else the physical memory size."""
     try:
@@ -47,4 +59,4 @@ def host_memory_bytes() -> int | None:
         return None
 
 
-__all__ = ["UTILIZATION", "device_memory_bytes", "host_memory_bytes", "usable_bytes"]
+__all__ = ["UTILIZATION", "device_memory_bytes", "free_bytes", "host_memory_bytes", "usable_bytes"]

@@ -33,6 +33,7 @@ from lcx.cache.base import CacheCapacityError, CacheKind, CacheState
 from lcx.cache.config import CacheConfig
 from lcx.config_base import ConfigError, dtype_bytes, format_bytes, to_dict
 from lcx.model import Decoder
+from lcx.model.decoder import is_unrolled, unroll_params
 from lcx.model.config import ModelConfig
 from lcx.model.placement import param_bytes_per_device, shard_params
 from lcx.sampling import SamplingConfig, sample
@@ -167,16 +168,34 @@ def plan_capacity(config: ModelConfig, cache: CacheConfig, batch: int, max_promp
 
 
 # --------------------------------------------------------------------------------------------------- compiled steps
+def choose_unroll(config: ModelConfig, params, requested: bool | None) -> bool:
+    """Whether generation runs the unrolled decoder (``Decoder(unrolled=True)``, per-layer params and, inside the
+    decode loop, per-layer cache buffers): asked for, or ``None`` (auto): yes when ``params`` are already unrolled,
+    or when a copy of the layer weights takes at most half the memory free now (the rest is the cache's); else the
+    scanned decoder, which reads the stacked params without a copy but slices (copies) each layer's weights and
+    keys/values every step."""
+    if requested is not None:
+        return bool(requested)
+    if is_unrolled(params):
+        return True
+    free = device_memory.free_bytes()
+    layer_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
+    return free is None or 2 * layer_bytes <= free
+
+
 @functools.lru_cache(maxsize=128)
 def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None, pad_id: int, kind: CacheKind,
-              mesh=None):
+              mesh=None, unrolled: bool = False):
     """The jitted prefill-chunk, end-of-prefill and decode-loop functions of one configuration (compiled once
     each). The cache type is ``kind``; this code only calls its contract (``lcx.cache.base``).
 
     With a ``mesh`` they must be called under ``sharding.use_mesh(mesh)`` (the model reads it at trace time); the
-    cache keeps its sharding (batch over data, KV heads over model) through every step.
+    cache keeps its sharding (batch over data, KV heads over model) through every step. ``unrolled``: the params
+    are ``unroll_params``'s and the decode loops carry the cache split per layer (``CacheState.split_layers``),
+    stacking it again on the way out: between calls a state is always stacked.
     """
-    model = Decoder(config)
+    model = Decoder(config, unrolled=unrolled)
+    split = (lambda c: c.split_layers()) if unrolled else (lambda c: c)  # noqa: E731
 
     def pin(cache: CacheState) -> CacheState:
         if mesh is None:
@@ -215,7 +234,8 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
             return DecodeState(cache=cache, logits=logits, tokens=tokens, n_generated=n_generated, done=done,
                                step=s.step + 1, key=s.key)
 
-        return jax.lax.while_loop(cond, body, state)
+        state = jax.lax.while_loop(cond, body, state.replace(cache=split(state.cache)))
+        return state.replace(cache=state.cache.stack_layers())
 
     def forced_loop(params, cache, logits, tokens):
         """Teacher forcing: the log-probability of each given token, then append it (evicting as decode does)."""
@@ -224,8 +244,8 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
             logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)[:, 0]
             return step(params, cache, token), logprob
 
-        (cache, logits), logprobs = jax.lax.scan(body, (cache, logits), tokens.T)
-        return cache, logits, logprobs.T
+        (cache, logits), logprobs = jax.lax.scan(body, (split(cache), logits), tokens.T)
+        return cache.stack_layers(), logits, logprobs.T
 
     return (jax.jit(prefill_chunk, donate_argnums=(1,)), jax.jit(end_prefill, donate_argnums=(0,)),
             jax.jit(decode_loop, donate_argnums=(1,)), jax.jit(forced_loop))
@@ -248,10 +268,15 @@ class Generator:
 
     def __init__(self, config: ModelConfig, params, *, max_new_tokens: int, cache: CacheConfig | None = None,
                  sampling: SamplingConfig | None = None, eos_id: int | None = None, seed: int = 0,
-                 pad_id: int | None = None, mesh=None, capacity: int | None = None, strict: bool = False):
+                 pad_id: int | None = None, mesh=None, capacity: int | None = None, strict: bool = False,
+                 unroll: bool | None = None):
         """``capacity`` fixes the cache slots (at least what each request needs): requests of different lengths then
         share one compiled prefill and decode (evaluation grids). ``mesh``: shard params and cache over it.
-        ``strict``: positions past the trained range (``check_positions``) are an error instead of a warning."""
+        ``strict``: positions past the trained range (``check_positions``) are an error instead of a warning.
+        ``unroll``: run the unrolled decoder on per-layer params (``choose_unroll``; None: when the copy of the layer
+        weights fits - pass ``lcx.model.decoder.unroll_params(params)`` to make that copy once for many
+        generators). Same tokens either way; unrolled decodes faster (no per-step weight or cache slicing) and
+        compiles in time proportional to depth."""
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive integer")
         for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
@@ -262,6 +287,9 @@ class Generator:
         self.config, self.params, self.mesh = config, params, mesh
         if mesh is not None:
             sharding.mesh_topology(config, mesh)  # raises for a model axis that cannot split the KV heads
+            if is_unrolled(params):
+                raise ConfigError("params are unrolled (layers_0, ...): on a mesh pass the stacked params; the "
+                                  "generator places them, then unrolls its own copy")
             self.params = shard_params(params, config, mesh)
         self.cache_config = cache or CacheConfig()
         self.kind = cache_kind(config, self.cache_config, mesh)  # validates the policy against the model
@@ -274,8 +302,13 @@ class Generator:
         self.capacity = capacity
         self.max_new_tokens, self.eos_id, self.seed = max_new_tokens, eos_id, seed
         self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+        self.unrolled = choose_unroll(config, self.params, unroll)
+        if self.unrolled:
+            self.params = unroll_params(self.params)
+        elif is_unrolled(self.params):
+            raise ConfigError("unroll=False needs stacked params (a 'layers' entry); these are unrolled")
         self._prefill_chunk, self._end_prefill, self._decode_loop, self._forced = _compiled(
-            config, self.sampling, eos_id, self.pad_id, self.kind, mesh)
+            config, self.sampling, eos_id, self.pad_id, self.kind, mesh, self.unrolled)
 
     def _put(self, x, batch_axis: bool = True):
         """A host value as a step input: split by rows over "data" (or replicated) on the mesh."""

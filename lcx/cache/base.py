@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lcx import sharding
@@ -63,6 +65,61 @@ class CacheState:
         fields = self.kind.fields()
         return layers.replace(lengths=lengths, **{n: getattr(self, n) for n, f in fields.items()
                                                    if not f.per_layer and n != "lengths"})
+
+    # Per-layer buffers come in two forms. Stacked (``[L, ...]`` arrays): how a state is created, stored, evicted,
+    # sharded and passed between jitted calls. Split (a tuple of L arrays per buffer): what the unrolled decoder
+    # carries through a decode loop, so each layer reads and writes its own buffers in place - indexing a layer out
+    # of a stacked buffer copies it on XLA:CPU (and every layer's K and V per token is most of decoding's traffic).
+
+    def _per_layer(self) -> list[str]:
+        return [n for n, f in self.kind.fields().items() if f.per_layer and getattr(self, n) is not None]
+
+    @property
+    def split(self) -> bool:
+        """True when the per-layer buffers are tuples of one array per layer (``split_layers``)."""
+        names = self._per_layer()
+        return bool(names) and isinstance(getattr(self, names[0]), tuple)
+
+    def split_layers(self) -> "CacheState":
+        """This state with every per-layer buffer as a tuple of its L layers (a copy; see ``stack_layers``)."""
+        if self.split:
+            return self
+        return self.replace(**{n: tuple(getattr(self, n)[i] for i in range(getattr(self, n).shape[0]))
+                               for n in self._per_layer()})
+
+    def stack_layers(self) -> "CacheState":
+        """The inverse of ``split_layers``: ``[L, ...]`` arrays again."""
+        if not self.split:
+            return self
+        return self.replace(**{n: jnp.stack(getattr(self, n)) for n in self._per_layer()})
+
+    def stacked(self, fn: Callable[["CacheState"], "CacheState"]) -> "CacheState":
+        """``fn`` (written for stacked buffers) applied to this state, the result in this state's form."""
+        if not self.split:
+            return fn(self)
+        return fn(self.stack_layers()).split_layers()
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The stacked shape of buffer ``name`` in either form."""
+        x = getattr(self, name)
+        return (len(x),) + tuple(x[0].shape) if isinstance(x, tuple) else tuple(x.shape)
+
+    def layer(self, i) -> "CacheState":
+        """Layer ``i``'s view (the per-layer buffers without their layer axis; ``i`` may be traced when stacked)."""
+        names = self._per_layer()
+        if self.split:
+            return self.replace(**{n: getattr(self, n)[i] for n in names})
+        return self.replace(**{n: jax.lax.dynamic_index_in_dim(getattr(self, n), i, 0, keepdims=False)
+                               for n in names})
+
+    def set_layer(self, i, layer: "CacheState") -> "CacheState":
+        """This state with layer ``i`` replaced by ``layer`` (in place under jit)."""
+        names = self._per_layer()
+        if self.split:
+            return self.replace(**{n: tuple(getattr(layer, n).astype(a.dtype) if j == i else a
+                                             for j, a in enumerate(getattr(self, n))) for n in names})
+        return self.replace(**{n: jax.lax.dynamic_update_index_in_dim(
+            getattr(self, n), getattr(layer, n).astype(getattr(self, n).dtype), i, 0) for n in names})
 
     def buffers(self) -> dict[str, jax.Array]:
         return {n: getattr(self, n) for n in self.kind.fields()}
@@ -138,8 +195,13 @@ class CacheKind(abc.ABC):
 
     def shardings(self, state: CacheState, mesh) -> CacheState:
         """``state`` (possibly abstract) with a ``NamedSharding`` per buffer, from the fields' logical axes."""
-        return state.replace(**{n: sharding.named_sharding(f.axes, getattr(state, n).shape, mesh, f"cache {n}")
-                                for n, f in self.fields().items()})
+        def one(name: str, field: Field):
+            x = getattr(state, name)
+            if isinstance(x, tuple):  # split: one sharding per layer
+                return tuple(sharding.named_sharding(field.axes[1:], a.shape, mesh, f"cache {name}") for a in x)
+            return sharding.named_sharding(field.axes, x.shape, mesh, f"cache {name}")
+
+        return state.replace(**{n: one(n, f) for n, f in self.fields().items()})
 
     def layer_axes(self) -> CacheState:
         """The per-layer buffers' logical axes (the layout ``per_shard`` gives kernels inside the layer scan)."""

@@ -58,11 +58,11 @@ class KVCache(CacheState):
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[-3]
+        return self.shape_of("k")[-3]
 
     @property
     def batch(self) -> int:
-        return self.k.shape[-4]
+        return self.shape_of("k")[-4]
 
 
 @register_kind
@@ -161,8 +161,9 @@ class SlotCacheKind(CacheKind):
     def make_room(self, state: KVCache, n) -> KVCache:
         if self.budgets is None:
             return state
-        full = jnp.any(state.count + n > state.capacity)
-        return jax.lax.cond(full, lambda c: self.evict(c)[0], lambda c: c, state)
+        count = jnp.stack(state.count) if state.split else state.count  # [L, b, H]
+        full = jnp.any(count + n > state.capacity)
+        return jax.lax.cond(full, lambda c: c.stacked(lambda s: self.evict(s)[0]), lambda c: c, state)
 
     def end_prefill(self, state: KVCache) -> KVCache:
         return self.evict(state)[0]

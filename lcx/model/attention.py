@@ -68,7 +68,10 @@ class Attention(nn.Module):
                     raise ValueError("segment_ids (packed documents) are for training and scoring without a cache")
                 out, cache = cache.kind.attend(cache, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
                                                stat_weights=stat_weights)
-        out = jnp.einsum("bthd,hde->bte", out.astype(dt), wo.astype(dt))  # [b, t, e]
+        # One contraction over the merged (h d) axis: a bitcast of both operands. Contracting h and d separately
+        # let XLA:CPU transpose (copy) the whole output weight every decode step.
+        out = jnp.einsum("btf,fe->bte", out.astype(dt).reshape(*out.shape[:2], h * d),
+                         wo.astype(dt).reshape(h * d, e))  # [b, t, e], f = (h d)
         if cfg.o_bias:
             out = out + declare(self, "o_bias", (e,), ("embed",), zeros, pdt).astype(dt)
         return out, cache

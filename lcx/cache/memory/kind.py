@@ -88,7 +88,7 @@ class MemoryCache(CacheState):
     @property
     def n_blocks_capacity(self) -> int:
         name = next(iter(self.kind.router.summary_fields()))
-        return getattr(self, name).shape[2]
+        return self.shape_of(name)[2]
 
 
 @register_kind
