@@ -58,10 +58,21 @@ def filter_logits(logits: jax.Array, top_k: int | None, top_p: float | None) -> 
     return logits
 
 
+def greedy(logits: jax.Array) -> jax.Array:
+    """``jnp.argmax(logits, axis=-1)`` as int32 - the first maximum, or the first NaN - computed as two plain
+    reductions (a max, then the smallest index holding it). XLA:CPU runs argmax as one variadic (value, index)
+    reduce that it does not vectorize: 8 x 128256 float32 logits take 2.1 ms that way and 1.1 ms this way, 1 x 32000
+    0.14 -> 0.02 ms (2-core VM), a cost paid every decode step."""
+    top = jnp.max(logits, axis=-1, keepdims=True)  # NaN if the row has one
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    hit = (logits == top) | jnp.isnan(logits)
+    return jnp.min(jnp.where(hit, index, logits.shape[-1] - 1), axis=-1)
+
+
 def sample(logits: jax.Array, base_key: jax.Array, step: jax.Array, config: SamplingConfig) -> jax.Array:
     """One token per row from ``logits [b, V]`` -> int32 ``[b]``."""
     if config.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return greedy(logits)
     logits = filter_logits(logits.astype(jnp.float32) / config.temperature, config.top_k, config.top_p)
     step_key = jax.random.fold_in(base_key, step)
     keys = jax.vmap(lambda r: jax.random.fold_in(step_key, r))(jnp.arange(logits.shape[0]))

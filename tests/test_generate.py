@@ -166,3 +166,20 @@ def test_generate_score_equals_full_forward_log_probs(params):
     full = jax.nn.log_softmax(lcx.Decoder(CFG).apply({"params": params}, jnp.asarray(ids)))
     expected = np.take_along_axis(np.asarray(full[:, 7:-1]), ids[:, 8:, None], axis=-1)[..., 0]
     np.testing.assert_allclose(logprobs, expected, atol=1e-5)
+
+
+def test_greedy_equals_argmax_on_ties_infinities_and_nans():
+    """The two-reduction greedy pick is jnp.argmax exactly: the first maximum, the first NaN of a row with one."""
+    from lcx.sampling import greedy
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, (64, 257)).astype(np.float32)  # many ties
+    x[1] = -np.inf
+    x[2, 7] = x[2, 100] = np.inf
+    x[3, 50] = x[3, 9] = np.nan
+    x[4] = np.nan
+    x = jnp.asarray(x)
+    got = jax.jit(greedy)(x)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, jnp.argmax(x, axis=-1))
+    np.testing.assert_array_equal(got[:5], [np.argmax(np.asarray(x[0])), 0, 7, 9, 0])

@@ -38,8 +38,7 @@ def test_unroll_params_splits_the_layer_axis_and_keeps_the_logits(params):
     np.testing.assert_allclose(Decoder(CFG, unrolled=True).apply({"params": unrolled}, ids), scanned, atol=1e-5)
 
 
-CACHES = {
-    "full": CacheConfig(),
+CACHES = {  # the full cache (the default): test_unrolled_decode_loop_reads_weights_in_place
     "streaming": CacheConfig(policy="streaming", budget=24, sinks=2, interval=8, prefill_chunk=32),  # evicts in-loop
     "h2o-per-head": CacheConfig(policy="h2o", budget=24, interval=8, heads="per_head"),  # statistics, keep heads
     "memory": CacheConfig(policy="memory", sinks=4, window=16, block=8, topk=64, interval=8, prefill_chunk=32),
@@ -98,10 +97,13 @@ def _weight_copies(gen: Generator, state) -> list[str]:
 def test_unrolled_decode_loop_reads_weights_in_place(params):
     """The point of unrolling: no per-step copy of any layer weight. The scanned loop copies (slices) them - the
     check can fail."""
-    copies = {}
+    copies, tokens = {}, {}
     for unroll in (False, True):
         gen = Generator(CFG, params, max_new_tokens=20, unroll=unroll)
-        copies[unroll] = _weight_copies(gen, gen.prefill(PROMPTS))
+        state = gen.prefill(PROMPTS)
+        copies[unroll] = _weight_copies(gen, state)
+        tokens[unroll] = gen.result(gen.decode(state)).tokens
+    np.testing.assert_array_equal(tokens[True], tokens[False])  # the full cache, the default
     assert copies[True] == [], copies[True]
     assert copies[False], "the scanned decode loop was expected to slice the stacked weights"
 

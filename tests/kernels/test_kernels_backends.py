@@ -69,26 +69,28 @@ def test_backends_rows_agree_with_the_reference(impl):
                                atol=2e-5)
 
 
-@pytest.mark.parametrize("t, segments", [(200, False), (200, True), (1040, False)])
-def test_backends_xla_causal_on_cpu_runs_query_blocks_and_agrees_with_the_reference(t, segments):
-    """Long enough sequences take the CPU query-block path (200: 64-token blocks with a ragged last one; 1040: 65
-    -token blocks, the 16-block cap); values and gradients equal the reference's, packed segments included."""
+@pytest.mark.parametrize("t, segments, max_blocks", [(200, False, 16), (200, True, 16), (200, False, 2)])
+def test_backends_xla_causal_on_cpu_runs_query_blocks_and_agrees_with_the_reference(t, segments, max_blocks,
+                                                                                  monkeypatch):
+    """Long enough sequences take the CPU query-block path (200 tokens: 64-token blocks with a ragged last one; with
+    at most 2 blocks, 100-token blocks: the cap longer sequences hit); values and gradients equal the reference's,
+    packed segments included."""
     from lcx.kernels import backends
 
+    monkeypatch.setattr(backends, "CPU_MAX_BLOCKS", max_blocks)
     assert t >= 2 * backends.CPU_QUERY_BLOCK
     ks = jax.random.split(jax.random.key(2), 5)
-    b = 2 if t < 512 else 1
-    q = jax.random.normal(ks[0], (b, t, 4, 16))
-    k = jax.random.normal(ks[1], (b, t, 2, 16))
-    v = jax.random.normal(ks[2], (b, t, 2, 16))
-    seg = jnp.cumsum(jax.random.bernoulli(ks[3], 0.02, (b, t)), axis=1) if segments else None
+    q = jax.random.normal(ks[0], (2, t, 4, 16))
+    k = jax.random.normal(ks[1], (2, t, 2, 16))
+    v = jax.random.normal(ks[2], (2, t, 2, 16))
+    seg = jnp.cumsum(jax.random.bernoulli(ks[3], 0.02, (2, t)), axis=1) if segments else None
     ref, xla = kernels.BACKENDS["reference"].causal, kernels.BACKENDS["xla"].causal
     jaxpr = str(jax.make_jaxpr(lambda q, k, v: xla(q, k, v, sm_scale=0.25, segment_ids=seg))(q, k, v))
     assert "dot_product_attention" not in jaxpr and jaxpr.count("concatenate") == 1
+    assert jaxpr.count("exp ") == -(-t // max(backends.CPU_QUERY_BLOCK, -(-t // max_blocks)))  # one softmax per block
     cot = jax.random.normal(ks[4], q.shape)
     loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v, sm_scale=0.25, segment_ids=seg) * cot)  # noqa: E731
     chex.assert_trees_all_close(xla(q, k, v, sm_scale=0.25, segment_ids=seg),
                                 ref(q, k, v, sm_scale=0.25, segment_ids=seg), atol=1e-5, rtol=1e-5)
-    if t < 512:  # gradients at the ragged-block length (the long case is compile time, not coverage)
-        grads = lambda fn: jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(q, k, v)  # noqa: E731
-        chex.assert_trees_all_close(grads(xla), grads(ref), atol=1e-4, rtol=1e-4)
+    grads = lambda fn: jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(q, k, v)  # noqa: E731
+    chex.assert_trees_all_close(grads(xla), grads(ref), atol=1e-4, rtol=1e-4)
