@@ -15,6 +15,12 @@ The breakdown times the phases of one more lcx call with the public ``Generator`
 check, cache creation and the prefill chunks), ``decode`` (the on-device decode loop: a while_loop of model steps and
 sampling), ``to_host`` (copying the tokens back); ``sampling`` is the greedy argmax over ``[batch, vocab]`` timed on
 its own per token (it runs inside the decode loop).
+
+``floor ms/step`` is the memory-bound minimum of one decode step: the bytes it must read - every layer weight, the
+output layer, one embedding row, and the float32 keys and values of every cache slot (prompt + new tokens) - over
+the bandwidth a float32 matrix-vector product reaches on this
+machine (measured once per run); ``ceiling`` is the lcx / HF ratio a decode running exactly at that floor (with this
+prefill) would reach - where it is below a goal, the goal is out of reach for float32 weights on this machine.
 """
 
 from __future__ import annotations
@@ -102,7 +108,25 @@ def breakdown(config, params, prompt, new: int) -> dict[str, float]:
     return t
 
 
-def run_shape(shape: Shape, batches, prompt_len: int, new: int, repeats: int) -> list[dict]:
+def weight_bytes_per_step(config, params) -> int:
+    """Bytes of weights one decode step must read: every layer weight, the output layer, one embedding row per
+    token (the embedding is gathered, not streamed)."""
+    layers = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
+    head = params["lm_head"].nbytes if "lm_head" in params else params["embed"].nbytes
+    norm = params["final_norm"]["scale"].nbytes
+    return layers + head + norm + config.d_model * params["embed"].dtype.itemsize
+
+
+def stream_bandwidth() -> float:
+    """Bytes/s of a float32 matrix-vector product over a 256 MiB matrix (larger than any cache): what a memory-bound
+    decode step can reach on this machine through XLA."""
+    w = jnp.ones((4096, 16384), jnp.float32)
+    x = jnp.ones((1, 4096), jnp.float32)
+    gemv = jax.jit(lambda x, w: x @ w)
+    return w.nbytes / best_of(lambda: jax.block_until_ready(gemv(x, w)), 10)
+
+
+def run_shape(shape: Shape, batches, prompt_len: int, new: int, repeats: int, bandwidth: float) -> list[dict]:
     import torch
 
     model = hf_model(shape)
@@ -126,15 +150,18 @@ def run_shape(shape: Shape, batches, prompt_len: int, new: int, repeats: int) ->
 
         t_lcx, t_hf = best_of(run_lcx, repeats), best_of(run_hf, repeats)
         parts = breakdown(config, params, prompt, new)
+        kv = 2 * config.n_layers * batch * (prompt_len + new) * config.n_kv_heads * config.head_dim * 4  # all slots
+        floor = (weight_bytes_per_step(config, params) + kv) / bandwidth  # s per step, memory-bound
         rows.append({"shape": shape, "batch": batch, "lcx_tok_s": batch * new / t_lcx, "hf_tok_s": batch * new / t_hf,
-                     "ratio": t_hf / t_lcx, "same": bool(np.array_equal(out["lcx"], out["hf"])), **parts})
+                     "ratio": t_hf / t_lcx, "same": bool(np.array_equal(out["lcx"], out["hf"])), **parts,
+                     "floor": floor, "ceiling": t_hf / (parts["prefill"] + new * floor)})
         print(_row(rows[-1], new), flush=True)
     return rows
 
 
 HEADER = ("| shape | vocab | d_model | layers | heads / KV | batch | lcx tok/s | HF tok/s | lcx / HF | same tokens "
-          "| host ms | prefill ms | decode ms/token | sampling ms/token | to host ms |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| host ms | prefill ms | decode ms/token | sampling ms/token | to host ms | floor ms/step | ceiling |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _row(r: dict, new: int) -> str:
@@ -142,7 +169,8 @@ def _row(r: dict, new: int) -> str:
     return (f"| {s.name} | {s.vocab} | {s.d_model} | {s.layers} | {s.heads} / {s.kv_heads} | {r['batch']} | "
             f"{r['lcx_tok_s']:.0f} | {r['hf_tok_s']:.0f} | {r['ratio']:.2f}x | {r['same']} | "
             f"{r['host'] * 1e3:.1f} | {r['prefill'] * 1e3:.1f} | {r['decode'] * 1e3 / new:.2f} | "
-            f"{r['sampling'] * 1e3 / new:.3f} | {r['to_host'] * 1e3:.2f} |")
+            f"{r['sampling'] * 1e3 / new:.3f} | {r['to_host'] * 1e3:.2f} | {r['floor'] * 1e3:.2f} | "
+            f"{r['ceiling']:.2f}x |")
 
 
 def main() -> None:
@@ -159,9 +187,13 @@ def main() -> None:
         parser.error(f"unknown shape(s) {unknown}; known: {list(known)}")
     print(f"jax {jax.__version__} on {jax.default_backend()}; prompt {args.prompt} + {args.new} new tokens, greedy, "
           f"float32, best of {args.repeats} fresh calls after a warm-up")
+    bandwidth = stream_bandwidth()
+    print(f"memory-bound floor: (weight + KV) bytes per decode step / {bandwidth / 1e9:.1f} GB/s (a float32 "
+          "matrix-vector product over 256 MiB); ceiling: the HF time over (this prefill + new x floor), the best "
+          "lcx / HF a decode at the floor would reach")
     print(HEADER)
     for name in args.shapes:
-        run_shape(known[name], args.batches, args.prompt, args.new, args.repeats)
+        run_shape(known[name], args.batches, args.prompt, args.new, args.repeats, bandwidth)
 
 
 if __name__ == "__main__":

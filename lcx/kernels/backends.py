@@ -95,6 +95,7 @@ def _jnp_decode(q, k, v, *, valid, sm_scale, weights=False, residuals=False, pre
 
 CPU_QUERY_BLOCK = 64  # the smallest query block of the CPU causal path
 CPU_MAX_BLOCKS = 16  # longer sequences take larger blocks: the program is unrolled once per block
+CPU_MIN_LENGTH = 4 * CPU_QUERY_BLOCK  # shorter sequences gain little and keep the dense path's exact sums
 
 
 def _blocked_causal(q, k, v, *, sm_scale, segment_ids=None):
@@ -120,7 +121,7 @@ def _blocked_causal(q, k, v, *, sm_scale, segment_ids=None):
 def _xla_causal(q, k, v, *, sm_scale, segment_ids=None):
     dtype = q.dtype
     q, k, v = _compute_dtype(q, k, v)
-    if jax.default_backend() == "cpu" and q.shape[1] >= 2 * CPU_QUERY_BLOCK:
+    if jax.default_backend() == "cpu" and q.shape[1] >= CPU_MIN_LENGTH:
         return _blocked_causal(q, k, v, sm_scale=sm_scale, segment_ids=segment_ids).astype(dtype)
     # jax.nn.dot_product_attention handles GQA itself (K/V heads broadcast over query groups); cuDNN on GPU.
     mask = None

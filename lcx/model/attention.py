@@ -29,6 +29,11 @@ class Attention(nn.Module):
     """
 
     config: ModelConfig
+    # Contract the output projection over the merged (h d) axis. Contracting h and d separately lets XLA:CPU transpose
+    # (copy) the whole output weight every decode step; generation's unrolled decoder merges. The scanned decoder
+    # (training, scoring) keeps the separate form: the two differ in float32 rounding (~4e-7), and a training run
+    # should not change with this.
+    merge_out_heads: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache=None,
@@ -68,10 +73,11 @@ class Attention(nn.Module):
                     raise ValueError("segment_ids (packed documents) are for training and scoring without a cache")
                 out, cache = cache.kind.attend(cache, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
                                                stat_weights=stat_weights)
-        # One contraction over the merged (h d) axis: a bitcast of both operands. Contracting h and d separately
-        # let XLA:CPU transpose (copy) the whole output weight every decode step.
-        out = jnp.einsum("btf,fe->bte", out.astype(dt).reshape(*out.shape[:2], h * d),
-                         wo.astype(dt).reshape(h * d, e))  # [b, t, e], f = (h d)
+        if self.merge_out_heads:  # f = (h d): a bitcast of both operands
+            out = jnp.einsum("btf,fe->bte", out.astype(dt).reshape(*out.shape[:2], h * d),
+                             wo.astype(dt).reshape(h * d, e))  # [b, t, e]
+        else:
+            out = jnp.einsum("bthd,hde->bte", out.astype(dt), wo.astype(dt))  # [b, t, e]
         if cfg.o_bias:
             out = out + declare(self, "o_bias", (e,), ("embed",), zeros, pdt).astype(dt)
         return out, cache

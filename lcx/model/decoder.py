@@ -29,6 +29,7 @@ class Block(nn.Module):
     token."""
 
     config: ModelConfig
+    merge_out_heads: bool = False  # see ``Attention.merge_out_heads``
 
     @nn.compact
     def __call__(self, carry, cos: jax.Array, sin: jax.Array, positions: jax.Array | None,
@@ -36,7 +37,7 @@ class Block(nn.Module):
         x, cache, i = carry
         layer = None if cache is None else cache.layer(i)
         with jax.named_scope("attention_block"):
-            attn = Attention(self.config, name="attn")
+            attn = Attention(self.config, merge_out_heads=self.merge_out_heads, name="attn")
             h, layer = attn(RMSNorm(self.config, name="attn_norm")(x), cos, sin, layer, positions, ok, stat_weights,
                             segment_ids)
             x = x + h
@@ -88,7 +89,7 @@ class Decoder(nn.Module):
         if self.unrolled:  # one Block per layer, params "layers_0" ... (``unroll_params``), layer i a Python int
             carry = (x, None if cache is None else cache.layers(), 0)
             for i in range(cfg.n_layers):
-                carry, _ = block(cfg, name=f"layers_{i}")(carry, *layer_inputs)
+                carry, _ = block(cfg, merge_out_heads=True, name=f"layers_{i}")(carry, *layer_inputs)
             x, layer_caches, _ = carry
         else:
             layers = nn.scan(
