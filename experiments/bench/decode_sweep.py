@@ -11,17 +11,17 @@ does; ``model.generate(ids, max_new_tokens=128, min_new_tokens=128, do_sample=Fa
 tokens/s = batch x new tokens / time. Greedy tokens are compared.
 
 The breakdown times the phases of one more lcx call with the public ``Generator`` API, synchronizing after each:
-``host`` (Generator construction: cache planning, compiled-function lookup), ``prefill`` (prompt padding, capacity
-check, cache creation and the prefill chunks), ``decode`` (the on-device decode loop: a while_loop of model steps and
-sampling), ``to_host`` (copying the tokens back); ``sampling`` is the greedy argmax over ``[batch, vocab]`` timed on
-its own per token (it runs inside the decode loop).
+``host`` (Generator construction: cache planning, the per-layer copy of the weights the unrolled decoder reads,
+compiled-function lookup), ``prefill`` (prompt padding, capacity check, cache creation and the prefill chunks),
+``decode`` (the on-device decode loop: a while_loop of model steps and sampling), ``to_host`` (copying the tokens
+back); ``sampling`` is the greedy pick (``lcx.sampling.greedy``) over ``[batch, vocab]`` timed on its own per token
+(it runs inside the decode loop).
 
 ``floor ms/step`` is the memory-bound minimum of one decode step: the bytes it must read - every layer weight, the
 output layer, one embedding row, and the float32 keys and values of every cache slot (prompt + new tokens) - over
-the bandwidth a float32 matrix-vector product reaches on this
-machine (measured once per run); ``ceiling`` is the lcx / HF ratio a decode running exactly at that floor (with this
-prefill) would reach - where it is below a goal, the goal is out of reach for float32 weights on this machine.
-"""
+the bandwidth a float32 matrix-vector product reaches on this machine (measured once per run); ``ceiling`` is the
+lcx / HF ratio a decode running exactly at that floor (with this prefill) would reach - where it is below a goal,
+the goal is out of reach for float32 weights on this machine."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ import lcx  # noqa: E402
 from decode import _time  # noqa: E402  (the sibling script: best wall time of repeated calls)
 from lcx import hf
 from lcx.generate import Generator
+from lcx.sampling import greedy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +99,9 @@ def breakdown(config, params, prompt, new: int) -> dict[str, float]:
     t0 = time.perf_counter()
     gen.result(state)
     t["to_host"] = time.perf_counter() - t0
-    # ``new`` greedy argmaxes over [batch, vocab] float32 in one compiled loop (as inside the decode loop)
+    # ``new`` greedy picks over [batch, vocab] float32 in one compiled loop (as inside the decode loop)
     logits = jax.random.normal(jax.random.key(0), (prompt.shape[0], config.vocab_size), jnp.float32)
-    loop = jax.jit(lambda x: jax.lax.fori_loop(0, new, lambda i, acc: acc + jnp.argmax(x + i, axis=-1), 0 * x[:, 0]))
+    loop = jax.jit(lambda x: jax.lax.fori_loop(0, new, lambda i, acc: acc + greedy(x + i), 0 * x[:, 0].astype(int)))
     jax.block_until_ready(loop(logits))
     t0 = time.perf_counter()
     jax.block_until_ready(loop(logits))

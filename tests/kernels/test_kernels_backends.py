@@ -69,16 +69,16 @@ def test_backends_rows_agree_with_the_reference(impl):
                                atol=2e-5)
 
 
-@pytest.mark.parametrize("t, segments, max_blocks", [(200, False, 16), (200, True, 16), (200, False, 2)])
+@pytest.mark.parametrize("t, segments, max_blocks", [(300, False, 16), (300, True, 16), (300, False, 2)])
 def test_backends_xla_causal_on_cpu_runs_query_blocks_and_agrees_with_the_reference(t, segments, max_blocks,
                                                                                   monkeypatch):
-    """Long enough sequences take the CPU query-block path (200 tokens: 64-token blocks with a ragged last one; with
-    at most 2 blocks, 100-token blocks: the cap longer sequences hit); values and gradients equal the reference's,
-    packed segments included."""
+    """Long enough sequences take the CPU query-block path (300 tokens: 64-token blocks with a ragged last one; with
+    at most 2 blocks, 150-token blocks: the cap longer sequences hit); values and gradients equal the reference's,
+    packed segments included. Shorter ones keep the dense path."""
     from lcx.kernels import backends
 
     monkeypatch.setattr(backends, "CPU_MAX_BLOCKS", max_blocks)
-    assert t >= 2 * backends.CPU_QUERY_BLOCK
+    assert t >= backends.CPU_MIN_LENGTH
     ks = jax.random.split(jax.random.key(2), 5)
     q = jax.random.normal(ks[0], (2, t, 4, 16))
     k = jax.random.normal(ks[1], (2, t, 2, 16))
@@ -86,7 +86,7 @@ def test_backends_xla_causal_on_cpu_runs_query_blocks_and_agrees_with_the_refere
     seg = jnp.cumsum(jax.random.bernoulli(ks[3], 0.02, (2, t)), axis=1) if segments else None
     ref, xla = kernels.BACKENDS["reference"].causal, kernels.BACKENDS["xla"].causal
     jaxpr = str(jax.make_jaxpr(lambda q, k, v: xla(q, k, v, sm_scale=0.25, segment_ids=seg))(q, k, v))
-    assert "dot_product_attention" not in jaxpr and jaxpr.count("concatenate") == 1
+    assert f"{t},{t}]" not in jaxpr and jaxpr.count("concatenate") == 1  # no [t, t] scores
     assert jaxpr.count("exp ") == -(-t // max(backends.CPU_QUERY_BLOCK, -(-t // max_blocks)))  # one softmax per block
     cot = jax.random.normal(ks[4], q.shape)
     loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v, sm_scale=0.25, segment_ids=seg) * cot)  # noqa: E731
@@ -94,3 +94,5 @@ def test_backends_xla_causal_on_cpu_runs_query_blocks_and_agrees_with_the_refere
                                 ref(q, k, v, sm_scale=0.25, segment_ids=seg), atol=1e-5, rtol=1e-5)
     grads = lambda fn: jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(q, k, v)  # noqa: E731
     chex.assert_trees_all_close(grads(xla), grads(ref), atol=1e-4, rtol=1e-4)
+    short = str(jax.make_jaxpr(lambda q: xla(q, q[:, :, :2], q[:, :, :2], sm_scale=0.25))(q[:, :255]))
+    assert "255,255]" in short and "concatenate" not in short  # dense [t, t] scores
