@@ -38,7 +38,7 @@ def test_state_bytes_follow_the_placement():
 def test_total_is_within_30_percent_of_compiled_memory_analysis(remat, monkeypatch):
     # The plan models XLA attention as it runs on an accelerator (dense [T, T] scores); on CPU lcx computes query
     # blocks instead (lcx.kernels.backends): compile the dense form here.
-    monkeypatch.setattr("lcx.kernels.backends.CPU_QUERY_BLOCK", 1 << 30)
+    monkeypatch.setattr("lcx.kernels.backends.CPU_MIN_LENGTH", 1 << 30)
     train = TrainConfig(steps=10, batch_size=2, seq_len=2048, compute_dtype="bfloat16", remat=remat != "none",
                         remat_policy=None if remat == "none" else remat)
     m = compile_train_step(training_model(MODEL, train), train).memory_analysis()

@@ -107,6 +107,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--eviction-contexts", default=None,
                         help="contexts for the streaming-vs-full table (default 1024,4096,16384)")
+    parser.add_argument("--eviction-steps", type=int, default=None,
+                        help="decode steps timed per context in that table (default 32; 256 includes an eviction)")
     args = parser.parse_args()
     prompt_len, new = (64, 16) if args.quick else (512, 128)
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else (
@@ -151,7 +153,7 @@ def main() -> None:
         print(f"\n## per-token decode time: streaming (budget {budget}, interval 256) vs full cache")
         print("| context | full ms / token | full cache MiB | streaming ms / token | streaming cache MiB |")
         print("|---|---|---|---|---|")
-        steps = 8 if args.quick else 32
+        steps = args.eviction_steps or (8 if args.quick else 32)
         for ctx in ev_contexts:
             f = bench_context(config, params, [ctx], steps=steps)[0]
             s = bench_context(config, params, [ctx], steps=steps, cache=streaming)[0]
