@@ -30,7 +30,7 @@ def test_train_sharded_placement_and_fsdp_bytes(trained):
     assert "partition_spec=(None, 'data', 'model', None)" in trained["saved_q_sharding"]  # saved with its sharding
 
 
-@pytest.mark.parametrize("target", ["1x8", "8x1", "single"])
+@pytest.mark.parametrize("target", ["1x8", "single"])
 def test_train_sharded_checkpoint_resumes_onto_any_mesh(trained, target):
     resumed = trained["resumed"][target]
     np.testing.assert_allclose(resumed[:4], trained["runs"]["2x4_fsdp"]["losses"], rtol=0)  # the logged history

@@ -208,7 +208,7 @@ def generate_tokens(meshes: list[list[int]], impl: str = "xla") -> dict:
 
 def train_sharded(directory: str) -> dict:
     """A few training steps on one device, on a 2 x 4 mesh and on it with FSDP; then the FSDP run's checkpoint
-    resumed for one more step onto (1, 8), (8, 1) and one device. Losses, shardings and bytes per device."""
+    resumed for one more step onto (1, 8) and one device. Losses, shardings and bytes per device."""
     import dataclasses
     import shutil
 
@@ -253,7 +253,7 @@ def train_sharded(directory: str) -> dict:
     manager.close()
     out["saved_q_sharding"] = str(getattr(meta["layers"]["attn"]["q"], "sharding", None))
     out["resumed"] = {}
-    for name, shape in (("1x8", [1, 8]), ("8x1", [8, 1]), ("single", None)):
+    for name, shape in (("1x8", [1, 8]), ("single", None)):  # all-model and no mesh (8x1 costs CI time, adds little)
         run = root / f"resume_{name}"
         shutil.copytree(root / "2x4_fsdp", run)
         mesh = None if shape is None else sharding.make_mesh(*shape)
