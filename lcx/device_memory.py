@@ -20,14 +20,20 @@ def usable_bytes(total_bytes: int, utilization: float = UTILIZATION) -> int:
     return math.floor(total_bytes * utilization)
 
 
-def device_memory_bytes() -> int | None:
-    """The memory limit the first local device reports; on the CPU backend, which reports none, the host's
-    available memory (its arrays live there); None where neither is known."""
+def _stats() -> dict | None:
+    """The first local device's ``memory_stats()`` when it reports a limit, else None."""
     try:
         stats = jax.local_devices()[0].memory_stats()
     except Exception:  # some backends do not implement memory_stats
-        stats = None
-    if stats and "bytes_limit" in stats:
+        return None
+    return stats if stats and "bytes_limit" in stats else None
+
+
+def device_memory_bytes() -> int | None:
+    """The memory limit the first local device reports; on the CPU backend, which reports none, the host's
+    available memory (its arrays live there); None where neither is known."""
+    stats = _stats()
+    if stats is not None:
         return int(stats["bytes_limit"])
     return host_memory_bytes() if jax.default_backend() == "cpu" else None
 
@@ -35,11 +41,8 @@ def device_memory_bytes() -> int | None:
 def free_bytes() -> int | None:
     """Memory the first local device has free now (limit less bytes in use); on the CPU backend the host's
     available memory; None where unknown."""
-    try:
-        stats = jax.local_devices()[0].memory_stats()
-    except Exception:
-        stats = None
-    if stats and "bytes_limit" in stats:
+    stats = _stats()
+    if stats is not None:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     return host_memory_bytes() if jax.default_backend() == "cpu" else None
 

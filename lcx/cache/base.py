@@ -23,8 +23,7 @@ Adding a cache type: subclass :class:`CacheKind` and :class:`CacheState`, and re
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import jax

@@ -20,10 +20,10 @@ Residuals ``(m, l)`` are each row's logit max and sum of exponentials (natural l
 
 Implementations: ``reference`` (pure jnp, float32 at HIGHEST precision: the oracle), ``xla`` (jnp / XLA attention at
 default precision; cuDNN through ``jax.nn.dot_product_attention`` for ``causal`` on GPU, query blocks that skip the
-upper triangle on CPU), ``pallas`` (the flash,
-split-K decode and column-sum kernels: compiled on GPU, interpreted elsewhere - a test path, slow by design).
-``auto`` (the default of ``attention.impl``) is ``pallas`` where the kernels compile (a GPU backend) and ``xla``
-elsewhere. The list of valid ``attention.impl`` values is this table's keys plus ``auto``.
+upper triangle on CPU), ``pallas`` (the flash, split-K decode and column-sum kernels: compiled on GPU, interpreted
+elsewhere - a test path, slow by design). ``auto`` (the default of ``attention.impl``) is ``pallas`` where the
+kernels compile (a GPU backend) and ``xla`` elsewhere. The list of valid ``attention.impl`` values is this table's
+keys plus ``auto``.
 """
 
 from __future__ import annotations
