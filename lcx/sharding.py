@@ -82,6 +82,7 @@ REPLICATE_IF_INDIVISIBLE = frozenset({"keep_heads"})
 # Logical layouts of the arrays that cross the kernel boundary (einsum letters of ``lcx.model.attention``).
 BTHD = ("batch", "length", "heads", "head_dim")  # queries and attention outputs [b, t, h, d]
 BSKD = ("batch", "length", "kv_heads", "head_dim")  # keys and values [b, s, k, d]
+BKSD = ("batch", "kv_heads", "length", "head_dim")  # the slot cache's keys and values [b, k, s, d]
 BHD = ("batch", "heads", "head_dim")  # one decode query / output [b, h, d]
 BKS = ("batch", "kv_heads", "length")  # per-KV-head slot weights and live masks [b, k, s]
 BK = ("batch", "kv_heads")  # per row and KV head: offsets and lengths of caches whose KV heads keep their own slots
@@ -407,7 +408,7 @@ def per_shard(fn: Callable, in_axes: Sequence[Any], out_axes: Any) -> Callable:
     return call
 
 
-__all__ = ["BHD", "BK", "BKS", "BSKD", "BT", "BTHD", "LOGICAL_RULES", "MESH_AXES", "ROWS", "MeshConfig",
+__all__ = ["BHD", "BK", "BKS", "BKSD", "BSKD", "BT", "BTHD", "LOGICAL_RULES", "MESH_AXES", "ROWS", "MeshConfig",
            "abstract_mesh", "axis_size", "batch_sharding", "cache_model_config", "check_rules", "check_topology",
            "kv_replication",
            "logical_to_mesh", "make_mesh", "mesh_topology", "named_sharding", "per_shard", "put",

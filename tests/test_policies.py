@@ -143,7 +143,8 @@ def test_policies_snapkv_keeps_the_needle_the_window_attends_to():
     cos, sin = rope_tables(dataclasses.replace(cfg, rope=lcx.RopeConfig(theta=1e9)), positions)  # ~no rotation
     window = (np.arange(t) >= t - 6).astype(np.float32)[None]
     layer = _shared(_attend_one_layer(cfg, q, k, cos, sin, positions, 48, window))
-    view = SlotView(layer=jnp.int32(0), pos=layer.pos, valid=layer.valid, count=layer.count, k=layer.k, v=layer.v,
+    view = SlotView(layer=jnp.int32(0), pos=layer.pos, valid=layer.valid, count=layer.count,
+                    k=layer.k.swapaxes(1, 2), v=layer.v.swapaxes(1, 2),  # a policy's view: [b, C, j, d]
                     score=layer.score, n_layers=1)
     out = evict(make_policy("snapkv", {"window": 6, "kernel": 3}), view, jnp.int32(10))
     kept = np.asarray(out.pos[0][out.valid[0]]).tolist()
@@ -200,11 +201,11 @@ def test_policies_decoding_16x_budget_keeps_cache_at_capacity(name, params):
                     cache=CacheConfig(policy=name, budget=budget, interval=interval, **POLICY_PARAMS[name]))
     state = gen.prefill([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]])
     capacity = budget + interval
-    assert state.cache.k.shape == (CFG.n_layers, 1, capacity, CFG.n_kv_heads, CFG.head_dim)
+    assert state.cache.k.shape == (CFG.n_layers, 1, CFG.n_kv_heads, capacity, CFG.head_dim)
     assert int(state.cache.count.max()) <= budget
     state = gen.decode(state)
     assert int(state.step) == new
-    assert state.cache.k.shape[2] == capacity
+    assert state.cache.k.shape[3] == capacity
     assert state.cache.kv_bytes() == 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * capacity * 4
     assert int(state.cache.count.max()) <= capacity and int(state.cache.lengths[0]) == 20 + new
     live = np.asarray(state.cache.pos[0, 0][state.cache.valid[0, 0]])

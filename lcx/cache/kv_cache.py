@@ -6,6 +6,10 @@ slots. Occupied slots are packed at the front in position order (eviction compac
 ``lengths`` counts the tokens each sequence has consumed (its next position). Shapes are static under jit: eviction
 changes masks and contents, never shapes.
 
+Keys and values are stored ``[b, k, C, d]`` (each KV head's slots contiguous): the decode step contracts over them
+in that layout without a copy; with the slots before the heads XLA:CPU transposed every layer's keys and values on
+every step (8 KV heads, 640 slots, batch 8: 2.96 -> 0.60 ms per layer).
+
 Keep heads: the KV heads that keep their own set of tokens. With ``H = 1`` every KV head of a layer keeps the same
 positions (structured policies such as StreamingLLM and the LaCache ladder); with ``H = kv_heads`` each head keeps
 its own (per-head selection as in SnapKV and kvpress). Keys and values are always per KV head.
@@ -33,8 +37,8 @@ from lcx.config_base import canonical_dtype, format_bytes
 from lcx.model.config import ModelConfig
 
 FIELDS: Mapping[str, Field] = {
-    "k": Field(("layers", "batch", "length", "kv_heads", "head_dim"), "kv", 0, role="kv"),
-    "v": Field(("layers", "batch", "length", "kv_heads", "head_dim"), "kv", 0, role="kv"),
+    "k": Field(("layers", "batch", "kv_heads", "length", "head_dim"), "kv", 0, role="kv"),
+    "v": Field(("layers", "batch", "kv_heads", "length", "head_dim"), "kv", 0, role="kv"),
     "pos": Field(("layers", "batch", "keep_heads", "length"), "int32", -1),  # original position; -1 when empty
     "valid": Field(("layers", "batch", "keep_heads", "length"), "bool", False),  # live slots
     "count": Field(("layers", "batch", "keep_heads"), "int32", 0),  # occupied slots
@@ -47,8 +51,8 @@ FIELDS: Mapping[str, Field] = {
 class KVCache(CacheState):
     """The buffers of :data:`FIELDS` (whole cache: ``[L, ...]``; inside the model's layer scan one layer's)."""
 
-    k: jax.Array  # [L, b, C, k, d]
-    v: jax.Array  # [L, b, C, k, d]
+    k: jax.Array  # [L, b, k, C, d]
+    v: jax.Array  # [L, b, k, C, d]
     pos: jax.Array  # [L, b, H, C] int32
     valid: jax.Array  # [L, b, H, C] bool
     count: jax.Array  # [L, b, H] int32
@@ -58,7 +62,7 @@ class KVCache(CacheState):
 
     @property
     def capacity(self) -> int:
-        return self.shape_of("k")[-3]
+        return self.shape_of("k")[-2]
 
     @property
     def batch(self) -> int:

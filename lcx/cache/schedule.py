@@ -6,7 +6,8 @@ The capacity of the cache is ``max(budgets) + interval``: decode appends ``inter
 
 Shapes: L layers, b batch, H keep heads (1 when a layer's KV heads share one set of tokens, kv_heads when each
 keeps its own), C slots, k kv heads, d head dim. A policy sees one (layer, keep head) at a time: slots ``[b, C]``
-with the keys and values of the KV heads that share them, ``[b, C, k / H, d]``.
+with the keys and values of the KV heads that share them, ``[b, C, k / H, d]`` (the policy API's layout; the cache
+stores ``[b, k, C, d]``, so an eviction transposes them once - every ``interval`` steps, not every step).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def layer_budgets(cache: CacheConfig, n_layers: int) -> tuple[int, ...]:
 @flax.struct.dataclass
 class Left:
     """What an eviction removed, in the slot layout before compaction: ``mask [L, b, H, C]`` marks the slots that
-    left, with their positions and keys / values (``[L, b, C, k, d]``, as stored)."""
+    left, with their positions and keys / values (``[L, b, k, C, d]``, as stored)."""
 
     mask: jax.Array
     pos: jax.Array
@@ -52,8 +53,8 @@ class Left:
 
 
 def _by_keep_head(x: jax.Array, heads: int) -> jax.Array:
-    """``[L, b, C, k, d]`` -> ``[L, b, H, C, k / H, d]``."""
-    return einops.rearrange(x, "L b C (H j) d -> L b H C j d", H=heads)
+    """``[L, b, k, C, d]`` (stored) -> ``[L, b, H, C, k / H, d]`` (the policies' view)."""
+    return einops.rearrange(x, "L b (H j) C d -> L b H C j d", H=heads)
 
 
 def _per_layer_and_head(fn, head_out: Any, n_layers: int):
@@ -91,7 +92,7 @@ def evict_cache(policy: EvictionPolicy, cache: Any, budgets: jax.Array) -> tuple
 
     packed = _per_layer_and_head(pack, (1,) * 6, n_layers)(views, budgets, keep, score)
     pos, valid, count, k, v, score = packed
-    merge = lambda x: einops.rearrange(x, "L b H C j d -> L b C (H j) d")  # noqa: E731
+    merge = lambda x: einops.rearrange(x, "L b H C j d -> L b (H j) C d")  # noqa: E731
     left = Left(mask=cache.valid & ~keep, pos=cache.pos, k=cache.k, v=cache.v)
     return cache.replace(k=merge(k), v=merge(v), pos=pos, valid=valid, count=count, score=score), left
 

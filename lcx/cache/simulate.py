@@ -45,7 +45,7 @@ def simulate(policy: dict, n_layers: int, length: int, kv_heads: int = 1) -> np.
 def _run(kind, capacity: int, length: int) -> jax.Array:
     cache = kind.create(1, capacity)
     n_layers, heads = cache.k.shape[0], cache.pos.shape[2]
-    zeros = jnp.zeros((1, 1, cache.k.shape[3], 2), cache.k.dtype)
+    zeros = jnp.zeros((1, 1, cache.k.shape[2], 2), cache.k.dtype)  # one new token [b, t, k, d]
     write_all = jax.vmap(write, in_axes=(0, None, None, None, None))
 
     def step(cache, p):

@@ -1,6 +1,7 @@
 """One layer of attention against the slot cache: write, position modes, backend dispatch, eviction statistics.
 
 Einsum legend / shapes: b batch, t new tokens, C cache slots, H keep heads, h query heads, k kv heads, d head dim.
+The cache stores keys and values ``[b, k, C, d]``; new tokens arrive, and prefill kernels read, ``[b, t, k, d]``.
 
 Position modes (``EvictionPolicy.mode``):
 - "original": keys are rotated at their true positions before they are stored; queries at theirs.
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 
 from lcx import kernels
 from lcx.model.rope import apply_rope, rope_tables
-from lcx.sharding import BHD, BK, BKS, BSKD, BTHD, ROWS, per_shard
+from lcx.sharding import BHD, BK, BKS, BKSD, BSKD, BTHD, ROWS, per_shard
 
 
 def write(layer, k: jax.Array, v: jax.Array, positions: jax.Array, ok: jax.Array):
@@ -38,21 +39,17 @@ def write(layer, k: jax.Array, v: jax.Array, positions: jax.Array, ok: jax.Array
     Tokens go after the occupied slots of each keep head; the caller guarantees room (capacity planned on the host,
     eviction compacts before it would overflow). Slots past the capacity are dropped by the scatter, never wrapped.
     """
-    b, capacity, kv_heads = layer.k.shape[:3]
+    b, kv_heads, capacity = layer.k.shape[:3]
     heads = layer.pos.shape[1]
     rank = jnp.cumsum(ok.astype(jnp.int32), axis=1) - 1  # [b, t] rank among this call's real tokens
     slot = jnp.where(ok[:, None, :], layer.count[:, :, None] + rank[:, None, :], capacity)  # [b, H, t]
     rows, keep = jnp.arange(b)[:, None, None], jnp.arange(heads)[None, :, None]
-    if heads == 1:  # every KV head writes the same slots
-        k_new = layer.k.at[rows[:, 0], slot[:, 0]].set(k.astype(layer.k.dtype), mode="drop")
-        v_new = layer.v.at[rows[:, 0], slot[:, 0]].set(v.astype(layer.v.dtype), mode="drop")
-    else:
-        slot_kv = einops.repeat(slot, "b H t -> b t (H j)", j=kv_heads // heads)  # [b, t, k]
-        head = jnp.arange(kv_heads)[None, None, :]
-        k_new = layer.k.at[rows, slot_kv, head].set(k.astype(layer.k.dtype), mode="drop")
-        v_new = layer.v.at[rows, slot_kv, head].set(v.astype(layer.v.dtype), mode="drop")
+    slot_kv = einops.repeat(slot, "b H t -> b (H j) t", j=kv_heads // heads)  # [b, k, t]: each KV head its keep set's
+    head = jnp.arange(kv_heads)[None, :, None]
+    put = lambda buf, x: buf.at[rows, head, slot_kv].set(  # noqa: E731
+        einops.rearrange(x, "b t k d -> b k t d").astype(buf.dtype), mode="drop")
     return layer.replace(
-        k=k_new, v=v_new,
+        k=put(layer.k, k), v=put(layer.v, v),
         pos=layer.pos.at[rows, keep, slot].set(positions[:, None, :].astype(jnp.int32), mode="drop"),
         valid=layer.valid.at[rows, keep, slot].set(True, mode="drop"),
         count=layer.count + jnp.sum(ok, axis=1, dtype=jnp.int32)[:, None],
@@ -60,10 +57,13 @@ def write(layer, k: jax.Array, v: jax.Array, positions: jax.Array, ok: jax.Array
     )
 
 
-def rotate_by_rank(config, x: jax.Array, ranks: jax.Array) -> jax.Array:
-    """Rotate ``x [b, T, heads, d]`` by per-keep-head positions ``ranks [b, H, T]`` (heads grouped by keep head)."""
+def rotate_by_rank(config, x: jax.Array, ranks: jax.Array, *, cache_layout: bool = False) -> jax.Array:
+    """Rotate ``x [b, T, heads, d]`` (``cache_layout``: ``[b, heads, T, d]``) by per-keep-head positions ``ranks
+    [b, H, T]`` (heads grouped by keep head)."""
     b, heads, length = ranks.shape
     cos, sin = rope_tables(config, ranks.reshape(b, heads * length))  # [b, H*T, r]
+    if cache_layout:  # [b, H, T, r] broadcasts over x's heads: H is 1 (a shared keep set) or every KV head
+        return apply_rope(x, cos.reshape(b, heads, length, -1), sin.reshape(b, heads, length, -1))
     if heads == 1:
         return apply_rope(x, cos, sin)
     per_head = lambda t: einops.repeat(t.reshape(b, heads, length, -1), "b H T r -> b T (H j) r",  # noqa: E731
@@ -93,14 +93,15 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
     mode = policy.mode
     if mode == "original":
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
-    heads, kv_heads = layer.pos.shape[1], layer.k.shape[2]
+    heads, kv_heads = layer.pos.shape[1], layer.k.shape[1]
     q_offsets = layer.count  # [b, H] the chunk's first slot per keep head
     layout = kind.layer_axes()  # each shard writes its rows and KV heads
     layer = per_shard(write, (layout, BSKD, BSKD, ROWS, ROWS), layout)(layer, key, val, positions, ok)
     mask = layer.valid[:, :, None, :] & (layer.pos[:, :, None, :] <= positions[:, None, :, None])  # [b, H, t, C]
     k_att = layer.k
     if mode == "cache":
-        k_att = rotate_by_rank(config, layer.k, jnp.maximum(jnp.cumsum(layer.valid, axis=-1, dtype=jnp.int32) - 1, 0))
+        k_att = rotate_by_rank(config, layer.k, jnp.maximum(jnp.cumsum(layer.valid, axis=-1, dtype=jnp.int32) - 1, 0),
+                               cache_layout=True)
         q = rotate_by_rank(config, q, jnp.maximum(jnp.sum(mask, axis=-1, dtype=jnp.int32) - 1, 0))
 
     # The kernels' row ints and live masks: per row with one shared keep set, else per row and KV head.
@@ -114,30 +115,31 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
     if q.shape[1] == 1:
         decode = functools.partial(backend.decode, sm_scale=scale, weights=counted)
         call = lambda q1, k, v, valid: decode(q1, k, v, valid=valid)  # noqa: E731
-        result = per_shard(call, (BHD, BSKD, BSKD, live), (BHD, BKS) if counted else BHD)(
+        result = per_shard(call, (BHD, BKSD, BKSD, live), (BHD, BKS) if counted else BHD)(
             q[:, 0], k_att, layer.v, per_kv(mask[:, :, 0]))
         out, weights = result if counted else (result, None)
         out = out[:, None]
         if counted:
             stats = _keep_head_sums(weights, heads) * (stat_weights[:, :1, None] > 0)
-    else:
+    else:  # prefill kernels read [b, C, k, d]: one transpose per chunk, not per step
+        k_seq, v_seq = k_att.swapaxes(1, 2), layer.v.swapaxes(1, 2)
         offsets, lengths = per_kv(q_offsets), per_kv(layer.count)
         t = q.shape[1]
         chunk = lambda q, k, v, off, lens: backend.chunk(q, k, v, q_offsets=off, kv_lengths=lens,  # noqa: E731
                                                           sm_scale=scale)
         attend_all = lambda: per_shard(chunk, (BTHD, BSKD, BSKD, ints, ints), BTHD)(  # noqa: E731
-            q, k_att, layer.v, offsets, lengths)
-        if heads == 1 and t <= k_att.shape[1]:
+            q, k_seq, v_seq, offsets, lengths)
+        if heads == 1 and t <= k_seq.shape[1]:
             causal = functools.partial(backend.causal, sm_scale=scale)
             among_new = lambda: per_shard(causal, (BTHD, BSKD, BSKD), BTHD)(  # noqa: E731
-                q, k_att[:, :t].astype(q.dtype), layer.v[:, :t].astype(q.dtype)).astype(q.dtype)
+                q, k_seq[:, :t].astype(q.dtype), v_seq[:, :t].astype(q.dtype)).astype(q.dtype)
             out = jax.lax.cond(jnp.all(q_offsets == 0), among_new, lambda: attend_all().astype(q.dtype))
         else:
             out = attend_all()
         if counted:
             sums = lambda q, k, off, lens, w: backend.column_sums(q, k, q_offsets=off, kv_lengths=lens,  # noqa: E731
                                                                   query_weights=w, sm_scale=scale)
-            weights = per_shard(sums, (BTHD, BSKD, ints, ints, ROWS), BKS)(q, k_att, offsets, lengths, stat_weights)
+            weights = per_shard(sums, (BTHD, BSKD, ints, ints, ROWS), BKS)(q, k_seq, offsets, lengths, stat_weights)
             stats = _keep_head_sums(weights, heads)
     if stats is not None:
         if policy.attention_stat == "sum":

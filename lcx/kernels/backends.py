@@ -8,7 +8,8 @@ Einsum legend: b batch, t queries, s keys / cache slots, h query heads, k kv hea
 ``chunk``       a prefill chunk against a cache whose live slots are packed in position order: query i of row b
                 sits at slot ``q_offsets[b] + i`` and sees slots ``<= q_offsets[b] + i`` and ``< kv_lengths[b]``
                 (``causal=False``: every slot below the length) -> out, or ``(out, m, l)`` with ``residuals``
-``decode``      one query per row against slots with holes: ``q [b, h, d]``, ``valid [b, s]`` -> out, then
+``decode``      one query per row against slots with holes: ``q [b, h, d]``, ``k, v [b, k, s, d]`` (the slot
+                cache's own layout, so a decode step reads it without a copy), ``valid [b, s]`` -> out, then
                 ``weights [b, k, s]`` with ``weights`` (probabilities summed over each KV group), then ``(m, l)``
                 with ``residuals``
 ``column_sums`` attention each slot receives from the queries with ``query_weights [b, t] > 0`` of a chunk (masks as

@@ -118,7 +118,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
 
     Args:
       q: ``[batch, q_heads, head_dim]``.
-      k, v: ``[batch, cache_len, kv_heads, head_dim]``; q_heads a multiple of kv_heads.
+      k, v: ``[batch, kv_heads, cache_len, head_dim]`` (the slot cache's layout: a program's tile is contiguous);
+        q_heads a multiple of kv_heads.
       valid: ``[batch, cache_len]`` or ``[batch, kv_heads, cache_len]`` bool, True for live slots (holes left by
         eviction are False); per KV head when each head keeps its own tokens.
       lengths: ``[batch]`` or ``[batch, kv_heads]`` ints; slots at index >= length are empty (also skipped, not
@@ -137,10 +138,10 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
       a slot's weight is in ``[0, g]``); with ``return_residuals`` then ``(m, l)``.
     """
     if q.ndim != 3 or k.ndim != 4 or v.ndim != 4 or k.shape != v.shape:
-        raise ValueError(f"q must be [batch, heads, head_dim], k and v equal [batch, cache_len, kv_heads, head_dim];"
+        raise ValueError(f"q must be [batch, heads, head_dim], k and v equal [batch, kv_heads, cache_len, head_dim];"
                          f" got {q.shape=}, {k.shape=}, {v.shape=}")
     b, h, d = q.shape
-    _, s, kvh, _ = k.shape
+    _, kvh, s, _ = k.shape
     if k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"{q.shape=} and {k.shape=} must agree on batch and head_dim")
     if h % kvh:
@@ -169,14 +170,14 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
     # The query is cast to the cache dtype, not the cache to the query's: that would copy the whole cache.
     qg = einops.rearrange(q.astype(k.dtype), "b (k g) d -> b k g d", k=kvh)  # heads grouped by KV head
     qg = pad_axis(pad_axis(qg, 3, dp), 2, rows)  # [b, k, r, dp]
-    kp = pad_axis(pad_axis(k, 3, dp), 1, s_pad)  # [b, s_pad, k, dp]
-    vp = pad_axis(pad_axis(v.astype(k.dtype), 3, dp), 1, s_pad)
+    kp = pad_axis(pad_axis(k, 3, dp), 2, s_pad)  # [b, k, s_pad, dp]
+    vp = pad_axis(pad_axis(v.astype(k.dtype), 3, dp), 2, s_pad)
 
     split = st.split_len
     in_specs = [
         pl.BlockSpec((None, None, rows, dp), lambda n, bi, ki: (bi, ki, 0, 0)),
-        pl.BlockSpec((None, split, None, dp), lambda n, bi, ki: (bi, n, ki, 0)),
-        pl.BlockSpec((None, split, None, dp), lambda n, bi, ki: (bi, n, ki, 0)),
+        pl.BlockSpec((None, None, split, dp), lambda n, bi, ki: (bi, ki, n, 0)),
+        pl.BlockSpec((None, None, split, dp), lambda n, bi, ki: (bi, ki, n, 0)),
         pl.BlockSpec((None, None, split), lambda n, bi, ki: (bi, ki, n)),
     ]
     args = [qg, kp, vp, live]

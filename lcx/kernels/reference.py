@@ -138,27 +138,42 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
 def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Array | None = None,
                                lengths: jax.Array | None = None, return_weights: bool = False,
                                sm_scale: float | None = None, return_residuals: bool = False, precision=_HI):
-    """Reference for ``decode_attention``: ``q [b, h, d]``, ``k, v [b, s, k, d]``, ``valid [b, s]`` or ``[b, k, s]``,
-    ``lengths [b]`` or ``[b, k]``.
+    """Reference for ``decode_attention``: ``q [b, h, d]``, ``k, v [b, k, s, d]`` (the slot cache's layout: each KV
+    head's slots contiguous), ``valid [b, s]`` or ``[b, k, s]``, ``lengths [b]`` or ``[b, k]``.
 
     Returns ``out [b, h, d]``; with ``return_weights`` also ``weights [b, k, s]`` (the probabilities summed over the
     query heads of each KV head's group); with ``return_residuals`` then the row max and sum of exponentials
     ``m, l [b, h]``.
+
+    Both products contract with K / V in their stored layout (batch dims b, k leading), which XLA runs without
+    copying the cache: with ``[b, s, k, d]`` it transposed every layer's keys and values on every decode step.
     """
-    b, s = k.shape[:2]
+    b, kv_heads, s, d = k.shape
     mask = jnp.ones((b, 1, s), bool) if valid is None else valid.astype(bool).reshape(b, -1, s)  # [b, k | 1, s]
     if lengths is not None:
         lengths = jnp.asarray(lengths)
         lengths = lengths[:, None] if lengths.ndim == 1 else lengths
         mask = mask & (jnp.arange(s)[None, None, :] < lengths[:, :, None])
-    mask = mask[:, 0, None, :] if mask.shape[1] == 1 else mask[:, :, None, :]  # [b, 1, s] or [b, k, 1, s]
-    o, m, l = masked_attention_parts(q[:, None], k, v, mask, sm_scale=sm_scale, precision=precision)
-    results = [o[:, 0].astype(q.dtype)]
+    if q.shape[1] % kv_heads:
+        raise ValueError(f"{q.shape[1]} query heads must be a multiple of {kv_heads=} key/value heads")
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    dtype = q.dtype
+    if precision == _HI:
+        q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
+    qg = einops.rearrange(q, "b (k g) d -> b k g d", k=kv_heads)
+    scores = jnp.einsum("bkgd,bksd->bkgs", qg, k.astype(q.dtype), precision=precision,
+                        preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, :, None, :], scores, -jnp.inf)  # [b, k, g, s]
+    p, m, l = _softmax_parts(scores)  # [b, k, g, s], [b, k, g], [b, k, g]
+    o = jnp.einsum("bkgs,bksd->bkgd", p.astype(v.dtype) if precision != _HI else p, v.astype(q.dtype),
+                   precision=precision, preferred_element_type=jnp.float32)
+    denom = jnp.where(l == 0, 1.0, l)[..., None]
+    to_heads = lambda x: einops.rearrange(x, "b k g ... -> b (k g) ...")  # noqa: E731
+    results = [to_heads(o / denom).astype(dtype)]
     if return_weights:
-        results.append(masked_column_sums_reference(q[:, None], k, mask, sm_scale=sm_scale,
-                                                    precision=precision))
+        results.append(jnp.sum(p / denom, axis=2))  # [b, k, s]
     if return_residuals:
-        results += [m[:, 0], l[:, 0]]
+        results += [to_heads(m), to_heads(l)]
     return results[0] if len(results) == 1 else tuple(results)
 
 

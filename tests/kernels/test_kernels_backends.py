@@ -57,8 +57,9 @@ def test_backends_rows_agree_with_the_reference(impl):
     for name, args in (("chunk", dict(q_offsets=off, kv_lengths=lens)),):
         chex.assert_trees_all_close(getattr(got, name)(q, k, v, sm_scale=scale, **args),
                                     getattr(ref, name)(q, k, v, sm_scale=scale, **args), atol=2e-5, rtol=2e-5)
-    chex.assert_trees_all_close(got.decode(q[:, 0], k, v, valid=valid, sm_scale=scale, weights=True),
-                                ref.decode(q[:, 0], k, v, valid=valid, sm_scale=scale, weights=True),
+    k_c, v_c = k.swapaxes(1, 2), v.swapaxes(1, 2)  # decode reads the cache's [b, k, s, d]
+    chex.assert_trees_all_close(got.decode(q[:, 0], k_c, v_c, valid=valid, sm_scale=scale, weights=True),
+                                ref.decode(q[:, 0], k_c, v_c, valid=valid, sm_scale=scale, weights=True),
                                 atol=2e-5, rtol=2e-5)
     chex.assert_trees_all_close(
         got.column_sums(q, k, q_offsets=off, kv_lengths=lens, query_weights=weights, sm_scale=scale),

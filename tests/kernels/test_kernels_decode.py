@@ -17,8 +17,8 @@ SMALL = DecodeBlockSizes(block_k=16, num_splits=3)
 def _inputs(b, s, h, kv, d, dtype, seed=0, holes=0.0):
     ks = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(ks[0], (b, h, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (b, s, kv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (b, s, kv, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, kv, s, d), jnp.float32).astype(dtype)  # the slot cache's [b, k, s, d]
+    v = jax.random.normal(ks[2], (b, kv, s, d), jnp.float32).astype(dtype)
     valid = ~jax.random.bernoulli(ks[3], holes, (b, s)) if holes else None
     return q, k, v, valid
 
@@ -87,3 +87,25 @@ def test_decode_input_errors():
         decode_attention(q[:, None], k, v)
     with pytest.raises(ValueError, match="block_k"):
         DecodeBlockSizes(block_k=48)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_decode_reference_equals_masked_attention_over_the_sequence_layout(per_head):
+    """The decode oracle reads ``[b, k, s, d]``; it must equal the general masked attention (and its column sums)
+    over the same keys in ``[b, s, k, d]`` - an independent path through ``masked_attention_parts``."""
+    from lcx.kernels.reference import masked_attention_parts, masked_column_sums_reference
+
+    b, s, h, kv, d = 2, 40, 6, 2, 16
+    q, k, v, _ = _inputs(b, s, h, kv, d, jnp.float32, seed=7)
+    shape = (b, kv, s) if per_head else (b, s)
+    valid = jax.random.bernoulli(jax.random.key(8), 0.7, shape).at[1].set(False)  # row 1: nothing live
+    out, w, m, l = decode_attention_reference(q, k, v, valid=valid, return_weights=True, return_residuals=True)
+    mask = valid[:, :, None, :] if per_head else valid[:, None, :]  # [b, k, 1, s] or [b, 1, s]
+    k_seq, v_seq = k.swapaxes(1, 2), v.swapaxes(1, 2)
+    want_out, want_m, want_l = masked_attention_parts(q[:, None], k_seq, v_seq, mask)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out[:, 0]), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(w), np.asarray(masked_column_sums_reference(q[:, None], k_seq, mask)),
+                               atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(m), np.asarray(want_m[:, 0]))
+    np.testing.assert_allclose(np.asarray(l), np.asarray(want_l[:, 0]), rtol=1e-6)
+    assert float(jnp.abs(out[1]).max()) == 0.0 and bool(jnp.isneginf(m[1]).all())

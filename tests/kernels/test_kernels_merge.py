@@ -37,8 +37,8 @@ def _split_masks(b, s, seed):
 @pytest.mark.parametrize("impl", ["reference", "pallas"])
 def test_merge_decode_parts_equals_whole(impl):
     q, k, v = _qkv(seed=1)
-    q = q[:, 0]
-    live, a, b_ = _split_masks(2, k.shape[1], 2)
+    q, k, v = q[:, 0], k.swapaxes(1, 2), v.swapaxes(1, 2)  # decode reads the cache's [b, k, s, d]
+    live, a, b_ = _split_masks(2, k.shape[2], 2)
     if impl == "pallas":
         decode = functools.partial(decode_attention, return_residuals=True, block_sizes=DecodeBlockSizes(block_k=16))
     else:
@@ -52,7 +52,7 @@ def test_merge_decode_parts_equals_whole(impl):
 
 def test_merge_decode_residuals_match_the_reference():
     q, k, v = _qkv(b=2, s=40, seed=3)
-    q = q[:, 0]
+    q, k, v = q[:, 0], k.swapaxes(1, 2), v.swapaxes(1, 2)
     live, _, _ = _split_masks(2, 40, 4)
     got = decode_attention(q, k, v, valid=live, return_residuals=True, block_sizes=DecodeBlockSizes(block_k=16))
     want = decode_attention_reference(q, k, v, valid=live, return_residuals=True)
@@ -62,7 +62,7 @@ def test_merge_decode_residuals_match_the_reference():
 
 def test_merge_with_both_parts_empty_is_zero_not_nan():
     q, k, v = _qkv(b=1, s=16, seed=5)
-    q = q[:, 0]
+    q, k, v = q[:, 0], k.swapaxes(1, 2), v.swapaxes(1, 2)
     none = jnp.zeros((1, 16), bool)
     part = decode_attention_reference(q, k, v, valid=none, return_residuals=True)
     assert float(part[2].max()) == 0.0 and bool(jnp.all(jnp.isneginf(part[1])))

@@ -75,11 +75,12 @@ def test_flash_lowers_to_triton(d, dtype, window, lens, g):
 @pytest.mark.parametrize("h,kv,d,weights", [(32, 8, 128, True), (6, 2, 80, True), (8, 8, 64, False)])
 def test_decode_and_column_sums_lower_to_triton(h, kv, d, weights):
     q = jax.ShapeDtypeStruct((2, h, d), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((2, 4096, kv, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, kv, 4096, d), jnp.bfloat16)  # decode: the cache's [b, k, s, d]
     valid = jax.ShapeDtypeStruct((2, 4096), jnp.bool_)
     lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
     fn = lambda q, k, v, m, n: decode_attention(q, k, v, valid=m, lengths=n, return_weights=weights,  # noqa: E731
                                                 interpret=False)
     assert _lower_for_cuda(fn, q, k, k, valid, lengths) == 1
     qw = jax.ShapeDtypeStruct((2, 32, h, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 4096, kv, d), jnp.bfloat16)  # column sums: [b, s, k, d]
     assert _lower_for_cuda(lambda q, k: attention_column_sums(q, k, interpret=False), qw, k) == 2

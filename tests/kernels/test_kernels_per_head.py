@@ -79,7 +79,7 @@ def test_column_sums_per_head_offsets():
 
 def test_decode_per_head_holes_and_lengths():
     q, k, v = _qkv(seed=3, t=1)
-    q = q[:, 0]
+    q, k, v = q[:, 0], k.swapaxes(1, 2), v.swapaxes(1, 2)  # decode reads the cache's [b, k, s, d]
     valid = jax.random.bernoulli(jax.random.key(4), 0.6, (B, KV, S))
     lengths = jnp.array([[48, 30], [7, 40]], jnp.int32)
     got, w = jax.jit(functools.partial(decode_attention, return_weights=True,
@@ -87,7 +87,7 @@ def test_decode_per_head_holes_and_lengths():
         q, k, v, valid=valid, lengths=lengths)
     ref, ref_w = decode_attention_reference(q, k, v, valid=valid, lengths=lengths, return_weights=True)
     g = H // KV
-    heads = [decode_attention_reference(q[:, j * g:(j + 1) * g], k[:, :, j:j + 1], v[:, :, j:j + 1],
+    heads = [decode_attention_reference(q[:, j * g:(j + 1) * g], k[:, j:j + 1], v[:, j:j + 1],
                                         valid=valid[:, j], lengths=lengths[:, j], return_weights=True)
              for j in range(KV)]
     want = jnp.concatenate([o for o, _ in heads], axis=1)
@@ -105,7 +105,7 @@ def test_per_head_shapes_are_checked():
     with pytest.raises(ValueError, match=r"q_offsets.shape=\(2, 3\) must be \(2,\) or \(2, 2\)"):
         flash_attention(q, k, v, q_offsets=jnp.zeros((2, 3), jnp.int32))
     with pytest.raises(ValueError, match=r"valid.shape"):
-        decode_attention(q[:, 0], k, v, valid=jnp.ones((B, 3, S), bool))
+        decode_attention(q[:, 0], k.swapaxes(1, 2), v.swapaxes(1, 2), valid=jnp.ones((B, 3, S), bool))
     # the [b] form is the [b, k] form with every head alike
     one = flash_attention(q, k, v, q_offsets=OFFSETS[:, 0], kv_lengths=LENGTHS[:, 0], block_sizes=B16)
     both = flash_attention(q, k, v, q_offsets=einops.repeat(OFFSETS[:, 0], "b -> b k", k=KV),

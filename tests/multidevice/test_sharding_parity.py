@@ -40,13 +40,13 @@ def test_sharding_generate_tokens_identical(kv8, mesh):
 def test_sharding_cache_batch_over_data_kv_heads_over_model(kv8, mesh):
     data, model = map(int, mesh.split("x"))
     got = kv8["meshes"][mesh]
-    layers, batch, capacity, heads, head_dim = got["cache_k_shape"]
+    layers, batch, heads, capacity, head_dim = got["cache_k_shape"]  # [L, b, k, C, d]
     assert heads == 8
-    assert got["cache_k_shard_shape"] == [layers, batch // data, capacity, heads // model, head_dim]
+    assert got["cache_k_shard_shape"] == [layers, batch // data, heads // model, capacity, head_dim]
     spec = (got["cache_k_spec"] + [None] * 5)[:5]
-    assert spec[0] is None and spec[2] is None and spec[4] is None
+    assert spec[0] is None and spec[3] is None and spec[4] is None
     assert spec[1] == "data" or (data == 1 and spec[1] is None)
-    assert spec[3] == "model" or (model == 1 and spec[3] is None)
+    assert spec[2] == "model" or (model == 1 and spec[2] is None)
     assert kv8["lcx_warnings"] == []  # no replication anywhere
 
 
@@ -66,9 +66,9 @@ def test_sharding_replicated_kv_heads_forward_and_tokens(kv4_on_model8):
 
 def test_sharding_replicated_kv_heads_one_head_per_device(kv4_on_model8):
     got = kv4_on_model8[0]["meshes"]["1x8"]
-    layers, batch, capacity, heads, head_dim = got["cache_k_shape"]
+    layers, batch, heads, capacity, head_dim = got["cache_k_shape"]  # [L, b, k, C, d]
     assert heads == 8  # 4 KV heads x 2 copies
-    assert got["cache_k_shard_shape"] == [layers, batch, capacity, 1, head_dim]
+    assert got["cache_k_shard_shape"] == [layers, batch, 1, capacity, head_dim]
 
 
 def test_sharding_replication_logged_once(kv4_on_model8):

@@ -178,9 +178,11 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
     scale = d ** -0.5
     counted = stat_weights is not None and layer.received is not None
     # Working memory: causal in slot order (the slots are packed in position order).
+    # decode reads [b, k, s, d] (the slot cache's layout); the working window is stored [b, W, k, d]
+    to_heads_first = lambda x: x.swapaxes(1, 2)  # noqa: E731
     if t == 1:
-        result = backend.decode(q[:, 0], k_work, layer.v, valid=layer.valid, sm_scale=scale, weights=counted,
-                                residuals=True)
+        result = backend.decode(q[:, 0], to_heads_first(k_work), to_heads_first(layer.v), valid=layer.valid,
+                                sm_scale=scale, weights=counted, residuals=True)
         if counted:
             o_w, received, m_w, l_w = result
             received = received * (stat_weights[:, :1, None] > 0)
@@ -205,7 +207,8 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
     n_tokens = jnp.sum(ids[:, 0] >= 0, axis=-1, dtype=jnp.int32) * p.block  # [b]; the same count for every head
     if t == 1:
         valid = jnp.arange(k_rec.shape[1])[None, :] < n_tokens[:, None]
-        o_r, m_r, l_r = backend.decode(q[:, 0], k_rec, v_rec, valid=valid, sm_scale=scale, residuals=True)
+        o_r, m_r, l_r = backend.decode(q[:, 0], to_heads_first(k_rec), to_heads_first(v_rec), valid=valid,
+                                       sm_scale=scale, residuals=True)
         o_r, m_r, l_r = o_r[:, None], m_r[:, None], l_r[:, None]
     else:
         o_r, m_r, l_r = backend.chunk(q, k_rec, v_rec, q_offsets=jnp.zeros_like(n_tokens), kv_lengths=n_tokens,
