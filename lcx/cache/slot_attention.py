@@ -121,25 +121,26 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
         out = out[:, None]
         if counted:
             stats = _keep_head_sums(weights, heads) * (stat_weights[:, :1, None] > 0)
-    else:  # prefill kernels read [b, C, k, d]: one transpose per chunk, not per step
-        k_seq, v_seq = k_att.swapaxes(1, 2), layer.v.swapaxes(1, 2)
+    else:  # prefill kernels read [b, C, k, d]: each path transposes what it reads, once per chunk
+        seq = lambda x: x.swapaxes(1, 2)  # noqa: E731
         offsets, lengths = per_kv(q_offsets), per_kv(layer.count)
         t = q.shape[1]
         chunk = lambda q, k, v, off, lens: backend.chunk(q, k, v, q_offsets=off, kv_lengths=lens,  # noqa: E731
                                                           sm_scale=scale)
         attend_all = lambda: per_shard(chunk, (BTHD, BSKD, BSKD, ints, ints), BTHD)(  # noqa: E731
-            q, k_seq, v_seq, offsets, lengths)
-        if heads == 1 and t <= k_seq.shape[1]:
+            q, seq(k_att), seq(layer.v), offsets, lengths)
+        if heads == 1 and t <= k_att.shape[2]:
             causal = functools.partial(backend.causal, sm_scale=scale)
             among_new = lambda: per_shard(causal, (BTHD, BSKD, BSKD), BTHD)(  # noqa: E731
-                q, k_seq[:, :t].astype(q.dtype), v_seq[:, :t].astype(q.dtype)).astype(q.dtype)
+                q, seq(k_att[:, :, :t]).astype(q.dtype), seq(layer.v[:, :, :t]).astype(q.dtype)).astype(q.dtype)
             out = jax.lax.cond(jnp.all(q_offsets == 0), among_new, lambda: attend_all().astype(q.dtype))
         else:
             out = attend_all()
         if counted:
             sums = lambda q, k, off, lens, w: backend.column_sums(q, k, q_offsets=off, kv_lengths=lens,  # noqa: E731
                                                                   query_weights=w, sm_scale=scale)
-            weights = per_shard(sums, (BTHD, BSKD, ints, ints, ROWS), BKS)(q, k_seq, offsets, lengths, stat_weights)
+            weights = per_shard(sums, (BTHD, BSKD, ints, ints, ROWS), BKS)(q, seq(k_att), offsets, lengths,
+                                                                           stat_weights)
             stats = _keep_head_sums(weights, heads)
     if stats is not None:
         if policy.attention_stat == "sum":
