@@ -146,6 +146,17 @@ def test_generate_cache_dtype_bf16_close_to_fp32(params):
     np.testing.assert_allclose(np.asarray(state.logits), np.asarray(ref.logits), atol=0.05)
 
 
+def test_generate_bfloat16_model_batched_long_prefill_close_to_fp32(params):
+    # A bfloat16 model, batch 2, 256-token prompts: the shape at which XLA:CPU once picked a bf16 x bf16 -> f32 dot
+    # it cannot run for the attention's value product ("Unsupported element type for DotThunk") and crashed.
+    bf16 = dataclasses.replace(CFG, dtype="bfloat16", param_dtype="bfloat16")
+    prompts = _prompts([256, 256], seed=3)
+    state = Generator(bf16, jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), max_new_tokens=1).prefill(prompts)
+    ref = Generator(CFG, params, max_new_tokens=1).prefill(prompts)
+    assert state.cache.k.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(state.logits), np.asarray(ref.logits), atol=0.05)
+
+
 def test_generate_xla_and_reference_attention_agree(params):
     prompts = _prompts([5, 9])
     xla = dataclasses.replace(CFG, attention=lcx.AttentionConfig(impl="xla"))

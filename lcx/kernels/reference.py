@@ -12,6 +12,20 @@ import jax
 import jax.numpy as jnp
 
 _HI = jax.lax.Precision.HIGHEST
+_LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _product(legend: str, a: jax.Array, b: jax.Array, precision) -> jax.Array:
+    """``einsum(legend, a, b)`` accumulated in float32.
+
+    On CPU, bfloat16 / float16 operands are widened to float32 first. XLA:CPU has no low-precision -> float32 dot
+    of its own (``DotThunk: Unsupported element type ... BF16 x BF16 = F32``); only the layouts its YNNPACK
+    fusions take run, and which layout a product gets depends on the surrounding program (a batch-2, 256-token
+    bfloat16 prefill crashed). Widening changes no value: the product of two bfloat16 / float16 numbers is exact in
+    float32, so the dot is the same float32 accumulation of the same products."""
+    if jax.default_backend() == "cpu" and a.dtype in _LOW:
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(legend, a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
 def attention_mask(q_len: int, kv_len: int, *, causal: bool, window: int | None = None,
@@ -70,8 +84,7 @@ def _masked_scores(q, k, mask, sm_scale, precision):
         raise ValueError(f"{h=} query heads must be a multiple of {kv_heads=} key/value heads")
     scale = d ** -0.5 if sm_scale is None else sm_scale
     qg = einops.rearrange(q, "b t (k g) d -> b t k g d", k=kv_heads)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), precision=precision,
-                        preferred_element_type=jnp.float32) * scale  # [b, k, g, t, s]
+    scores = _product("btkgd,bskd->bkgts", qg, k.astype(q.dtype), precision) * scale  # [b, k, g, t, s]
     if mask is not None:
         scores = jnp.where(_head_mask(mask), scores, -jnp.inf)
     return scores
@@ -107,8 +120,8 @@ def masked_attention_parts(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     if precision == _HI:
         q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
     p, m, l = _softmax_parts(_masked_scores(q, k, mask, sm_scale, precision))  # [b, k, g, t, s], [b, k, g, t]
-    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype) if precision != _HI else p, v.astype(q.dtype),
-                   precision=precision, preferred_element_type=jnp.float32)  # [b, t, k, g, d]
+    o = _product("bkgts,bskd->btkgd", p.astype(v.dtype) if precision != _HI else p, v.astype(q.dtype),
+                 precision)  # [b, t, k, g, d]
     o = o / jnp.where(l == 0, 1.0, l).transpose(0, 3, 1, 2)[..., None]
     to_rows = lambda x: einops.rearrange(x, "b k g t -> b t (k g)")  # noqa: E731
     return einops.rearrange(o, "b t k g d -> b t (k g) d"), to_rows(m), to_rows(l)
@@ -161,12 +174,10 @@ def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, vali
     if precision == _HI:
         q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
     qg = einops.rearrange(q, "b (k g) d -> b k g d", k=kv_heads)
-    scores = jnp.einsum("bkgd,bksd->bkgs", qg, k.astype(q.dtype), precision=precision,
-                        preferred_element_type=jnp.float32) * scale
+    scores = _product("bkgd,bksd->bkgs", qg, k.astype(q.dtype), precision) * scale
     scores = jnp.where(mask[:, :, None, :], scores, -jnp.inf)  # [b, k, g, s]
     p, m, l = _softmax_parts(scores)  # [b, k, g, s], [b, k, g], [b, k, g]
-    o = jnp.einsum("bkgs,bksd->bkgd", p.astype(v.dtype) if precision != _HI else p, v.astype(q.dtype),
-                   precision=precision, preferred_element_type=jnp.float32)
+    o = _product("bkgs,bksd->bkgd", p.astype(v.dtype) if precision != _HI else p, v.astype(q.dtype), precision)
     denom = jnp.where(l == 0, 1.0, l)[..., None]
     to_heads = lambda x: einops.rearrange(x, "b k g ... -> b (k g) ...")  # noqa: E731
     results = [to_heads(o / denom).astype(dtype)]
