@@ -24,11 +24,12 @@ def test_backends_impls_derive_from_the_table():
     assert lcx.AttentionConfig().impl == "auto"
 
 
-def test_backends_auto_is_xla_on_cpu():
-    assert jax.default_backend() == "cpu"
-    assert kernels.resolve("auto") == "xla" and kernels.backend("auto") is kernels.BACKENDS["xla"]
+def test_backends_auto_is_xla_on_cpu_and_pallas_on_gpu():
+    expected = "pallas" if jax.default_backend() == "gpu" else "xla"  # this suite also runs on a GPU machine
+    assert kernels.resolve("auto") == expected and kernels.backend("auto") is kernels.BACKENDS[expected]
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="on a GPU the default is the compiled Pallas kernels")
 def test_backends_default_generation_on_cpu_runs_no_pallas_kernel():
     cfg = lcx.ModelConfig(vocab_size=40, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=32)
     params = lcx.init_params(cfg, jax.random.key(0))
