@@ -8,8 +8,8 @@
 #
 # Runs from the source tree (PYTHONPATH), with the machine's own jax / torch / transformers: nothing is installed.
 # lcx's kernels, generation and these benchmarks import none of the packages such an image may lack (omegaconf and
-# tensorboardX are imported only by config files and training). Worst case under 10 minutes (the stage limits add up to 580 s, inside one device call);
-# typically 5.
+# tensorboardX are imported only by config files and training). Worst case under 10 minutes (the stage limits add
+# up to 580 s, inside one device call); typically 5.
 #
 # Stages
 #   env        GPU, driver, jax / torch versions.
