@@ -29,7 +29,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from lcx import device_memory, sharding
-from lcx.cache.base import CacheCapacityError, CacheKind, CacheState
+from lcx.cache.base import AUTO_PREFILL_CHUNK, CacheCapacityError, CacheKind, CacheState, round_chunk
 from lcx.cache.config import CacheConfig
 from lcx.config_base import ConfigError, dtype_bytes, format_bytes, to_dict
 from lcx.model import Decoder
@@ -39,7 +39,8 @@ from lcx.model.placement import param_bytes_per_device, shard_params
 from lcx.sampling import SamplingConfig, sample
 
 
-SCORE_SEGMENT = 64  # tokens per compiled teacher-forcing scan (Generator.score)
+SCORE_SEGMENT = 64  # tokens per compiled teacher-forcing scan (Generator.score of caches that cannot chunk)
+CHUNK_MEMORY_SHARE = 0.1  # ... and at most this share of the free device memory for one chunk's activations
 
 
 @flax.struct.dataclass
@@ -167,6 +168,26 @@ def plan_capacity(config: ModelConfig, cache: CacheConfig, batch: int, max_promp
     return capacity
 
 
+def auto_prefill_chunk(config: ModelConfig, batch: int, max_len: int) -> int:
+    """The prefill chunk of ``cache.prefill_chunk: null``: the whole prompt in one call up to
+    ``AUTO_PREFILL_CHUNK`` tokens (halved while one chunk's activations would take more than ``CHUNK_MEMORY_SHARE``
+    of the free device memory), else equal chunks; a chunk is rounded up to a quarter of a power of two, so padding
+    stays under 25% and one octave of prompt lengths compiles at most four shapes.
+
+    One large chunk costs no more than several small ones (attention visits only the key tiles a query block sees,
+    and the output layer runs on the last position only), but saves their calls and the per-chunk copies of the
+    cache; a power-of-two chunk would pad a 2,049-token prompt to 4,096."""
+    itemsize = dtype_bytes(config.dtype)
+    heads = (config.n_heads + config.n_kv_heads) * config.head_dim
+    per_token = 2 * itemsize * (4 * config.d_model + 2 * heads + 3 * config.d_ff)  # activations, x2 for temporaries
+    cap = AUTO_PREFILL_CHUNK
+    free = device_memory.free_bytes()
+    while free is not None and cap > 64 and batch * cap * per_token > CHUNK_MEMORY_SHARE * free:
+        cap //= 2
+    n_chunks = -(-max_len // cap)
+    return min(cap, round_chunk(-(-max_len // n_chunks)))
+
+
 # --------------------------------------------------------------------------------------------------- compiled steps
 def choose_unroll(config: ModelConfig, params, requested: bool | None) -> bool:
     """Whether generation runs the unrolled decoder (``Decoder(unrolled=True)``, per-layer params and, inside the
@@ -247,8 +268,19 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
         (cache, logits), logprobs = jax.lax.scan(body, (split(cache), logits), tokens.T)
         return cache.stack_layers(), logits, logprobs.T
 
+    def forced_chunk(params, cache, logits, tokens, n, stat_weights):
+        """Teacher forcing of ``n`` given tokens (``tokens [b, width]``, the rest padding) in one model call, like a
+        prefill chunk: the log-probability of each (from the logits before it) and the logits after the last."""
+        width = tokens.shape[1]
+        ok = jnp.broadcast_to(jnp.arange(width)[None, :] < n, tokens.shape)
+        cache = kind.make_room(cache, n)
+        out, cache = model.apply({"params": params}, tokens, cache=cache, ok=ok, stat_weights=stat_weights)
+        before = jnp.concatenate([logits[:, None], out[:, :-1]], axis=1)  # [b, width, V]: each token's distribution
+        logprobs = jnp.take_along_axis(jax.nn.log_softmax(before), tokens[..., None], axis=-1)[..., 0]
+        return pin(cache), jax.lax.dynamic_index_in_dim(out, n - 1, axis=1, keepdims=False), logprobs
+
     return (jax.jit(prefill_chunk, donate_argnums=(1,)), jax.jit(end_prefill, donate_argnums=(0,)),
-            jax.jit(decode_loop, donate_argnums=(1,)), jax.jit(forced_loop))
+            jax.jit(decode_loop, donate_argnums=(1,)), jax.jit(forced_loop), jax.jit(forced_chunk))
 
 
 # --------------------------------------------------------------------------------------------------- generator
@@ -307,7 +339,7 @@ class Generator:
             self.params = unroll_params(self.params)
         elif is_unrolled(self.params):
             raise ConfigError("unroll=False needs stacked params (a 'layers' entry); these are unrolled")
-        self._prefill_chunk, self._end_prefill, self._decode_loop, self._forced = _compiled(
+        self._prefill_chunk, self._end_prefill, self._decode_loop, self._forced, self._forced_chunk = _compiled(
             config, self.sampling, eos_id, self.pad_id, self.kind, mesh, self.unrolled)
 
     def _put(self, x, batch_axis: bool = True):
@@ -356,7 +388,8 @@ class Generator:
             capacity = self.capacity
         cache = self._new_cache(batch, capacity)
         # One compiled chunk shape for every chunk of the prompt.
-        chunk = self.kind.prefill_chunk(self.cache_config.prefill_chunk, max_len, capacity)
+        requested = self.cache_config.prefill_chunk or auto_prefill_chunk(self.config, batch, max_len)
+        chunk = self.kind.prefill_chunk(requested, max_len, capacity)
         n_chunks = -(-max_len // chunk)
         padded = np.zeros((batch, n_chunks * chunk), np.int32)
         padded[:, :max_len] = ids
@@ -400,11 +433,18 @@ class Generator:
             if stop >= limit or int(state.step) < stop:  # the limit, or every row hit EOS
                 return state
 
-    def score(self, state: DecodeState, tokens) -> tuple[DecodeState, np.ndarray]:
+    def score(self, state: DecodeState, tokens, progress: bool = False) -> tuple[DecodeState, np.ndarray]:
         """Log-probabilities ``[b, n]`` of given continuation ``tokens [b, n]`` after ``state`` (teacher forcing
         through the same cache and eviction schedule as decoding); returns the advanced state too.
+        ``progress``: a progress bar (tokens per second, ETA).
 
         Perplexity under an eviction policy: ``prefill`` a prefix, then ``score`` the rest of the text.
+
+        The tokens go through the model in chunks, each like a prefill chunk, as large as the cache type allows
+        while keeping the schedule of one-token decode steps (``kind.score_width`` / ``score_room`` /
+        ``score_weights``: a slot cache evicts at the same positions and accumulates the same attention
+        statistics), so the log-probabilities equal decoding's up to float32 summation order; cache types that
+        cannot chunk go one token per step.
         """
         tokens = np.asarray(tokens, np.int32)
         if not self.policy.evicts:
@@ -414,15 +454,33 @@ class Generator:
                     f"scoring {tokens.shape[1]} tokens needs {need} cache slots but the full cache was planned for "
                     f"{state.cache.capacity} (prompt + max_new_tokens): create the Generator with max_new_tokens >= "
                     f"{tokens.shape[1]} or use an eviction policy")
-        # Fixed-size segments: one compiled scan serves every length (the cache type also syncs between them).
-        segment = self.kind.decode_segment or SCORE_SEGMENT
+        batch, total = tokens.shape
+        width = self.kind.score_width(total)
+        bar = tqdm(total=total * batch, disable=not progress, unit="tok", unit_scale=True, desc="score",
+                   dynamic_ncols=True)
         logprobs = []
-        for lo in range(0, tokens.shape[1], segment):
-            with sharding.use_mesh(self.mesh):
-                cache, logits, part = self._forced(self.params, state.cache, state.logits,
-                                                   self._put(tokens[:, lo:lo + segment]))
+        lo = 0
+        while lo < total:
+            if width is None:  # one token per step, in fixed-size compiled scans (the cache type syncs between)
+                n = min(self.kind.decode_segment or SCORE_SEGMENT, total - lo)
+                with sharding.use_mesh(self.mesh):
+                    cache, logits, part = self._forced(self.params, state.cache, state.logits,
+                                                       self._put(tokens[:, lo:lo + n]))
+            else:
+                room = self.kind.score_room(state.cache)
+                n = min(width, total - lo, width if room is None else room)
+                chunk = np.zeros((batch, width), np.int32)
+                chunk[:, :n] = tokens[:, lo:lo + n]
+                weights = self.kind.score_weights(n, width, batch)
+                with sharding.use_mesh(self.mesh):
+                    cache, logits, part = self._forced_chunk(
+                        self.params, state.cache, state.logits, self._put(chunk), self._put(np.int32(n), False),
+                        None if weights is None else self._put(weights))
             state = state.replace(cache=self.kind.sync(cache), logits=logits)
-            logprobs.append(sharding.to_host(part))
+            logprobs.append(sharding.to_host(part)[:, :n])
+            bar.update(n * batch)
+            lo += n
+        bar.close()
         return state, np.concatenate(logprobs, axis=1)
 
     def result(self, state: DecodeState) -> GenerateResult:

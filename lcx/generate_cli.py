@@ -89,7 +89,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cache-policy", default="full")
     p.add_argument("--cache-budget", type=int, default=None)
     p.add_argument("--cache-dtype", default=None)
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill call (default: auto)")
     p.add_argument("--cache-param", action="append", default=[], metavar="KEY=VALUE",
                    help="eviction policy parameter, e.g. --cache-param sinks=4 (repeatable)")
     p.set_defaults(func=run)

@@ -35,6 +35,16 @@ from lcx.cache import schema
 from lcx.cache.schema import Field
 from lcx.config_base import ConfigError, name_registry
 
+AUTO_PREFILL_CHUNK = 2048  # the most prompt tokens per prefill call when cache.prefill_chunk is auto
+
+
+def round_chunk(n: int) -> int:
+    """``n`` rounded up to a multiple of a quarter of the largest power of two below it (a power of two up to 64)."""
+    if n <= 64:
+        return 1 << max(n - 1, 0).bit_length()
+    step = (1 << (n - 1).bit_length()) // 8  # a quarter of the largest power of two below n
+    return -(-n // step) * step
+
 
 class CacheCapacityError(ConfigError):
     """The requested generation does not fit the cache budget or the memory limit."""
@@ -177,6 +187,24 @@ class CacheKind(abc.ABC):
 
     decode_segment: ClassVar[int | None] = None  # decode steps per jitted call before ``sync`` (None: no limit)
 
+    # Teacher forcing (``Generator.score``) in chunks: a chunk of given tokens goes through the cache like a prefill
+    # chunk, so a cache type that allows it must give every token the attention - and the eviction schedule - it
+    # would get from one-token decode steps.
+    def score_width(self, tokens: int) -> int | None:
+        """The compiled width of teacher-forcing calls for a continuation of ``tokens`` tokens; None: this cache
+        type scores one token per step (the decode step, in a compiled scan)."""
+        return None
+
+    def score_room(self, state: CacheState) -> int | None:
+        """The most tokens the next teacher-forcing call may append so that evictions fall where one-token steps
+        would put them (read on the host before each call); None: no limit."""
+        return None
+
+    def score_weights(self, n: int, width: int, batch: int) -> np.ndarray | None:
+        """Which of a teacher-forcing chunk's ``n`` real queries (of ``width``) feed attention statistics, ``[batch,
+        width]`` float32, so that the statistic after the chunk is the one after ``n`` decode steps; None: none."""
+        return None
+
     # ------------------------------------------------------------------------------------------- derived
     def abstract(self, batch: int, capacity: int) -> CacheState:
         return self.state_type(kind=self, **schema.abstract(self.fields(), self.sizes(batch, capacity),
@@ -273,4 +301,5 @@ def kind_class(name: str) -> type[CacheKind]:
     return _KINDS[name]
 
 
-__all__ = ["CacheCapacityError", "CacheKind", "CacheState", "kind_class", "register_kind"]
+__all__ = ["AUTO_PREFILL_CHUNK", "CacheCapacityError", "CacheKind", "CacheState", "kind_class", "register_kind",
+           "round_chunk"]

@@ -1,6 +1,6 @@
 """``CacheConfig``: the ``cache:`` section - which policy (and so which cache type), its budget and memory limits.
 
-``CacheConfig(policy="full", budget=None, dtype=None, prefill_chunk=512, interval=64, max_bytes=None,
+``CacheConfig(policy="full", budget=None, dtype=None, prefill_chunk=None, interval=64, max_bytes=None,
 **policy_params)``: ``policy`` names a registered policy (``lcx.cache.policy``), whose parameters (``sinks``,
 ``span``, ``window``, ...) are validated by the policy itself; ``CacheConfig.kind(model)`` builds the cache type
 that implements it.
@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 class CacheConfig:
     """The KV cache of generation: eviction policy, budget and memory.
 
-    ``CacheConfig(policy="full", budget=None, dtype=None, prefill_chunk=512, interval=64, max_bytes=None,
+    ``CacheConfig(policy="full", budget=None, dtype=None, prefill_chunk=None, interval=64, max_bytes=None,
     **policy_params)``. ``budget`` is the number of tokens per sequence and layer the cache keeps (with ``full``:
-    the most it may hold); ``interval`` extra slots let decode compact every ``interval`` steps instead of every
+    the most it may hold); ``prefill_chunk`` the most prompt tokens per compiled prefill call (None: chosen from
+    the prompt and the memory plan, see ``lcx.generate.auto_prefill_chunk``); ``interval`` extra slots let decode compact every ``interval`` steps instead of every
     step; ``max_bytes`` caps the KV memory, checked before anything runs. Policy parameters (``sinks``, ``span``,
     ...) go to the policy named by ``policy`` and are validated by it.
     """
@@ -35,13 +36,13 @@ class CacheConfig:
     budget: int | tuple[int, ...] | None = None
     budget_schedule: str = "uniform"
     dtype: str | None = None
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None
     interval: int = 64
     max_bytes: int | None = None
     policy_params: tuple[tuple[str, Any], ...] = ()
 
     def __init__(self, policy: str = "full", budget: int | Sequence[int] | None = None,
-                 budget_schedule: str = "uniform", dtype: str | None = None, prefill_chunk: int = 512,
+                 budget_schedule: str = "uniform", dtype: str | None = None, prefill_chunk: int | None = None,
                  interval: int = 64, max_bytes: int | None = None, **policy_params):
         if isinstance(budget, Sequence) and not isinstance(budget, str):
             budget = tuple(budget)
@@ -61,9 +62,10 @@ class CacheConfig:
               self.max_bytes, "must be a positive integer or null")
         check(self.budget_schedule in ("uniform", "pyramid"), "cache.budget_schedule", self.budget_schedule,
               "must be 'uniform' or 'pyramid'")
-        for name in ("prefill_chunk", "interval"):
-            value = getattr(self, name)
-            check(isinstance(value, int) and value > 0, f"cache.{name}", value, "must be a positive integer")
+        check(isinstance(self.interval, int) and self.interval > 0, "cache.interval", self.interval,
+              "must be a positive integer")
+        check(self.prefill_chunk is None or (isinstance(self.prefill_chunk, int) and self.prefill_chunk > 0),
+              "cache.prefill_chunk", self.prefill_chunk, "must be a positive integer or null (auto)")
         if self.dtype is not None:
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "cache.dtype"))
         policy = self.make_policy()  # validates the name and the policy's parameters
@@ -96,7 +98,7 @@ class CacheConfig:
         """From a flat mapping (a YAML ``cache:`` section): known keys are fields, the rest policy parameters."""
         data = dict(data)
         data.pop("policy_params", None)
-        hints = {"dtype": str | None, "prefill_chunk": int, "interval": int, "max_bytes": int | None,
+        hints = {"dtype": str | None, "prefill_chunk": int | None, "interval": int, "max_bytes": int | None,
                  "policy": str, "budget_schedule": str}
         kwargs = {k: coerce(v, hints[k], f"{prefix}.{k}") if k in hints else v for k, v in data.items()}
         return cls(**kwargs)

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lcx.cache import slot_attention
-from lcx.cache.base import CacheCapacityError, CacheKind, CacheState, register_kind
+from lcx.cache.base import (AUTO_PREFILL_CHUNK, CacheCapacityError, CacheKind, CacheState, register_kind,
+                            round_chunk)
 from lcx.cache.policy import EvictionPolicy, make_policy
 from lcx.cache.schedule import evict_cache, layer_budgets
 from lcx.cache.schema import Field
@@ -150,6 +151,33 @@ class SlotCacheKind(CacheKind):
         else:
             chosen = index <= last
         return chosen.astype(np.float32)
+
+    # ------------------------------------------------------------------------------------------- teacher forcing
+    def score_width(self, tokens: int) -> int:
+        """A full cache takes the continuation in chunks as large as a prefill's; an evicting one ``interval``
+        tokens at a time: the room an eviction frees."""
+        if self.budgets is None:
+            return min(AUTO_PREFILL_CHUNK, round_chunk(tokens))
+        return self.interval
+
+    def score_room(self, state: KVCache) -> int | None:
+        """One-token steps evict when a step finds some layer full (``make_room(1)``). A chunk that fills the cache
+        exactly, never past, leaves the same state; a chunk that starts on a full cache evicts first, as that step
+        would, and then has at least ``interval`` free slots (the capacity is the largest budget + ``interval``)."""
+        if self.budgets is None:
+            return None
+        room = state.capacity - int(np.max(np.asarray(state.count)))
+        return room if room > 0 else self.interval
+
+    def score_weights(self, n: int, width: int, batch: int) -> np.ndarray | None:
+        """Every real query counts for a summed statistic (as every decode step adds its attention); for a
+        replaced one (TOVA) only the last: after n steps the statistic is the last step's attention."""
+        stat = self.policy.attention_stat
+        if stat is None:
+            return None
+        index = np.arange(width)
+        chosen = index == n - 1 if stat == "replace" else index < n
+        return np.broadcast_to(chosen.astype(np.float32), (batch, width)).copy()
 
     # ------------------------------------------------------------------------------------------- attention
     def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):

@@ -80,12 +80,10 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
     """``SlotCacheKind.attend``: append ``key, val [b, t, k, d]`` (unrotated) to ``layer`` and attend ``q [b, t, h,
     d]`` (unrotated) to it; ``cos, sin`` are the RoPE tables of ``positions`` (used in "original" mode).
 
-    A chunk written into an empty cache (a request's first prefill chunk; checked at run time, ``lax.cond``): row
-    b's real tokens sit in slots ``[0, n_b)`` at ranks and positions ``0 .. n_b - 1`` (prompts are right-padded,
-    padding is not written), so each real query sees exactly the slots at or before its own index among the first
-    ``t``: causal self-attention over ``k[:, :t]`` - the backend's ``causal`` (flash on GPU skips the upper
-    triangle; XLA skips the ``capacity - t`` empty slots and the per-row masks). Padding queries get outputs nobody
-    reads."""
+    A prefill chunk attends through the backend's ``chunk`` with per-row offsets: query i of row b at slot
+    ``count_b + i`` sees the slots up to it, and the backend visits only the key tiles some query can see - a
+    request's first chunk (an empty cache) costs its causal triangle, a later one the filled slots, never the whole
+    capacity. Padding queries get outputs nobody reads."""
     config, policy = kind.model, kind.policy
     chex.assert_rank([q, key, val], 4)
     chex.assert_equal_shape([key, val])
@@ -124,18 +122,9 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
     else:  # prefill kernels read [b, C, k, d]: each path transposes what it reads, once per chunk
         seq = lambda x: x.swapaxes(1, 2)  # noqa: E731
         offsets, lengths = per_kv(q_offsets), per_kv(layer.count)
-        t = q.shape[1]
         chunk = lambda q, k, v, off, lens: backend.chunk(q, k, v, q_offsets=off, kv_lengths=lens,  # noqa: E731
                                                           sm_scale=scale)
-        attend_all = lambda: per_shard(chunk, (BTHD, BSKD, BSKD, ints, ints), BTHD)(  # noqa: E731
-            q, seq(k_att), seq(layer.v), offsets, lengths)
-        if heads == 1 and t <= k_att.shape[2]:
-            causal = functools.partial(backend.causal, sm_scale=scale)
-            among_new = lambda: per_shard(causal, (BTHD, BSKD, BSKD), BTHD)(  # noqa: E731
-                q, seq(k_att[:, :, :t]).astype(q.dtype), seq(layer.v[:, :, :t]).astype(q.dtype)).astype(q.dtype)
-            out = jax.lax.cond(jnp.all(q_offsets == 0), among_new, lambda: attend_all().astype(q.dtype))
-        else:
-            out = attend_all()
+        out = per_shard(chunk, (BTHD, BSKD, BSKD, ints, ints), BTHD)(q, seq(k_att), seq(layer.v), offsets, lengths)
         if counted:
             sums = lambda q, k, off, lens, w: backend.column_sums(q, k, q_offsets=off, kv_lengths=lens,  # noqa: E731
                                                                   query_weights=w, sm_scale=scale)

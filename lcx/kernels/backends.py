@@ -40,6 +40,7 @@ from lcx.kernels.decode import decode_attention
 from lcx.kernels.flash import flash_attention
 from lcx.kernels.reference import (attention_column_sums_reference, attention_mask, attention_reference,
                                    decode_attention_reference, masked_attention_parts)
+from lcx.kernels.tiled import tiled_attention
 from lcx.kernels.window_stats import attention_column_sums
 
 _DEFAULT = jax.lax.Precision.DEFAULT
@@ -75,6 +76,12 @@ def _jnp_chunk(q, k, v, *, q_offsets, kv_lengths, sm_scale, causal=True, residua
                                      precision=precision)
     o = o.astype(dtype)
     return (o, m, l) if residuals else o
+
+
+def _xla_chunk(q, k, v, *, q_offsets, kv_lengths, sm_scale, causal=True, residuals=False):
+    # Only the key tiles a query block can see: a chunk's cost follows the filled part of the cache, not its capacity.
+    return tiled_attention(q, k, v, q_offsets=q_offsets, kv_lengths=kv_lengths, sm_scale=sm_scale, causal=causal,
+                           residuals=residuals)
 
 
 def _jnp_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale):
@@ -154,7 +161,7 @@ BACKENDS: dict[str, Backend] = {
         chunk=functools.partial(_jnp_chunk, precision=jax.lax.Precision.HIGHEST),
         decode=functools.partial(_jnp_decode, precision=jax.lax.Precision.HIGHEST),
         column_sums=_jnp_column_sums),
-    "xla": Backend("xla", causal=_xla_causal, chunk=functools.partial(_jnp_chunk, precision=_DEFAULT),
+    "xla": Backend("xla", causal=_xla_causal, chunk=_xla_chunk,
                    decode=functools.partial(_jnp_decode, precision=_DEFAULT), column_sums=_jnp_column_sums),
     "pallas": Backend("pallas", causal=lambda q, k, v, *, sm_scale, segment_ids=None: flash_attention(
                           q, k, v, causal=True, sm_scale=sm_scale, segment_ids=segment_ids),

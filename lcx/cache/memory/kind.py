@@ -42,6 +42,7 @@ from lcx.model.config import ModelConfig
 
 SLOTS = ("layers", "batch", "length")
 STORE_AXES = ("layers", "batch", "blocks", "block", "kv_heads", "head_dim")
+MEMORY_ROOM = 512  # tokens one jitted call may append when cache.prefill_chunk is auto: the working memory's slack
 
 
 @flax.struct.dataclass
@@ -115,7 +116,7 @@ class MemoryKind(CacheKind):
         if policy.router == "learned":
             learned.check(policy.router_path, model, policy.positions)
         return cls(model=model, policy=policy, window=window, dtype=cache.dtype or model.dtype,
-                   interval=cache.interval, room=max(cache.prefill_chunk, cache.interval))
+                   interval=cache.interval, room=max(cache.prefill_chunk or MEMORY_ROOM, cache.interval))
 
     # ------------------------------------------------------------------------------------------- derived settings
     @functools.cached_property
