@@ -27,9 +27,10 @@ class CacheConfig:
     ``CacheConfig(policy="full", budget=None, dtype=None, prefill_chunk=None, interval=64, max_bytes=None,
     **policy_params)``. ``budget`` is the number of tokens per sequence and layer the cache keeps (with ``full``:
     the most it may hold); ``prefill_chunk`` the most prompt tokens per compiled prefill call (None: chosen from
-    the prompt and the memory plan, see ``lcx.generate.auto_prefill_chunk``); ``interval`` extra slots let decode compact every ``interval`` steps instead of every
-    step; ``max_bytes`` caps the KV memory, checked before anything runs. Policy parameters (``sinks``, ``span``,
-    ...) go to the policy named by ``policy`` and are validated by it.
+    the prompt and the memory plan, see ``lcx.generate.auto_prefill_chunk``); ``interval`` extra slots let decode
+    compact every ``interval`` steps instead of every step; ``max_bytes`` caps the KV memory, checked before
+    anything runs. Policy parameters (``sinks``, ``span``, ...) go to the policy named by ``policy`` and are
+    validated by it.
     """
 
     policy: str = "full"
