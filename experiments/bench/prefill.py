@@ -166,7 +166,7 @@ def main() -> None:
           "first")
     for name in args.shapes:
         shape = SHAPES[name]
-        model = hf_model(shape, args.dtype, max(args.lengths + [args.score_length, 8192]))
+        model = hf_model(shape, args.dtype, max(args.lengths + [args.score_length, 8192]) + 64)
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
             config, params = hf.load_hf(tmp)

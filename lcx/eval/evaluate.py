@@ -2,8 +2,9 @@
 
 Retrieval: greedy generation from each example's prompt, graded by the task (``Task.score``: passkey by the first
 integer generated, NIAH by the share of reference strings found, MQAR by the first query's value).
-Perplexity: prefill a prefix, then score the rest of each window token by token through the cache (``Generator.
-score``), so an eviction policy is measured the way it would decode.
+Perplexity: prefill a prefix, then score the rest of each window through the cache (``Generator.score``: in chunks
+on the cache's own eviction schedule, the log-probabilities of one token per step), so an eviction policy is
+measured the way it would decode.
 """
 
 from __future__ import annotations

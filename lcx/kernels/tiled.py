@@ -24,8 +24,8 @@ import einops
 import jax
 import jax.numpy as jnp
 
-BLOCK_Q = 128  # queries per block (times g query heads per KV head: the rows of one score tile)
-BLOCK_K = 512  # keys per tile
+BLOCK_Q = 512  # queries per block of one row (times g query heads per KV head: the rows of one score tile) ...
+BLOCK_K = 512  # ... by keys per tile: [k, 512 g, 512] float32 scores, 9 MiB for 3 KV heads x 3 query heads each
 _LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -55,7 +55,10 @@ def tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offsets: jax.
     if h % kv_heads:
         raise ValueError(f"{h} query heads must be a multiple of {kv_heads} key/value heads")
     g = h // kv_heads
-    block_q, block_k = min(block_q, t), min(block_k, s)
+    # Larger tiles run the dots closer to a GEMM's speed (2,048 tokens, 9 / 3 heads, 2-core CPU: 42 ms per layer with
+    # 512 x 512 tiles, 58 ms with 128 x 512); a batch shares the tile's memory, so its query block shrinks.
+    block_q = min(max(64, block_q // b), t)
+    block_k = min(block_k, s)
     n_q, n_k = -(-t // block_q), -(-s // block_k)
     # Pad queries and keys to whole tiles; padded keys lie past every length, padded queries are dropped.
     qg = jnp.pad(einops.rearrange(q, "b t (k g) d -> b k t g d", k=kv_heads), ((0, 0),) * 2 + ((0, n_q * block_q - t),)
