@@ -217,6 +217,7 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
     """
     model = Decoder(config, unrolled=unrolled)
     split = (lambda c: c.split_layers()) if unrolled else (lambda c: c)  # noqa: E731
+    forcing = kind.scoring()  # the kind a teacher-forcing chunk attends with
 
     def pin(cache: CacheState) -> CacheState:
         if mesh is None:
@@ -273,8 +274,9 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
         prefill chunk: the log-probability of each (from the logits before it) and the logits after the last."""
         width = tokens.shape[1]
         ok = jnp.broadcast_to(jnp.arange(width)[None, :] < n, tokens.shape)
-        cache = kind.make_room(cache, n)
+        cache = kind.make_room(cache, n).replace(kind=forcing)
         out, cache = model.apply({"params": params}, tokens, cache=cache, ok=ok, stat_weights=stat_weights)
+        cache = cache.replace(kind=kind)
         before = jnp.concatenate([logits[:, None], out[:, :-1]], axis=1)  # [b, width, V]: each token's distribution
         logprobs = jnp.take_along_axis(jax.nn.log_softmax(before), tokens[..., None], axis=-1)[..., 0]
         return pin(cache), jax.lax.dynamic_index_in_dim(out, n - 1, axis=1, keepdims=False), logprobs

@@ -11,6 +11,7 @@ import pytest
 import lcx
 from lcx.cache.base import round_chunk
 from lcx.cache.kv_cache import SlotCacheKind
+from lcx.cache.memory.kind import MemoryKind
 from lcx.generate import Generator, auto_prefill_chunk
 
 CFG = lcx.ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
@@ -24,7 +25,15 @@ POLICIES = {  # budget 24 + interval 8: the 40-token prompt is compressed while 
     "observed": dict(policy="observed", budget=24, heads="shared"),
     "snapkv": dict(policy="snapkv", budget=24, window=4, head_budget="adaptive"),
     "tova": dict(policy="tova", budget=24),  # the last query's attention replaces the score
+    # the memory tier: blocks spill between chunks, every query routes and recalls on its own
+    "memory": dict(policy="memory", sinks=2, window=8, block=4, topk=2, prefill_chunk=16),
+    "memory local infllm device": dict(policy="memory", sinks=2, window=8, block=4, topk=2, prefill_chunk=16,
+                                       positions="local", router="infllm", store="device"),
+    "memory two-level": dict(policy="memory", sinks=2, window=8, block=4, topk=2, prefill_chunk=16, route_groups=2,
+                             route_candidates=1, route_heads="shared"),
 }
+SLOT_FIELDS = ("pos", "valid", "count")
+MEMORY_FIELDS = ("pos", "valid", "count", "n_blocks", "recalled", "recalls", "skips", "recent_n")
 
 
 @pytest.fixture(scope="module")
@@ -36,21 +45,26 @@ def params():
 def test_score_in_chunks_equals_one_token_per_step(policy, params, monkeypatch):
     rng = np.random.default_rng(0)
     prompt, tokens = rng.integers(0, 97, (2, 40)), rng.integers(0, 97, (2, 70))
-    gen = Generator(CFG, params, max_new_tokens=75, cache=lcx.CacheConfig(interval=8, **POLICIES[policy]))
+    cache = lcx.CacheConfig(interval=8, **POLICIES[policy])
+    gen = Generator(CFG, params, max_new_tokens=75, cache=cache)
     chunked_state, chunked = gen.score(gen.prefill(prompt), tokens)
-    monkeypatch.setattr(SlotCacheKind, "score_width", lambda self, n: None)  # the decode step, one token at a time
-    stepped_state, stepped = gen.score(gen.prefill(prompt), tokens)
+    kind = type(gen.kind)
+    monkeypatch.setattr(kind, "score_width", lambda self, n: None)  # the decode step, one token at a time
+    other = Generator(CFG, params, max_new_tokens=75, cache=cache)  # its own request (a memory tier's own store)
+    stepped_state, stepped = other.score(other.prefill(prompt), tokens)
     np.testing.assert_allclose(chunked, stepped, atol=1e-5)
-    for name in ("pos", "valid", "count"):  # the same tokens survive, in the same slots
+    # The same tokens survive, in the same slots (the memory tier: the same blocks spilled and recalled).
+    for name in MEMORY_FIELDS if kind is MemoryKind else SLOT_FIELDS:
         np.testing.assert_array_equal(getattr(chunked_state.cache, name), getattr(stepped_state.cache, name))
     np.testing.assert_allclose(chunked_state.logits, stepped_state.logits, atol=1e-5)
-    # The last logits continue decoding as after the steps: a further chunk scores the same.
-    np.testing.assert_allclose(gen.score(chunked_state, tokens[:, :5])[1], gen.score(stepped_state, tokens[:, :5])[1],
-                               atol=1e-5)
+    # The last logits continue decoding as after the steps: a further segment scores the same.
+    np.testing.assert_allclose(gen.score(chunked_state, tokens[:, :5])[1],
+                               other.score(stepped_state, tokens[:, :5])[1], atol=1e-5)
 
 
 def test_score_in_chunks_fails_when_the_schedule_is_ignored(params, monkeypatch):
-    """The equality above is not automatic: chunks wider than the room an eviction frees evict elsewhere."""
+    """The equality above is not automatic: chunks wider than the room an eviction frees evict elsewhere, and a
+    memory tier that routes a chunk once (as a prefill does) recalls other blocks than each step would."""
     rng = np.random.default_rng(0)
     prompt, tokens = rng.integers(0, 97, (2, 40)), rng.integers(0, 97, (2, 70))
     gen = Generator(CFG, params, max_new_tokens=70, cache=lcx.CacheConfig(interval=8, **POLICIES["h2o"]))
@@ -60,6 +74,14 @@ def test_score_in_chunks_fails_when_the_schedule_is_ignored(params, monkeypatch)
     monkeypatch.setattr(SlotCacheKind, "score_width", lambda self, n: None)
     _, stepped = gen.score(gen.prefill(prompt), tokens)
     assert np.abs(wrong - stepped).max() > 1e-3
+    monkeypatch.setattr(MemoryKind, "scoring", lambda self: self)
+    memory = lcx.CacheConfig(interval=8, **POLICIES["memory"])
+    gen = Generator(CFG, params, max_new_tokens=70, cache=memory)
+    _, pooled = gen.score(gen.prefill(prompt), tokens)
+    monkeypatch.setattr(MemoryKind, "score_width", lambda self, n: None)
+    gen = Generator(CFG, params, max_new_tokens=70, cache=memory)
+    _, stepped = gen.score(gen.prefill(prompt), tokens)
+    assert np.abs(pooled - stepped).max() > 1e-3
 
 
 def test_prefill_chunk_auto_is_one_call_with_little_padding(params):

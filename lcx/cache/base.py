@@ -205,6 +205,11 @@ class CacheKind(abc.ABC):
         width]`` float32, so that the statistic after the chunk is the one after ``n`` decode steps; None: none."""
         return None
 
+    def scoring(self) -> "CacheKind":
+        """The kind whose ``attend`` runs a teacher-forcing chunk (same buffers; e.g. the memory tier routes every
+        query on its own there, as a decode step would). Default: this one."""
+        return self
+
     # ------------------------------------------------------------------------------------------- derived
     def abstract(self, batch: int, capacity: int) -> CacheState:
         return self.state_type(kind=self, **schema.abstract(self.fields(), self.sizes(batch, capacity),

@@ -120,14 +120,37 @@ def _group_candidates(kind, layer, pooled: jax.Array) -> jax.Array:
     return ids.reshape(ids.shape[:2] + (-1,)).astype(jnp.int32)
 
 
+def pooled_per_query(layer, q: jax.Array, ok: jax.Array, keep: int) -> jax.Array:
+    """For each query of ``q [b, t, h, d]``, the mean of the last ``keep`` real queries up to and including it
+    (the layer's buffer of earlier ones, then this call's where ``ok``): what a decode step at that query pools,
+    ``[b, t, h, d]``. Teacher forcing routes each query with it, as one-token steps would."""
+    buffer, t = layer.recent_q.shape[1], q.shape[1]
+    earlier = jnp.arange(buffer)[None, :] >= buffer - layer.recent_n[:, None]  # [b, R]
+    queries = jnp.concatenate([layer.recent_q, q.astype(jnp.float32)], axis=1)  # [b, J = R + t, h, d]
+    valid = jnp.concatenate([earlier, ok], axis=1)  # [b, J]
+    count = jnp.cumsum(valid.astype(jnp.int32), axis=1)  # valid entries up to each one
+    upto = buffer + jnp.arange(t)  # query i's index in the sequence
+    j = jnp.arange(buffer + t)
+    chosen = (valid[:, None, :] & (j[None, None, :] <= upto[None, :, None])  # [b, t, J]: the last `keep` up to i
+              & (count[:, upto][:, :, None] - count[:, None, :] < keep))
+    w = chosen.astype(jnp.float32)
+    return jnp.einsum("btj,bjhd->bthd", w, queries) / jnp.maximum(jnp.sum(w, axis=-1), 1.0)[..., None, None]
+
+
 def route(kind, layer, q: jax.Array, ok: jax.Array):
     """Block ids ``[b, k, K]`` to recall, ascending (-1 last, where a row has fewer blocks), the gate ``[b, k]``
     (None: open) and the layer with its recent-query buffer updated, from the last ``route_queries`` real queries
     (this call's ``q [b, t, h, d]`` where ``ok``, after the ones before it): a decode step routes like the prompt's
     end, not on one query alone."""
-    p = kind.policy
-    pooled, recent, recent_n = recent_queries(layer, q, ok, p.route_queries)
+    pooled, recent, recent_n = recent_queries(layer, q, ok, kind.policy.route_queries)
     layer = layer.replace(recent_q=recent, recent_n=recent_n)
+    ids, gate = rank_blocks(kind, layer, pooled)
+    return ids, gate, layer
+
+
+def rank_blocks(kind, layer, pooled: jax.Array):
+    """The blocks a pooled query ``[b, h, d]`` recalls, ``ids [b, k, K]``, and the gate ``[b, k]`` (None: open)."""
+    p = kind.policy
     params = _params(layer)
     summaries = _summaries(kind, layer)
     blocks = next(iter(summaries.values())).shape[1]
@@ -138,7 +161,8 @@ def route(kind, layer, q: jax.Array, ok: jax.Array):
         safe = jnp.minimum(jnp.swapaxes(candidates, 1, 2), blocks - 1)  # [b, C, k]
         summaries = {name: x[rows, safe, head] for name, x in summaries.items()}  # [b, C, k, ...]
     else:
-        candidates = jnp.broadcast_to(jnp.arange(blocks, dtype=jnp.int32), (q.shape[0], layer.k.shape[2], blocks))
+        candidates = jnp.broadcast_to(jnp.arange(blocks, dtype=jnp.int32), (pooled.shape[0], layer.k.shape[2],
+                                                                              blocks))
     scores = kind.router.score(pooled, summaries, params)  # [b, k, C]
     if p.route_heads == "shared":  # one ranking per layer: the KV heads' scores summed
         scores = jnp.broadcast_to(jnp.sum(scores, axis=1, keepdims=True), scores.shape)
@@ -152,7 +176,7 @@ def route(kind, layer, q: jax.Array, ok: jax.Array):
     if topk < p.topk:
         ids = jnp.pad(ids, ((0, 0), (0, 0), (0, p.topk - topk)), constant_values=-1)
     gate = kind.router.gate(pooled, params, layer.k.shape[2]) if p.gate else None
-    return ids.astype(jnp.int32), gate, layer
+    return ids.astype(jnp.int32), gate
 
 
 def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
@@ -165,7 +189,6 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
     q_offsets = layer.count
     layer = _write(layer, key, val, positions, ok)
     b, t, h, d = q.shape
-    heads = layer.k.shape[2]
     k_work = layer.k
     recall_tokens = p.topk * p.block
     if local:
@@ -199,29 +222,82 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
         layer = layer.replace(received=jnp.where(layer.valid[:, None, :], layer.received + received, 0.0))
 
     # Long-term memory: route, recall, attend; no causal mask (every block is older than every query).
+    if kind.route_each_query and t > 1:
+        o_r, m_r, l_r, layer = _recall_each_query(kind, layer, q, q_route, ok)
+    else:
+        o_r, m_r, l_r, layer = _recall_pooled(kind, layer, q, q_route, ok)
+    out, _, _ = kernels.merge_partials((o_w, m_w, l_w), (o_r, m_r, l_r))
+    return out.astype(q.dtype), layer
+
+
+def _recalled_keys(kind, layer, ids, dtype):
+    """Recalled keys and values ``[b, K * j, k, d]`` of ``ids [b, k, K]`` (rotated to their local positions in
+    ``local`` mode) and the number of recalled tokens per row ``[b]`` (the same for every head)."""
+    p = kind.policy
+    k_rec, v_rec = _recall(kind, layer, ids, dtype)
+    if p.positions == "local":
+        recall_tokens = p.topk * p.block
+        before_window = jnp.broadcast_to(p.sinks + jnp.arange(recall_tokens), (ids.shape[0], recall_tokens))
+        k_rec = apply_rope(k_rec, *rope_tables(kind.model, before_window))
+    return k_rec, v_rec, jnp.sum(ids[:, 0] >= 0, axis=-1, dtype=jnp.int32) * p.block
+
+
+def _gated(kind, l_r, gate, recalled):
+    """Close the gated heads' recalled part (``l = 0``): ``(l_r, skipped [b], recalled [b])``."""
+    if gate is None:
+        return l_r, jnp.zeros_like(recalled), recalled
+    h = l_r.shape[-1]
+    open_heads = einops.repeat(gate, "b k -> b (k g)", g=h // gate.shape[-1])  # [b, h]
+    return (jnp.where(open_heads[:, None, :], l_r, 0.0), recalled & ~jnp.any(gate, axis=1),
+            recalled & jnp.any(gate, axis=1))
+
+
+def _recall_pooled(kind, layer, q, q_route, ok):
+    """One recall for the whole call, routed by its pooled last queries: ``(o, m, l)`` of the recalled tokens."""
+    backend = kernels.backend(kind.model.attention.impl)
     ids, gate, layer = route(kind, layer, q_route, ok)
-    k_rec, v_rec = _recall(kind, layer, ids, q.dtype)
-    if local:
-        before_window = jnp.broadcast_to(p.sinks + jnp.arange(recall_tokens), (b, recall_tokens))
-        k_rec = apply_rope(k_rec, *rope_tables(config, before_window))
-    n_tokens = jnp.sum(ids[:, 0] >= 0, axis=-1, dtype=jnp.int32) * p.block  # [b]; the same count for every head
-    if t == 1:
+    k_rec, v_rec, n_tokens = _recalled_keys(kind, layer, ids, q.dtype)
+    scale = q.shape[-1] ** -0.5
+    if q.shape[1] == 1:
         valid = jnp.arange(k_rec.shape[1])[None, :] < n_tokens[:, None]
-        o_r, m_r, l_r = backend.decode(q[:, 0], to_heads_first(k_rec), to_heads_first(v_rec), valid=valid,
+        o_r, m_r, l_r = backend.decode(q[:, 0], k_rec.swapaxes(1, 2), v_rec.swapaxes(1, 2), valid=valid,
                                        sm_scale=scale, residuals=True)
         o_r, m_r, l_r = o_r[:, None], m_r[:, None], l_r[:, None]
     else:
         o_r, m_r, l_r = backend.chunk(q, k_rec, v_rec, q_offsets=jnp.zeros_like(n_tokens), kv_lengths=n_tokens,
                                       sm_scale=scale, causal=False, residuals=True)
-    recalled = n_tokens > 0
-    if gate is not None:
-        open_heads = einops.repeat(gate, "b k -> b (k g)", g=h // heads)  # [b, h]
-        l_r = jnp.where(open_heads[:, None, :], l_r, 0.0)
-        layer = layer.replace(skips=layer.skips + (recalled & ~jnp.any(gate, axis=1)).astype(jnp.int32))
-        recalled = recalled & jnp.any(gate, axis=1)
-    out, _, _ = kernels.merge_partials((o_w, m_w, l_w), (o_r, m_r, l_r))
-    layer = layer.replace(recalled=ids, recalls=layer.recalls + recalled.astype(jnp.int32))
-    return out.astype(q.dtype), layer
+    l_r, skipped, recalled = _gated(kind, l_r, gate, n_tokens > 0)
+    layer = layer.replace(recalled=ids, recalls=layer.recalls + recalled.astype(jnp.int32),
+                          skips=layer.skips + skipped.astype(jnp.int32))
+    return o_r, m_r, l_r, layer
 
 
-__all__ = ["attend", "route"]
+def _recall_each_query(kind, layer, q, q_route, ok):
+    """Teacher forcing: every query routes and recalls on its own - the pooled queries a decode step at it would
+    use - and attends to its own recalled tokens, so a chunk equals one-token steps. Counters count real queries;
+    ``recalled`` keeps the last real query's blocks."""
+    backend = kernels.backend(kind.model.attention.impl)
+    pooled = pooled_per_query(layer, q_route, ok, kind.policy.route_queries)  # [b, t, h, d]
+    _, recent, recent_n = recent_queries(layer, q_route, ok, kind.policy.route_queries)
+    layer = layer.replace(recent_q=recent, recent_n=recent_n)
+    scale = q.shape[-1] ** -0.5
+
+    def one(pooled_i, q_i):  # one query: [b, h, d] each
+        ids, gate = rank_blocks(kind, layer, pooled_i)
+        k_rec, v_rec, n_tokens = _recalled_keys(kind, layer, ids, q.dtype)
+        valid = jnp.arange(k_rec.shape[1])[None, :] < n_tokens[:, None]
+        o_r, m_r, l_r = backend.decode(q_i, k_rec.swapaxes(1, 2), v_rec.swapaxes(1, 2), valid=valid,
+                                       sm_scale=scale, residuals=True)
+        l_r, skipped, recalled = _gated(kind, l_r[:, None], gate, n_tokens > 0)
+        return o_r, m_r, l_r[:, 0], ids, skipped, recalled
+
+    o_r, m_r, l_r, ids, skipped, recalled = jax.vmap(one, in_axes=(1, 1), out_axes=1)(pooled, q)
+    last = jnp.maximum(jnp.sum(ok, axis=1) - 1, 0)  # [b] the last real query
+    layer = layer.replace(
+        recalled=jnp.take_along_axis(ids, last[:, None, None, None], axis=1)[:, 0],
+        recalls=layer.recalls + jnp.sum(recalled & ok, axis=1, dtype=jnp.int32),
+        skips=layer.skips + jnp.sum(skipped & ok, axis=1, dtype=jnp.int32))
+    return o_r, m_r, l_r, layer
+
+
+__all__ = ["attend", "pooled_per_query", "rank_blocks", "route"]

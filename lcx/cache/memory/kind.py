@@ -96,7 +96,9 @@ class MemoryCache(CacheState):
 @dataclasses.dataclass(frozen=True)
 class MemoryKind(CacheKind):
     """Sinks + window on the device, older tokens in blocks in a store, recalled by a router. ``room``: the most
-    tokens one jitted call appends (a prefill chunk or a decode segment of ``interval`` steps)."""
+    tokens one jitted call appends (a prefill chunk or a decode segment of ``interval`` steps).
+    ``route_each_query``: every query of a call routes on its own (teacher forcing, ``scoring()``); otherwise a call
+    routes once with its pooled last queries (a prompt's end)."""
 
     name: ClassVar[str] = "memory"
     state_type: ClassVar[type] = MemoryCache
@@ -107,6 +109,7 @@ class MemoryKind(CacheKind):
     dtype: str = "float32"
     interval: int = 64
     room: int = 512
+    route_each_query: bool = False
 
     @classmethod
     def from_config(cls, model, cache, policy) -> "MemoryKind":
@@ -203,6 +206,19 @@ class MemoryKind(CacheKind):
         if not self.router.needs_attention:
             return None
         return (np.arange(width)[None, :] < lengths[:, None]).astype(np.float32)
+
+    # ------------------------------------------------------------------------------------------- teacher forcing
+    def score_width(self, tokens: int) -> int:
+        """A decode segment at a time: one-token steps sync (spill) every ``interval`` steps."""
+        return self.interval
+
+    def score_weights(self, n: int, width: int, batch: int) -> np.ndarray | None:
+        if not self.router.needs_attention:
+            return None
+        return np.broadcast_to((np.arange(width) < n).astype(np.float32), (batch, width)).copy()
+
+    def scoring(self) -> "MemoryKind":
+        return dataclasses.replace(self, route_each_query=True)
 
     # ------------------------------------------------------------------------------------------- attention
     def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
