@@ -20,6 +20,9 @@
 #   decode     experiments/bench/decode_sweep.py on llama-1b (2.5 GB of bfloat16 weights) against transformers on
 #              the same GPU; `roofline` = (weight + KV bytes per step / 4.8 TB/s) / measured decode time per step
 #              (goal: >= 50% at batch 1).
+#   prefill    (not in the default run: a second device call, `gpu_check.sh prefill`, about 3 minutes)
+#              experiments/bench/prefill.py on llama-1b in bfloat16: prefill 1k-8k tokens and scoring under full /
+#              streaming / h2o against transformers on the same GPU (goals: prefill >= 1.0x, scoring <= 3x).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu_check}
@@ -69,8 +72,16 @@ for s in $stages; do
             stage decode 220 $py experiments/bench/decode_sweep.py --shapes llama-1b --dtype bfloat16 \
                 --bandwidth 4800 --repeats 2
         fi ;;
+    prefill)
+        if [ "$quick" = 1 ]; then
+            stage prefill 300 $py experiments/bench/prefill.py --lengths 256 --score-length 320 --prefix 64 \
+                --repeats 1
+        else
+            stage prefill 400 $py experiments/bench/prefill.py --shapes llama-1b --dtype bfloat16 \
+                --lengths 1024 2048 4096 8192 --score-length 4096 --prefix 512
+        fi ;;
     *)
-        echo "unknown stage '$s'; allowed: env kernels attention decode" >&2
+        echo "unknown stage '$s'; allowed: env kernels attention decode prefill" >&2
         exit 2 ;;
     esac
 done

@@ -169,7 +169,7 @@ def main() -> None:
         model = hf_model(shape, args.dtype, max(args.lengths + [args.score_length, 8192]) + 64)
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
-            config, params = hf.load_hf(tmp)
+            config, params = hf.load_hf(tmp, dtype=args.dtype)
         if args.lengths:
             run_prefill(shape, model, config, params, args.lengths, args.repeats)
         if args.score_length:

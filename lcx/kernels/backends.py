@@ -21,7 +21,8 @@ Residuals ``(m, l)`` are each row's logit max and sum of exponentials (natural l
 
 Implementations: ``reference`` (pure jnp, float32 at HIGHEST precision: the oracle), ``xla`` (jnp / XLA attention at
 default precision; cuDNN through ``jax.nn.dot_product_attention`` for ``causal`` on GPU, query blocks that skip the
-upper triangle on CPU), ``pallas`` (the flash, split-K decode and column-sum kernels: compiled on GPU, interpreted
+upper triangle on CPU; ``chunk`` and ``column_sums`` in tiles that visit only the keys a query block can see,
+``kernels/tiled.py``), ``pallas`` (the flash, split-K decode and column-sum kernels: compiled on GPU, interpreted
 elsewhere - a test path, slow by design). ``auto`` (the default of ``attention.impl``) is ``pallas`` where the
 kernels compile (a GPU backend) and ``xla`` elsewhere. The list of valid ``attention.impl`` values is this table's
 keys plus ``auto``.
@@ -40,7 +41,7 @@ from lcx.kernels.decode import decode_attention
 from lcx.kernels.flash import flash_attention
 from lcx.kernels.reference import (attention_column_sums_reference, attention_mask, attention_reference,
                                    decode_attention_reference, masked_attention_parts)
-from lcx.kernels.tiled import tiled_attention
+from lcx.kernels.tiled import tiled_attention, tiled_column_sums
 from lcx.kernels.window_stats import attention_column_sums
 
 _DEFAULT = jax.lax.Precision.DEFAULT
@@ -84,9 +85,15 @@ def _xla_chunk(q, k, v, *, q_offsets, kv_lengths, sm_scale, causal=True, residua
                            residuals=residuals)
 
 
+def _xla_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale):
+    # In float32 tiles (a prefill chunk's statistics over the whole cache would otherwise be a [b, k, g, t, C] float32
+    # array); the same sums as the reference up to summation order.
+    q, k = _compute_dtype(q, k)
+    return tiled_column_sums(q.astype(jnp.float32), k.astype(jnp.float32), q_offsets=q_offsets,
+                             kv_lengths=kv_lengths, query_weights=query_weights, sm_scale=sm_scale)
+
+
 def _jnp_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale):
-    # Statistics in float32 at HIGHEST precision for both jnp backends: they rank tokens, and ties must not flip
-    # between implementations.
     return attention_column_sums_reference(q, k, causal=True, sm_scale=sm_scale, kv_lengths=kv_lengths,
                                            q_offsets=q_offsets, query_weights=query_weights)
 
@@ -162,7 +169,7 @@ BACKENDS: dict[str, Backend] = {
         decode=functools.partial(_jnp_decode, precision=jax.lax.Precision.HIGHEST),
         column_sums=_jnp_column_sums),
     "xla": Backend("xla", causal=_xla_causal, chunk=_xla_chunk,
-                   decode=functools.partial(_jnp_decode, precision=_DEFAULT), column_sums=_jnp_column_sums),
+                   decode=functools.partial(_jnp_decode, precision=_DEFAULT), column_sums=_xla_column_sums),
     "pallas": Backend("pallas", causal=lambda q, k, v, *, sm_scale, segment_ids=None: flash_attention(
                           q, k, v, causal=True, sm_scale=sm_scale, segment_ids=segment_ids),
                       chunk=_pallas_chunk, decode=_pallas_decode, column_sums=_pallas_column_sums),
