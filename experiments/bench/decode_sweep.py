@@ -64,6 +64,7 @@ class Shape:
     heads: int
     kv_heads: int
     d_ff: int
+    tied: bool = False  # tied input and output embeddings (SmolLM2, Llama 3.2 1B)
 
 
 SHAPES = (
@@ -78,15 +79,16 @@ SHAPES = (
 GPU_SHAPES = (Shape("llama-1b", 128256, 2048, 16, 32, 8, 8192),)
 
 
-def hf_model(shape: Shape, dtype: str):
+def hf_model(shape: Shape, dtype: str, max_positions: int = 4096, attention: str = "eager"):
+    """A random-weight transformers Llama of ``shape`` (seed 0), on the GPU when there is one."""
     import torch
     import transformers
 
     cfg = transformers.LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.d_model, intermediate_size=shape.d_ff,
                                    num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                                   num_key_value_heads=shape.kv_heads, max_position_embeddings=4096,
-                                   bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                                   attn_implementation="eager")
+                                   num_key_value_heads=shape.kv_heads, max_position_embeddings=max_positions,
+                                   tie_word_embeddings=shape.tied, bos_token_id=None, eos_token_id=None,
+                                   pad_token_id=None, attn_implementation=attention)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval().to(getattr(torch, dtype))
     return model.to("cuda") if torch.cuda.is_available() else model

@@ -22,7 +22,6 @@ Per shape: a random-weight transformers Llama (``tie_word_embeddings`` as the re
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import tempfile
 import time
@@ -36,45 +35,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 import lcx  # noqa: E402
 from lcx import hf  # noqa: E402
 from lcx.generate import Generator  # noqa: E402
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    name: str
-    vocab: int
-    d_model: int
-    layers: int
-    heads: int
-    kv_heads: int
-    d_ff: int
-    tied: bool
+from decode_sweep import Shape, hf_model  # noqa: E402  (the sibling script: shapes, the transformers model)
 
 
 SHAPES = {
     # SmolLM2-135M's shape (a Llama: 30 layers, GQA 9 / 3, head_dim 64, tied embeddings)
-    "smollm2-135m": Shape("smollm2-135m", 49152, 576, 30, 9, 3, 1536, True),
+    "smollm2-135m": Shape("smollm2-135m", 49152, 576, 30, 9, 3, 1536, tied=True),
     # Llama 3.2 1B's shape: 5 GB of float32 weights per library; minutes per call on a 2-core CPU
-    "llama-1b": Shape("llama-1b", 128256, 2048, 16, 32, 8, 8192, True),
+    "llama-1b": Shape("llama-1b", 128256, 2048, 16, 32, 8, 8192, tied=True),
 }
 POLICIES = {
     "full": {},
     "streaming": dict(policy="streaming", budget=128, sinks=4),
     "h2o": dict(policy="h2o", budget=128),
 }
-
-
-def hf_model(shape: Shape, dtype: str, max_positions: int):
-    import torch
-    import transformers
-
-    cfg = transformers.LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.d_model, intermediate_size=shape.d_ff,
-                                   num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                                   num_key_value_heads=shape.kv_heads, max_position_embeddings=max_positions,
-                                   tie_word_embeddings=shape.tied, bos_token_id=None, eos_token_id=None,
-                                   pad_token_id=None, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval().to(getattr(torch, dtype))
-    return model.to("cuda") if torch.cuda.is_available() else model
 
 
 def best(fn, repeats: int) -> float:
@@ -166,7 +140,7 @@ def main() -> None:
           "first")
     for name in args.shapes:
         shape = SHAPES[name]
-        model = hf_model(shape, args.dtype, max(args.lengths + [args.score_length, 8192]) + 64)
+        model = hf_model(shape, args.dtype, max(args.lengths + [args.score_length, 8192]) + 64, "sdpa")
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
             config, params = hf.load_hf(tmp, dtype=args.dtype)

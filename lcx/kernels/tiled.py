@@ -2,14 +2,15 @@
 
 Einsum legend: b batch, t queries, s keys, k kv heads, g query heads per kv head, d head dim; Q / S query / key tile.
 
-``tiled_attention`` is the ``xla`` backend's ``chunk``: a prefill chunk (or a whole prompt) against the packed slots
-of a cache, query i of row b at slot ``q_offsets[b] + i``. Dense masked attention over the whole capacity computes
-``t x capacity`` float32 scores however little of the cache is filled, masks them and runs the softmax over all of
-them, one pass each through memory. Here an outer scan walks the query blocks and, per block, two ``fori_loop``
-s with traced trip counts walk the key tiles up to the last one the block can see - the causal bound and the
-filled length - so a chunk costs what its visible keys cost (the first chunk of a prompt: the causal triangle,
-no more). The largest float32 score array is one ``[b, k, Q, g, S]`` tile; the tiles below every query of the block
-(and below every row's length) take no mask at all, only the diagonal ones do.
+``tiled_attention`` is the ``xla`` backend's ``chunk`` (``tiled_column_sums`` its ``column_sums``): a prefill
+chunk (or a whole prompt) against the packed slots of a cache, query i of row b at slot ``q_offsets[b] + i``. Dense
+masked attention over the whole capacity computes ``t x capacity`` float32 scores however little of the cache is
+filled, masks them and runs the softmax over all of them, one pass each through memory. Here an outer scan walks
+the query blocks and, per block, two fori-loops with traced trip counts walk the key tiles up to the last one the
+block can see - the causal bound and the filled length - so a chunk costs what its visible keys cost (the first
+chunk of a prompt: the causal triangle, no more). The largest float32 score array is one ``[b, k, Q, g, S]`` tile;
+the tiles below every query of the block (and below every row's length) take no mask at all, only the diagonal
+ones do.
 
 Same values as the dense softmax up to float32 summation order (the running max and sum are rescaled per tile, the
 flash-attention recurrence). Inference only: the loops' trip counts are traced, which reverse-mode autodiff cannot
@@ -17,8 +18,6 @@ differentiate; training's causal attention keeps its own path.
 """
 
 from __future__ import annotations
-
-import functools
 
 import einops
 import jax
