@@ -117,3 +117,17 @@ def test_unrolled_params_are_refused_on_a_mesh_and_by_unroll_false(params):
     with pytest.raises(ConfigError, match="unroll=False needs stacked params"):
         Generator(CFG, unroll_params(params), max_new_tokens=4, unroll=False)
     assert Generator(CFG, unroll_params(params), max_new_tokens=4).unrolled  # auto: already unrolled
+
+
+def test_fresh_generators_share_the_unrolled_copy_of_the_same_params(params):
+    """A second Generator over the same arrays reuses the first one's per-layer copy; params that differ in any
+    array - even one replaced in place in the dict - get their own (never stale weights)."""
+    first = Generator(CFG, params, max_new_tokens=2, unroll=True)
+    assert Generator(CFG, params, max_new_tokens=2).params is first.params
+    changed = {**params, "layers": {**params["layers"], "mlp": {**params["layers"]["mlp"],
+                                                               "up": params["layers"]["mlp"]["up"] * 2}}}
+    other = Generator(CFG, changed, max_new_tokens=2)
+    assert other.params is not first.params
+    np.testing.assert_array_equal(other.params["layers_1"]["mlp"]["up"], 2 * params["layers"]["mlp"]["up"][1])
+    np.testing.assert_array_equal(Generator(CFG, params, max_new_tokens=2).params["layers_1"]["mlp"]["up"],
+                                  params["layers"]["mlp"]["up"][1])
