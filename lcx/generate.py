@@ -335,9 +335,9 @@ class Generator:
         share one compiled prefill and decode (evaluation grids). ``mesh``: shard params and cache over it.
         ``strict``: positions past the trained range (``check_positions``) are an error instead of a warning.
         ``unroll``: run the unrolled decoder on per-layer params (``choose_unroll``; None: when the copy of the layer
-        weights fits - pass ``lcx.model.decoder.unroll_params(params)`` to make that copy once for many
-        generators). Same tokens either way; unrolled decodes faster (no per-step weight or cache slicing) and
-        compiles in time proportional to depth."""
+        weights fits). Generators over the same params arrays share that copy while the arrays live (or pass
+        ``lcx.model.decoder.unroll_params(params)`` yourself). Same tokens either way; unrolled decodes faster (no
+        per-step weight or cache slicing) and compiles in time proportional to depth."""
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive integer")
         for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
