@@ -41,7 +41,7 @@ from lcx.sampling import SamplingConfig, sample
 
 
 SCORE_SEGMENT = 64  # tokens per compiled teacher-forcing scan (Generator.score of caches that cannot chunk)
-CHUNK_MEMORY_SHARE = 0.1  # ... and at most this share of the free device memory for one chunk's activations
+CHUNK_MEMORY_SHARE = 0.1  # an auto prefill chunk's activations take at most this share of free device memory
 
 
 @flax.struct.dataclass
@@ -304,8 +304,13 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
         cache = kind.make_room(cache, n).replace(kind=forcing)
         out, cache = model.apply({"params": params}, tokens, cache=cache, ok=ok, stat_weights=stat_weights)
         cache = cache.replace(kind=kind)
-        before = jnp.concatenate([logits[:, None], out[:, :-1]], axis=1)  # [b, width, V]: each token's distribution
-        logprobs = jnp.take_along_axis(jax.nn.log_softmax(before), tokens[..., None], axis=-1)[..., 0]
+        # Token i's distribution: the carried logits for the first, position i - 1's for the rest. Gathered logit
+        # minus log-sum-exp, so no [b, width, V] log-softmax (or concatenated copy of the logits) is materialized.
+        def logprob(x, ids):
+            return jnp.take_along_axis(x, ids[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(x, axis=-1)
+
+        logprobs = jnp.concatenate([logprob(logits, tokens[:, 0])[:, None], logprob(out[:, :-1], tokens[:, 1:])],
+                                   axis=1)
         return pin(cache), jax.lax.dynamic_index_in_dim(out, n - 1, axis=1, keepdims=False), logprobs
 
     return (jax.jit(prefill_chunk, donate_argnums=(1,)), jax.jit(end_prefill, donate_argnums=(0,)),

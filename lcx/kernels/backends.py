@@ -79,16 +79,9 @@ def _jnp_chunk(q, k, v, *, q_offsets, kv_lengths, sm_scale, causal=True, residua
     return (o, m, l) if residuals else o
 
 
-def _xla_chunk(q, k, v, *, q_offsets, kv_lengths, sm_scale, causal=True, residuals=False):
-    # Only the key tiles a query block can see: a chunk's cost follows the filled part of the cache, not its capacity.
-    return tiled_attention(q, k, v, q_offsets=q_offsets, kv_lengths=kv_lengths, sm_scale=sm_scale, causal=causal,
-                           residuals=residuals)
-
-
 def _xla_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale):
     # In float32 tiles (a prefill chunk's statistics over the whole cache would otherwise be a [b, k, g, t, C] float32
     # array); the same sums as the reference up to summation order.
-    q, k = _compute_dtype(q, k)
     return tiled_column_sums(q.astype(jnp.float32), k.astype(jnp.float32), q_offsets=q_offsets,
                              kv_lengths=kv_lengths, query_weights=query_weights, sm_scale=sm_scale)
 
@@ -168,7 +161,8 @@ BACKENDS: dict[str, Backend] = {
         chunk=functools.partial(_jnp_chunk, precision=jax.lax.Precision.HIGHEST),
         decode=functools.partial(_jnp_decode, precision=jax.lax.Precision.HIGHEST),
         column_sums=_jnp_column_sums),
-    "xla": Backend("xla", causal=_xla_causal, chunk=_xla_chunk,
+    # chunk: only the key tiles a query block can see - its cost follows the filled part of a cache, not its capacity
+    "xla": Backend("xla", causal=_xla_causal, chunk=tiled_attention,
                    decode=functools.partial(_jnp_decode, precision=_DEFAULT), column_sums=_xla_column_sums),
     "pallas": Backend("pallas", causal=lambda q, k, v, *, sm_scale, segment_ids=None: flash_attention(
                           q, k, v, causal=True, sm_scale=sm_scale, segment_ids=segment_ids),

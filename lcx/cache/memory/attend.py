@@ -242,7 +242,7 @@ def _recalled_keys(kind, layer, ids, dtype):
     return k_rec, v_rec, jnp.sum(ids[:, 0] >= 0, axis=-1, dtype=jnp.int32) * p.block
 
 
-def _gated(kind, l_r, gate, recalled):
+def _gated(l_r, gate, recalled):
     """Close the gated heads' recalled part (``l = 0``): ``(l_r, skipped [b], recalled [b])``."""
     if gate is None:
         return l_r, jnp.zeros_like(recalled), recalled
@@ -266,7 +266,7 @@ def _recall_pooled(kind, layer, q, q_route, ok):
     else:
         o_r, m_r, l_r = backend.chunk(q, k_rec, v_rec, q_offsets=jnp.zeros_like(n_tokens), kv_lengths=n_tokens,
                                       sm_scale=scale, causal=False, residuals=True)
-    l_r, skipped, recalled = _gated(kind, l_r, gate, n_tokens > 0)
+    l_r, skipped, recalled = _gated(l_r, gate, n_tokens > 0)
     layer = layer.replace(recalled=ids, recalls=layer.recalls + recalled.astype(jnp.int32),
                           skips=layer.skips + skipped.astype(jnp.int32))
     return o_r, m_r, l_r, layer
@@ -288,7 +288,7 @@ def _recall_each_query(kind, layer, q, q_route, ok):
         valid = jnp.arange(k_rec.shape[1])[None, :] < n_tokens[:, None]
         o_r, m_r, l_r = backend.decode(q_i, k_rec.swapaxes(1, 2), v_rec.swapaxes(1, 2), valid=valid,
                                        sm_scale=scale, residuals=True)
-        l_r, skipped, recalled = _gated(kind, l_r[:, None], gate, n_tokens > 0)
+        l_r, skipped, recalled = _gated(l_r[:, None], gate, n_tokens > 0)
         return o_r, m_r, l_r[:, 0], ids, skipped, recalled
 
     o_r, m_r, l_r, ids, skipped, recalled = jax.vmap(one, in_axes=(1, 1), out_axes=1)(pooled, q)
