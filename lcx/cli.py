@@ -11,7 +11,7 @@ from lcx.config_base import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lcx import experiment, export_cli, generate_cli, plan
+    from lcx import convert_cli, experiment, export_cli, generate_cli, plan
 
     parser = argparse.ArgumentParser(prog="lcx", description="Long-context decoding experiments in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cli.add_parser(sub)
     experiment.add_parsers(sub)
     export_cli.add_parser(sub)
+    convert_cli.add_parser(sub)
     return parser
 
 

@@ -7,7 +7,8 @@ implement is refused with a clear error rather than loaded silently wrong.
 
 Weight layout: HF ``nn.Linear`` weights are ``[out, in]``; lcx kernels are ``[in, ...out]`` with heads split out
 (q: ``[embed, heads, head_dim]``, o: ``[heads, head_dim, embed]``), layers stacked on a leading axis. Both use the
-half-split RoPE layout, so no row permutation is needed.
+half-split RoPE layout, so no row permutation is needed. ``_assemble`` turns any reader of HF-named tensors into lcx
+params; ``lcx.gguf`` feeds it GGUF files (``load_gguf``, also reachable as ``lcx.hf.load_gguf``).
 """
 
 from __future__ import annotations
@@ -275,16 +276,46 @@ def load_hf(path: str | Path, dtype: str | None = None, mesh=None) -> tuple[Mode
 
 def read_hf_params(path: str | Path, dtype: str | None = None) -> tuple[ModelConfig, dict]:
     """``load_hf`` on the host: ``(ModelConfig, params)`` with NumPy arrays, for placing them elsewhere."""
+    path = Path(path)
+    config = with_dtype(read_hf_config(path), dtype)
+    return config, _assemble(config, _TensorReader(path))
+
+
+def with_dtype(config: ModelConfig, dtype: str | None) -> ModelConfig:
+    """``config`` with ``dtype`` (validated) as its parameter and compute dtype; unchanged when ``dtype`` is None."""
     import dataclasses
 
+    if dtype is None:
+        return config
+    dt = canonical_dtype(dtype, "dtype")
+    return dataclasses.replace(config, param_dtype=dt, dtype=dt)
+
+
+def _layer_keys(config: ModelConfig) -> list[str]:
+    """The per-layer tensors (keys of ``_hf_names``) a checkpoint of ``config`` holds."""
+    keys = ["q", "k", "v", "o", "gate", "up", "down", "attn_norm", "mlp_norm"]
+    if config.qkv_bias:
+        keys += ["q_bias", "k_bias", "v_bias"]
+    if config.o_bias:
+        keys += ["o_bias"]
+    return keys
+
+
+def _tensor_names(config: ModelConfig) -> set[str]:
+    """Every HF tensor name ``_assemble`` reads for ``config`` (importers refuse files holding others)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"} | ({"lm_head.weight"} if not config.tie_embeddings
+                                                                   else set())
+    for i in range(config.n_layers):
+        layer = _hf_names(i)
+        names |= {layer[key] for key in _layer_keys(config)}
+    return names
+
+
+def _assemble(config: ModelConfig, reader) -> dict:
+    """lcx params (NumPy, ``config.param_dtype``) from ``reader``, anything with ``has(name)`` and ``get(name,
+    shape)`` that returns HF-named tensors in HF layout (``[out, in]`` linear weights): safetensors or GGUF."""
     import jax.numpy as jnp
 
-    path = Path(path)
-    config = read_hf_config(path)
-    if dtype is not None:
-        dt = canonical_dtype(dtype, "dtype")
-        config = dataclasses.replace(config, param_dtype=dt, dtype=dt)
-    reader = _TensorReader(path)
     e, h, k, d, f, v = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff,
                         config.vocab_size)
     target = jnp.dtype(config.param_dtype)
@@ -302,11 +333,7 @@ def read_hf_params(path: str | Path, dtype: str | None = None) -> tuple[ModelCon
               "o_bias": ((e,), lambda w: w),
               "gate": ((f, e), lambda w: w.T), "up": ((f, e), lambda w: w.T), "down": ((e, f), lambda w: w.T),
               "attn_norm": ((e,), lambda w: w), "mlp_norm": ((e,), lambda w: w)}
-    wanted = ["q", "k", "v", "o", "gate", "up", "down", "attn_norm", "mlp_norm"]
-    if config.qkv_bias:
-        wanted += ["q_bias", "k_bias", "v_bias"]
-    if config.o_bias:
-        wanted += ["o_bias"]
+    wanted = _layer_keys(config)
     stacked = {}
     for key in wanted:
         shape, fn = shapes[key]
@@ -325,7 +352,7 @@ def read_hf_params(path: str | Path, dtype: str | None = None) -> tuple[ModelCon
     }
     if not config.tie_embeddings:
         params["lm_head"] = np.ascontiguousarray(conv(reader.get("lm_head.weight", (v, e)).T))
-    return config, params
+    return params
 
 
 def save_hf(config: ModelConfig, params: Mapping, path: str | Path, *, max_shard_bytes: int = 4 * 1024**3) -> None:
@@ -382,5 +409,14 @@ def save_hf(config: ModelConfig, params: Mapping, path: str | Path, *, max_shard
     (path / "config.json").write_text(json.dumps(config_to_hf(config), indent=2))
 
 
-__all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf", "load_hf", "read_hf_config", "read_hf_params",
-           "save_hf"]
+def load_gguf(path: str | Path, dtype: str | None = None, mesh=None) -> tuple[ModelConfig, dict]:
+    """A GGUF file -> ``(ModelConfig, params)``: ``lcx.gguf.load_gguf``, re-exported beside ``load_hf``."""
+    import importlib
+
+    # lcx.gguf builds on this module (config_from_hf, _assemble): it is looked up when called, so that neither
+    # module imports the other at load time.
+    return importlib.import_module("lcx.gguf").load_gguf(path, dtype, mesh)
+
+
+__all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf", "load_gguf", "load_hf", "read_hf_config",
+           "read_hf_params", "save_hf", "with_dtype"]

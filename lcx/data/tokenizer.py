@@ -5,9 +5,10 @@ Both offer the same small surface - ``encode(text, bos=, eos=)``, ``decode(ids)`
 ``data.tokenizer`` setting into one:
 
 - ``bytes``: UTF-8 bytes plus PAD, BOS, EOS, SEP (260 ids);
-- a path: a ``tokenizer.json`` file, or a directory holding one (a Hugging Face checkpoint);
-- ``auto`` (the default): the tokenizer of the model a run starts from - a Hugging Face ``init_from`` directory's
-  ``tokenizer.json``, or the tokenizer an lcx ``init_from`` run recorded - else ``bytes``.
+- a path: a ``tokenizer.json`` file, a directory holding one (a Hugging Face checkpoint), or a GGUF model file
+  (``.gguf``: the tokenizer in its metadata, built by ``lcx.gguf``);
+- ``auto`` (the default): the tokenizer of the model a run starts from or evaluates - a Hugging Face directory's
+  ``tokenizer.json``, a GGUF file's own, or the tokenizer an lcx run recorded - else ``bytes``.
 
 The tokenizer must fit the model: more ids than ``model.vocab_size`` is an error, never a silent fallback to bytes.
 """
@@ -54,14 +55,22 @@ class HFTokenizer:
     """A ``tokenizer.json`` (``tokenizers`` package). BOS/EOS/PAD ids come from the files beside it
     (``tokenizer_config.json``, then ``config.json``), else from the usual token names (``<s>``, ``</s>``,
     ``<|endoftext|>``, ...); ``encode`` adds BOS/EOS explicitly instead of running the file's post-processor, so that
-    ``bos=False`` means no BOS whatever the file says."""
+    ``bos=False`` means no BOS whatever the file says.
+
+    A ``.gguf`` path: the tokenizer built from the GGUF metadata, with its BOS/EOS/PAD ids. ``chat_template``: the
+    chat template (``chat_template.jinja`` or ``tokenizer_config.json`` beside the tokenizer.json, or the GGUF's
+    ``tokenizer.chat_template``), None when there is none."""
 
     def __init__(self, path: str | Path):
         path = Path(path)
+        if path.suffix.lower() == ".gguf" and path.is_file():
+            self._from_gguf(path)
+            return
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
             raise ConfigError(f"data.tokenizer={str(path)!r} is invalid: no tokenizer.json there (expected a "
-                              "tokenizer.json file or a directory holding one, or 'bytes' / 'auto')")
+                              "tokenizer.json file, a directory holding one or a .gguf model file, or 'bytes' / "
+                              "'auto')")
         try:
             from tokenizers import Tokenizer
         except ImportError as err:
@@ -72,8 +81,21 @@ class HFTokenizer:
             raise ConfigError(f"{file} is not a readable tokenizer.json: {err}") from err
         self.file = file.resolve()
         ids = _special_ids(file.parent, self._tok)
-        self.bos_id, self.eos_id = ids["bos"], ids["eos"]
-        self.pad_id = ids["pad"] if ids["pad"] is not None else (self.eos_id if self.eos_id is not None else 0)
+        self._set_ids(ids["bos"], ids["eos"], ids["pad"])
+        self.chat_template: str | None = _chat_template(file.parent)
+
+    def _from_gguf(self, path: Path) -> None:
+        from lcx.gguf import read_gguf_tokenizer  # here: gguf and the model modules load only for a .gguf
+
+        info = read_gguf_tokenizer(path)
+        self._tok = info.tokenizer
+        self.file = path.resolve()
+        self._set_ids(info.bos_id, info.eos_id, info.pad_id)
+        self.chat_template = info.chat_template
+
+    def _set_ids(self, bos: int | None, eos: int | None, pad: int | None) -> None:
+        self.bos_id, self.eos_id = bos, eos
+        self.pad_id = pad if pad is not None else (eos if eos is not None else 0)
 
     @property
     def vocab_size(self) -> int:
@@ -125,6 +147,23 @@ def _special_ids(folder: Path, tok) -> dict[str, int | None]:
     return found
 
 
+def _chat_template(folder: Path) -> str | None:
+    """The chat template beside a tokenizer.json: ``chat_template.jinja`` (where transformers v5 saves it), else
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named templates: the "default" one)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    try:
+        data = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    template = data.get("chat_template") if isinstance(data, dict) else None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
 Tokenizer = ByteTokenizer | HFTokenizer
 
 
@@ -149,6 +188,8 @@ def _auto_setting(init_from: str | Path | None) -> str:
     if init_from is None:
         return BYTES
     path = Path(init_from).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":  # the tokenizer lives in the model file's metadata
+        return str(path.resolve())
     if (path / "config.json").is_file():  # a Hugging Face directory
         return str(path) if (path / "tokenizer.json").is_file() else BYTES
     recorded = run_tokenizer(path)
