@@ -143,8 +143,8 @@ def test_hf_tokenizer_resolution_and_vocab_mismatch(tmp_path):
         resolve_tokenizer(str(tmp_path / "nowhere"))
     assert isinstance(resolve_tokenizer("auto"), ByteTokenizer)
     # a byte-level task refuses another tokenizer at config load, with what to do instead
-    with pytest.raises(ConfigError, match=r"data\.task='passkey' builds byte-level examples"):
-        DataConfig(task="passkey", tokenizer=str(tok_dir))
+    with pytest.raises(ConfigError, match=r"data\.task='corpus' builds byte-level examples"):
+        DataConfig(task="corpus", tokenizer=str(tok_dir))
 
 
 def test_finetune_from_hf_directory_uses_its_tokenizer(tmp_path, hf_factory):

@@ -43,6 +43,8 @@ class Corpus(Task):
     """
 
     name: ClassVar[str] = "corpus"
+    metric: ClassVar[str] = "perplexity"
+    accepts_tokenizer: ClassVar[bool] = False  # a byte stream; the ``prose`` and ``documents`` tasks take any
     path: str | None = None
     glob: str | None = None
     val_fraction: float = 0.05

@@ -46,6 +46,7 @@ class Documents(Task):
     holding a document's text; ``val_fraction``: documents held out for validation."""
 
     name: ClassVar[str] = "documents"
+    metric: ClassVar[str] = "perplexity"
     accepts_tokenizer: ClassVar[bool] = True
     path: str = ""
     glob: str = "**/*"

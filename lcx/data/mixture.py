@@ -63,8 +63,8 @@ class Mixture(Task):
     def packed(self) -> bool:
         return any(task.packed for task, _, _ in self.parts)
 
-    def with_tokenizer(self, tokenizer) -> "Mixture":
-        parts = tuple((task.with_tokenizer(tokenizer), w, lw) for task, w, lw in self.parts)
+    def with_tokenizer(self, tokenizer, *, chat: bool = False) -> "Mixture":
+        parts = tuple((task.with_tokenizer(tokenizer, chat=chat), w, lw) for task, w, lw in self.parts)
         out = dataclasses.replace(self, parts=parts)
         object.__setattr__(out, "tokenizer", tokenizer)  # its pad id pads the batches
         return out

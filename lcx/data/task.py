@@ -22,43 +22,12 @@ from typing import Any, ClassVar
 import numpy as np
 
 from lcx.config_base import ConfigError, from_dict, name_registry
+from lcx.data.example import Example
 from lcx.data.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
 SPLITS = {"train": 0, "validation": 1}
 _REGISTRY: dict[str, type["Task"]] = {}
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Example:
-    """One sequence: ``ids [n]`` int32 (BOS first, n <= seq_len + 1) and ``loss_mask [n]`` bool on answer tokens.
-
-    ``answer`` is the answer text (passkey: the key's digits; niah: the values joined by ", "; mqar: the queried
-    values joined by spaces); ``references`` the strings a generation is graded against (``Task.score``);
-    ``prompt`` the text before the first answer token, so that an evaluation with another tokenizer can re-encode it.
-    ``weight``: the loss weight of the answer tokens (a mixture balances its parts with it).
-    ``segments`` / ``positions`` (packed rows of several documents, ``lcx.data.documents``): each token's segment id
-    (>= 1) and its position within its segment; None for a single sequence (positions 0 .. n-1).
-    """
-
-    ids: np.ndarray
-    loss_mask: np.ndarray
-    answer: str
-    references: tuple[str, ...]
-    prompt: str
-    weight: float = 1.0
-    segments: np.ndarray | None = None
-    positions: np.ndarray | None = None
-
-    @property
-    def prompt_len(self) -> int:
-        """Tokens before the first answer token (BOS included): ``ids[:prompt_len]`` is what a model is given."""
-        hits = np.flatnonzero(self.loss_mask)
-        return int(hits[0]) if hits.size else len(self.ids)
-
-    @property
-    def prompt_ids(self) -> np.ndarray:
-        return self.ids[: self.prompt_len]
 
 
 def text_example(prompt: str, answer_parts: Sequence[tuple[str, bool]], answer: str,
@@ -89,26 +58,45 @@ class Task(abc.ABC):
     """
 
     name: ClassVar[str] = ""
-    # Tasks that build their ids through ``self.tokenizer`` accept any tokenizer (``with_tokenizer``); the
-    # synthetic tasks size their haystacks in bytes and are byte-level only.
-    accepts_tokenizer: ClassVar[bool] = False
+    # Tasks that build their ids through ``self.tokenizer`` accept any tokenizer (``with_tokenizer``); a task
+    # that is byte-level only refuses another one.
+    accepts_tokenizer: ClassVar[bool] = True
     tokenizer: ClassVar[Any] = TOKENIZER
+    # what an evaluation measures: "accuracy" (generations graded by ``score``) or "perplexity" (every token a target)
+    metric: ClassVar[str] = "accuracy"
+    # ``haystack.ChatTemplate`` when prompts are framed in the tokenizer's chat template (``with_tokenizer(chat=)``)
+    chat: ClassVar[Any] = None
 
     @property
     def packed(self) -> bool:
         """Whether batches carry segment ids and positions (several documents per row)."""
         return False
 
-    def with_tokenizer(self, tokenizer) -> "Task":
-        """This task producing ids with ``tokenizer`` (``ConfigError`` for a byte-level task and another one)."""
-        if tokenizer.spec == self.tokenizer.spec:
+    @property
+    def frame(self):
+        """How prompts are framed: plain, or in the chat template (``lcx.data.haystack.Frame``)."""
+        from lcx.data.haystack import Frame
+
+        return Frame(self.tokenizer, self.chat)
+
+    def with_tokenizer(self, tokenizer, *, chat: bool = False) -> "Task":
+        """This task producing ids with ``tokenizer`` (``ConfigError`` for a byte-level task and another one);
+        ``chat``: prompts framed as a user message of the tokenizer's chat template, the answer prefix opening
+        the reply."""
+        if tokenizer.spec == self.tokenizer.spec and not chat and self.chat is None:
             return self
-        if not self.accepts_tokenizer:
+        if not self.accepts_tokenizer and tokenizer.spec != TOKENIZER.spec:
             raise ConfigError(f"data.task={self.name!r} builds byte-level examples and cannot use data.tokenizer="
                               f"{tokenizer.spec!r}; set data.tokenizer=bytes (the model then learns lcx's byte ids) "
                               "or train on task 'documents'")
         out = copy.copy(self)
         object.__setattr__(out, "tokenizer", tokenizer)
+        template = None
+        if chat:
+            from lcx.data.haystack import ChatTemplate
+
+            template = ChatTemplate.from_tokenizer(tokenizer)
+        object.__setattr__(out, "chat", template)
         return out
 
     def examples(self, seed: int, index: int, count: int, seq_len: int, split: str = "train") -> list[Example]:

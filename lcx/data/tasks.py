@@ -20,10 +20,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from lcx.config_base import ConfigError
-from lcx.data.task import Example, Task, n_tokens, register, text_example
+from lcx.data.haystack import NOISE, haystack, nearest, pieces_length
+from lcx.data.task import TOKENIZER, Example, Task, n_tokens, register, text_example
 
-# The "noise" haystack of landmark attention and RULER: repetitive, so it carries no information to retrieve.
-NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -75,12 +74,24 @@ def filler_budget(seq_len: int, fixed: int, filler_tokens: int | None, key: str)
 PASSKEY_INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
                        "them. I will quiz you about the important information there.")
 PASSKEY_QUESTION = "What is the pass key? The pass key is"
-# template -> (needle with {key}, question). "landmark" is landmark attention's; "compact" keeps the same words in a
-# third of the tokens, which leaves a byte-level model trained at 128 tokens room for haystacks of useful length.
+# template -> (needle with {key}, question, answer prefix). "landmark" is landmark attention's; "compact" keeps the
+# same words in a third of the tokens, which leaves a byte-level model trained at 128 tokens room for haystacks of
+# useful length. Plain prompts end with the question and the prefix joined by a space (landmark: PASSKEY_QUESTION).
 PASSKEY_TEMPLATES = {
-    "landmark": ("The pass key is {key}. Remember it. {key} is the pass key.", PASSKEY_QUESTION),
-    "compact": ("The pass key is {key}.", "The pass key is"),
+    "landmark": ("The pass key is {key}. Remember it. {key} is the pass key.", "What is the pass key?",
+                 "The pass key is"),
+    "compact": ("The pass key is {key}.", "", "The pass key is"),
 }
+
+
+def _ask(question: str, prefix: str) -> str:
+    return question + (" " + prefix if question and prefix else prefix)
+
+
+def _is_bytes(task: Task) -> bool:
+    """Byte-level examples keep their original construction (lengths in bytes), so byte-level results are unchanged;
+    any other tokenizer goes through ``lcx.data.haystack`` (lengths in that tokenizer's tokens)."""
+    return task.tokenizer.spec == TOKENIZER.spec and task.chat is None
 
 
 @register
@@ -127,8 +138,11 @@ class Passkey(Task):
     def example(self, rng: np.random.Generator, seq_len: int) -> Example:
         key = str(int(rng.integers(self.key_min, self.key_max + 1)))
         depth = float(rng.uniform()) if self.depth is None else self.depth
-        template, question = PASSKEY_TEMPLATES[self.template]
+        template, question, prefix = PASSKEY_TEMPLATES[self.template]
         needle = template.format(key=key)
+        if not _is_bytes(self):
+            return self._token_example(rng, seq_len, key, depth, needle, question, prefix)
+        question = _ask(question, prefix)
         head = [PASSKEY_INSTRUCTION] if self.instruction else []
         answer = " " + key
         # BOS + head + "\n".join(prefix, needle, suffix, question) + answer + EOS, with the filler split in two
@@ -144,6 +158,25 @@ class Passkey(Task):
         cut = nearest_start(filler, depth)
         prompt = "\n".join([*head, filler[:cut], needle, filler[cut:], question])
         return text_example(prompt, [(answer, True)], key, (key,), eos=True)
+
+    def _token_example(self, rng, seq_len, key, depth, needle, question, prefix) -> Example:
+        """The same prompt in the run tokenizer's tokens: the noise filler takes exactly the tokens left over."""
+        tok, frame = self.tokenizer, self.frame
+        head = [PASSKEY_INSTRUCTION + "\n"] if self.instruction else []
+        needle_piece, answer = "\n" + needle + "\n", " " + key
+        fixed = (frame.overhead(question, prefix) + pieces_length(tok, [*head, needle_piece, "\n", answer])
+                 + (tok.eos_id is not None))
+        n_filler = filler_budget(seq_len, fixed, self.filler_tokens, self.name)
+        if self.filler_min is not None:
+            if self.filler_min > n_filler:
+                raise ConfigError(f"data.params.filler_min={self.filler_min} does not fit seq_len={seq_len}: at "
+                                  f"most {n_filler} filler tokens fit")
+            n_filler = int(rng.integers(self.filler_min, n_filler + 1))
+        hay = haystack(tok, "noise")
+        filler, starts = hay.take(n_filler, int(rng.integers(len(hay.ids))) if self.offset else 0)
+        cut = nearest(starts, depth * n_filler)
+        context = [*head, filler[:cut], needle_piece, filler[cut:], "\n"]
+        return frame.example(context, question, prefix, [(answer, True)], key, (key,), eos=True)
 
     def score(self, example: Example, output: str) -> float:
         """1 if the first integer in ``output`` is the key (landmark attention's grading), else 0."""
@@ -207,9 +240,13 @@ class NeedleInHaystack(Task):
         queries = [keys[i] for i in sorted(rng.choice(self.num_keys, size=self.num_queries, replace=False))]
         texts = [f"One of the special magic numbers for {k} is: {v}. " for k, v in needles]
         question = (f"What are all the special magic numbers for {_join_keys(queries)} mentioned in the provided "
-                    f"text? The special magic numbers for {_join_keys(queries)} mentioned in the provided text are")
+                    "text?")
+        prefix = f"The special magic numbers for {_join_keys(queries)} mentioned in the provided text are"
         refs = [v for k, v in needles if k in queries]
         answer = ", ".join(refs)
+        if not _is_bytes(self):
+            return self._token_example(rng, seq_len, needles, question, prefix, answer, refs)
+        question = _ask(question, prefix)
         head = [NIAH_INSTRUCTION] if self.instruction else []
         fixed = 1 + sum(n_tokens(h) + 1 for h in head) + sum(map(n_tokens, texts)) + 1 + n_tokens(question)
         fixed += n_tokens(" " + answer) + 1
@@ -223,6 +260,24 @@ class NeedleInHaystack(Task):
         pieces.append(haystack[last:])
         prompt = "\n".join([*head, "".join(pieces), question])
         return text_example(prompt, [(" " + answer, True)], answer, refs, eos=True)
+
+
+    def _token_example(self, rng, seq_len, needles, question, prefix, answer, refs) -> Example:
+        """The same prompt in the run tokenizer's tokens; needles (with a leading space, as text after a sentence has
+        it) at random sentence starts of the noise filler, which takes exactly the tokens left over."""
+        tok, frame = self.tokenizer, self.frame
+        head = [NIAH_INSTRUCTION + "\n"] if self.instruction else []
+        texts = [f" One of the special magic numbers for {k} is: {v}." for k, v in needles]
+        fixed = (frame.overhead(question, prefix) + pieces_length(tok, [*head, *texts, "\n", " " + answer])
+                 + (tok.eos_id is not None))
+        filler, starts = haystack(tok, "noise").take(filler_budget(seq_len, fixed, self.filler_tokens, self.name))
+        cuts = np.sort(rng.choice(starts, size=len(texts), replace=True))
+        pieces, last = [], 0
+        for cut, text in zip(cuts, texts):
+            pieces += [filler[last:cut], text]
+            last = int(cut)
+        context = [*head, *pieces, filler[last:], "\n"]
+        return frame.example(context, question, prefix, [(" " + answer, True)], answer, refs, eos=True)
 
 
 # --------------------------------------------------------------------------------------------------- mqar
@@ -270,9 +325,14 @@ class AssociativeRecall(Task):
             if n:
                 parts.append((" ", False))
             parts += [(f"{keys[i]}:", False), (values[i], True)]
-        prompt = context + parts[0][0]
-        example = text_example(prompt, parts[1:], " ".join(values[i] for i in asked),
-                               [values[i] for i in asked], eos=False)
+        answer, refs = " ".join(values[i] for i in asked), [values[i] for i in asked]
+        if _is_bytes(self):
+            example = text_example(context + parts[0][0], parts[1:], answer, refs, eos=False)
+        else:  # the pairs, the filler in the run tokenizer's tokens, then the first query as the answer prefix
+            tok = self.tokenizer
+            pairs = " ".join(f"{k}:{v}" for k, v in zip(keys, values)) + "\n"
+            filler = [haystack(tok, "noise").take(self.filler_tokens)[0], "\n"] if self.filler_tokens else []
+            example = self.frame.example([pairs, *filler], "", parts[0][0], parts[1:], answer, refs, eos=False)
         if len(example.ids) > seq_len + 1:
             raise ConfigError(f"data.task='mqar' needs {len(example.ids) - 1} input tokens with num_pairs="
                               f"{self.num_pairs}, num_queries={self.num_queries}, filler_tokens={self.filler_tokens}; "
