@@ -11,6 +11,11 @@ Run directory::
     runs/NAME/router/                     a learned memory router distilled from the model (lcx.train.router)
     runs/NAME/eval/, runs/NAME/ablate/    results.csv, results.md, *.png, done.json
 
+Evaluating a model without training: ``checkpoint: PATH`` at the top level (a Hugging Face directory, a ``.gguf``
+file, or an lcx run / stage directory) with ``stages: [eval]`` or ``[ablate]``. The model section comes from the
+checkpoint - keys given under ``model:`` override it (e.g. ``attention``) - and ``data.tokenizer: auto`` (the default,
+also without a ``data:`` section) is the checkpoint's own tokenizer.
+
 Rerunning a finished stage reuses its outputs: training resumes from its last checkpoint (nothing to do when it
 reached ``steps``), eval, ablate and router are skipped when ``done.json`` records the same inputs - the settings
 they read and the exact checkpoint (step and content fingerprint) they evaluated, so more training, a new fine-tune
@@ -83,6 +88,7 @@ class ExperimentConfig(Config):
 
     stages: tuple[str, ...] = ()
     runs_dir: str = "runs"
+    checkpoint: str | None = None
     mesh: MeshConfig | None = None
     train: TrainConfig | None = None
     data: DataConfig | None = None
@@ -100,7 +106,7 @@ class ExperimentConfig(Config):
         for stage in self.stages:
             self.require(stage)
         if self.ablate is not None:  # every grid cell's policy must work with this model
-            for cache in self.ablate.caches():
+            for cache in self.ablate.caches(max(self.eval.lengths) if self.eval is not None else 256):
                 check_cache(cache, self.model)
         if self.train is not None and self.train.seq_len > self.model.max_position_embeddings:
             raise ConfigError(f"train.seq_len={self.train.seq_len} is invalid: must be <= "
@@ -125,7 +131,35 @@ def load_experiment(path: str | Path, overrides: Sequence[str] = ()) -> Experime
     """Load and validate an experiment YAML with dotted ``key=value`` overrides."""
     data = load_dict(path, overrides)
     import_plugins(data.get("plugins") or ())
-    return from_dict(ExperimentConfig, data)
+    return from_dict(ExperimentConfig, with_checkpoint_model(data))
+
+
+def with_checkpoint_model(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` whose ``model`` section is the top-level ``checkpoint``'s config with the given ``model:`` keys
+    over it (unchanged without a checkpoint)."""
+    data = dict(data)
+    source = data.get("checkpoint")
+    if source is None:
+        return data
+    if not isinstance(source, str) or not source:
+        raise ConfigError(f"checkpoint={source!r} is invalid: a path to a Hugging Face directory, a .gguf file or an "
+                          "lcx run / stage directory")
+    from lcx.sources import source_config
+
+    given = data.get("model") or {}
+    if not isinstance(given, Mapping):
+        raise ConfigError(f"model={given!r} is invalid: must be a mapping of keys overriding the checkpoint's")
+    base = to_dict(source_config(source))
+    data["model"] = _merged(base, given)
+    return data
+
+
+def _merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) \
+            else value
+    return out
 
 
 # --------------------------------------------------------------------------------------------------- stages
@@ -195,11 +229,17 @@ def run_router(cfg: ExperimentConfig, progress: bool = True) -> dict:
 
 
 def latest_params(cfg: ExperimentConfig):
-    """(model config, params, ``CheckpointInfo``) to evaluate: ``eval.checkpoint``, else the run's finetune or train
-    stage (its newest checkpoint that passes verification)."""
+    """(model config, params, ``CheckpointInfo``) to evaluate: ``eval.checkpoint``, else the experiment's
+    ``checkpoint``, else the run's finetune or train stage (its newest checkpoint that passes verification)."""
     from lcx.train.checkpoint import load_checkpoint_info
 
     source = cfg.eval.checkpoint if cfg.eval is not None else None
+    if source is None and cfg.checkpoint is not None:
+        from lcx.sources import load_source
+
+        # the model section already is the checkpoint's, with the experiment's overrides (attention, dtype)
+        _, params, info = load_source(cfg.checkpoint, dtype=cfg.model.param_dtype)
+        return cfg.model, params, info
     candidates = [Path(source)] if source else [cfg.run_dir / "finetune", cfg.run_dir / "train"]
     for path in candidates:
         if (path / "checkpoints").is_dir() or (source and path.exists()):
@@ -227,6 +267,17 @@ def variant_checkpoints(cfg: ExperimentConfig) -> dict[str, tuple]:
     return out
 
 
+def run_tokenizer(cfg: ExperimentConfig, model: ModelConfig):
+    """The tokenizer the evaluation builds and grades its tasks with: ``data.tokenizer`` (default ``auto``: the
+    tokenizer of the model evaluated - the experiment's ``checkpoint``, ``eval.checkpoint``, or what this run's
+    training recorded - else lcx's byte tokenizer)."""
+    from lcx.data.tokenizer import resolve_tokenizer
+
+    setting = cfg.data.tokenizer if cfg.data is not None else "auto"
+    source = (cfg.eval.checkpoint if cfg.eval is not None else None) or cfg.checkpoint or cfg.run_dir / "train"
+    return resolve_tokenizer(setting, init_from=source, vocab_size=model.vocab_size)
+
+
 def _done(out_dir: Path, settings: dict) -> bool:
     marker = out_dir / "done.json"
     return marker.is_file() and json.loads(marker.read_text()) == settings
@@ -238,7 +289,8 @@ def _finish(out_dir: Path, settings: dict) -> None:
 
 def _settings(cfg: ExperimentConfig, stage: str, info, variants: dict | None = None) -> dict:
     """What an eval / ablate stage consumes: its settings and the exact checkpoints (step + content fingerprint)."""
-    out = {"stage": stage, "checkpoint": info.to_dict(), "model": to_dict(cfg.model), "eval": cfg.eval.to_dict()}
+    out = {"stage": stage, "checkpoint": info.to_dict(), "model": to_dict(cfg.model), "eval": cfg.eval.to_dict(),
+           "tokenizer": cfg.data.tokenizer if cfg.data is not None else "auto"}
     if variants:
         out["variant_checkpoints"] = {name: v[2].to_dict() for name, v in sorted(variants.items())}
     out["cache" if stage == "eval" else "ablate"] = (cfg.cache.to_dict() if stage == "eval"
@@ -261,11 +313,12 @@ def run_eval_stage(cfg: ExperimentConfig, stage: str = "eval", progress: bool = 
     if (out_dir / "done.json").is_file():
         _say(f"{stage}: inputs changed since the last run (now checkpoint {info.path}, step {info.step}): rerunning")
     _say(f"{stage} {info.path} -> {out_dir}")
+    tokenizer = run_tokenizer(cfg, model)
     if stage == "eval":
-        run_eval(model, params, cfg.eval, cfg.cache, out_dir, progress=progress)
+        run_eval(model, params, cfg.eval, cfg.cache, out_dir, progress=progress, tokenizer=tokenizer)
     else:
         run_ablate(model, params, cfg.eval, cfg.ablate, out_dir, progress=progress,
-                   checkpoints={name: v[:2] for name, v in variants.items()})
+                   checkpoints={name: v[:2] for name, v in variants.items()}, tokenizer=tokenizer)
     with open(out_dir / "results.md", "a") as f:
         f.write(_provenance(cfg, info, variants))
     _finish(out_dir, settings)

@@ -482,13 +482,15 @@ class Generator:
         cannot chunk go one token per step.
         """
         tokens = np.asarray(tokens, np.int32)
-        if not self.policy.evicts:
-            need = int(jnp.max(state.cache.lengths)) + tokens.shape[1]
-            if need > state.cache.capacity:
-                raise CacheCapacityError(
-                    f"scoring {tokens.shape[1]} tokens needs {need} cache slots but the full cache was planned for "
-                    f"{state.cache.capacity} (prompt + max_new_tokens): create the Generator with max_new_tokens >= "
-                    f"{tokens.shape[1]} or use an eviction policy")
+        # The cache was planned for prompt + max_new_tokens: a full cache (or an evicting one planned below its
+        # budget + interval, for a short generation) cannot take more; its writes would fall off the end.
+        done = int(jnp.max(state.cache.lengths))
+        need = self.kind.plan(tokens.shape[0], done + tokens.shape[1], 0)
+        if need > state.cache.capacity:
+            raise CacheCapacityError(
+                f"scoring {tokens.shape[1]} tokens needs {need} cache slots but the {self.cache_config.policy} cache "
+                f"was planned for {state.cache.capacity} (prompt + max_new_tokens): create the Generator with "
+                f"max_new_tokens >= {tokens.shape[1]}" + ("" if self.policy.evicts else " or use an eviction policy"))
         batch, total = tokens.shape
         width = self.kind.score_width(total)
         bar = tqdm(total=total * batch, disable=not progress, unit="tok", unit_scale=True, desc="score",

@@ -10,9 +10,9 @@ from lcx.config import CacheConfig, ConfigError, ModelConfig, load_model_config
 
 
 def load_model(path: str, *, seed: int = 0, dtype: str | None = None) -> tuple[ModelConfig, dict, str]:
-    """(config, params, source) from an HF checkpoint directory, an lcx run (``runs/NAME``, its ``train`` /
-    ``finetune`` stage or a checkpoint directory: the latest checkpoint), or random weights for a YAML model
-    config."""
+    """(config, params, source) from an HF checkpoint directory, a GGUF file (dequantized), an lcx run
+    (``runs/NAME``, its ``train`` / ``finetune`` stage or a checkpoint directory: the latest checkpoint), or random
+    weights for a YAML model config."""
     import dataclasses
 
     import jax
@@ -25,6 +25,9 @@ def load_model(path: str, *, seed: int = 0, dtype: str | None = None) -> tuple[M
     if p.is_dir() and (p / "config.json").is_file():
         config, params = hf.load_hf(p, dtype=dtype)
         return config, params, "hf"
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        config, params = hf.load_gguf(p, dtype=dtype)
+        return config, params, "gguf"
     if p.is_dir():
         run = run_checkpoint(p)
         if run is None:
@@ -39,8 +42,8 @@ def load_model(path: str, *, seed: int = 0, dtype: str | None = None) -> tuple[M
         if dtype is not None:
             config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
         return config, init_params(config, jax.random.key(seed)), "random"
-    raise ConfigError(f"--model={path!r} does not exist: expected a Hugging Face checkpoint directory or a YAML "
-                      "model config")
+    raise ConfigError(f"--model={path!r} does not exist: expected a Hugging Face checkpoint directory, a .gguf file "
+                      "or a YAML model config")
 
 
 def _tokenizer(model_path: str, config: ModelConfig, setting: str = "auto"):
@@ -56,6 +59,8 @@ def _tokenizer(model_path: str, config: ModelConfig, setting: str = "auto"):
         elif p.is_dir() and (p / "config.json").is_file():
             raise ConfigError(f"--prompt needs a tokenizer: {model_path} has no tokenizer.json; pass --tokenizer PATH "
                               "(a tokenizer.json), --tokenizer bytes (a byte-level lcx model), or --ids")
+        elif p.is_file() and p.suffix.lower() == ".gguf":
+            setting = str(p)  # the tokenizer in the file's metadata
         elif p.is_dir():
             from lcx.train.checkpoint import run_checkpoint
 
@@ -72,7 +77,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("generate", help="generate tokens from a model, streaming them",
                               description="Generate from a Hugging Face checkpoint directory or an lcx YAML model "
                                           "config (random weights, for trying settings).")
-    p.add_argument("--model", required=True, help="HF checkpoint directory, lcx run (runs/NAME) or YAML model config")
+    p.add_argument("--model", required=True,
+                   help="HF checkpoint directory, .gguf file, lcx run (runs/NAME) or YAML model config")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--ids", help="prompt token ids, comma separated")

@@ -154,11 +154,12 @@ class SlotCacheKind(CacheKind):
 
     # ------------------------------------------------------------------------------------------- teacher forcing
     def score_width(self, tokens: int) -> int:
-        """A full cache takes the continuation in chunks as large as a prefill's; an evicting one ``interval``
-        tokens at a time: the room an eviction frees."""
+        """A full cache takes the continuation in chunks as large as a prefill's; an evicting one at most
+        ``interval`` tokens at a time (the room an eviction frees), and for a short continuation (a question after a
+        one-shot compression) a power of two of at least 128: one compiled width for the questions of many tasks."""
         if self.budgets is None:
             return min(AUTO_PREFILL_CHUNK, round_chunk(tokens))
-        return self.interval
+        return min(self.interval, max(128, 1 << max(tokens - 1, 1).bit_length()))
 
     def score_room(self, state: KVCache) -> int | None:
         """One-token steps evict when a step finds some layer full (``make_room(1)``). A chunk that fills the cache

@@ -71,17 +71,29 @@ class PerplexityConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    """What to measure: a retrieval ``task`` (passkey, niah, mqar -> accuracy) or ``corpus`` (-> perplexity), at each
-    context length in ``lengths`` and needle depth in ``depths`` (null: a random depth per example), over
-    ``samples`` examples per depth drawn from the validation split with ``seed``. ``params`` are the task's
-    parameters. ``perplexity`` (optional): perplexity on held-out text measured next to it.
+    """What to measure: a retrieval ``task`` (passkey, niah, mqar, a RULER-style task -> accuracy) or a text task
+    (corpus, prose, documents -> perplexity), at each context length in ``lengths`` and needle depth in ``depths``
+    (null: a random depth per example), over ``samples`` examples per depth drawn from the validation split with
+    ``seed``. ``params`` are the task's parameters. ``tasks``: several retrieval tasks instead of one, each with its
+    defaults (``ruler``: the RULER-style suite, ``lcx.data.ruler.RULER_SUITE``); results per task and their macro
+    average. ``chat``: prompts framed in the tokenizer's chat template, the answer prefix opening the reply.
+    ``unroll``: ``Generator(unroll=)`` (null: auto, the unrolled decoder when its weight copy fits): the unrolled
+    decoder's steps are faster on a CPU, but each cache setting compiles about 3x longer (a 30-layer model on 2 cores:
+    ~45 s against ~15 s per setting), so a grid of many settings on a CPU finishes sooner with ``false``.
+    ``perplexity`` (optional): perplexity on held-out text measured next to it.
+
+    Lengths are in the run tokenizer's tokens (``data.tokenizer``; a checkpoint's own by default).
 
     Perplexity under a cache policy: the first ``ppl_prefix`` tokens (null: half the length) are prefilled, the
     rest are scored one token at a time through the cache and its eviction schedule (StreamingLLM protocol).
+    ``ppl_buckets`` (positions, ascending): perplexity as the context grows, from one pass per window - each
+    length's window is scored from ``ppl_prefix`` on, and each bucket's row (``length`` = its end) is the perplexity
+    of the positions since the previous bucket, so one long stream gives the StreamingLLM curve.
     """
 
     task: str = "passkey"
     params: tuple[tuple[str, Any], ...] = ()
+    tasks: tuple[str, ...] = ()
     lengths: tuple[int, ...] = (256,)
     depths: tuple[float, ...] | None = None
     samples: int = 16
@@ -89,6 +101,9 @@ class EvalConfig:
     seed: int = 1234
     max_new_tokens: int | None = None
     ppl_prefix: int | None = None
+    ppl_buckets: tuple[int, ...] = ()
+    chat: bool = False
+    unroll: bool | None = None
     checkpoint: str | None = None  # params to evaluate (null: the run's latest stage)
     perplexity: PerplexityConfig | None = None
 
@@ -105,18 +120,40 @@ class EvalConfig:
         if self.samples % self.batch_size and self.samples > self.batch_size:
             raise ConfigError(f"eval.samples={self.samples} is invalid: must be a multiple of eval.batch_size="
                               f"{self.batch_size} (batches share one compiled shape)")
-        from lcx.data import make_task
-
-        make_task(self.task, dict(self.params), prefix="eval.params")  # unknown task or parameter: fail at load
+        if self.ppl_buckets and (list(self.ppl_buckets) != sorted(set(self.ppl_buckets))
+                                 or self.ppl_buckets[-1] > max(self.lengths) or self.ppl_buckets[0] < 1):
+            raise ConfigError(f"eval.ppl_buckets={list(self.ppl_buckets)!r} is invalid: ascending positions, the "
+                              f"last at most max(eval.lengths)={max(self.lengths)}")
+        if self.tasks and self.params:
+            raise ConfigError(f"eval.params={dict(self.params)!r} cannot be combined with eval.tasks="
+                              f"{list(self.tasks)!r}: each of several tasks runs with its own defaults")
+        metrics = {name: task.metric for name, task in self.make_tasks().items()}  # unknown task or parameter: now
+        if len(metrics) > 1 and "perplexity" in metrics.values():
+            raise ConfigError(f"eval.tasks={list(self.tasks)!r} is invalid: several tasks must all be retrieval "
+                              "tasks; measure perplexity with eval.perplexity")
 
     @property
     def metric(self) -> str:
-        return "perplexity" if self.task == "corpus" else "accuracy"
+        return next(iter(self.make_tasks().values())).metric
 
-    def make_task(self):
+    def task_names(self) -> tuple[str, ...]:
+        """The tasks to run: ``tasks`` (``ruler`` expanded to the suite) or the one ``task``."""
+        if not self.tasks:
+            return (self.task,)
+        from lcx.data.ruler import RULER_SUITE
+
+        return tuple(dict.fromkeys(n for t in self.tasks for n in (RULER_SUITE if t == "ruler" else (t,))))
+
+    def make_tasks(self) -> dict[str, Any]:
+        """name -> task, in order (``task`` with ``params``, or each of ``tasks`` with its defaults)."""
         from lcx.data import make_task
 
-        return make_task(self.task, dict(self.params), prefix="eval.params")
+        if not self.tasks:
+            return {self.task: make_task(self.task, dict(self.params), prefix="eval.params")}
+        return {name: make_task(name, {}, prefix=f"eval.tasks[{name}]") for name in self.task_names()}
+
+    def make_task(self):
+        return next(iter(self.make_tasks().values()))
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], prefix: str = "eval") -> "EvalConfig":
@@ -167,39 +204,95 @@ class RopeVariant:
         return dataclasses.replace(model, rope=rope, max_position_embeddings=mpe)
 
 
+PROTOCOLS = ("streaming", "one_shot")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One row of an ablation before its length is known: a cache section, its budget or compression ratio, and
+    how the prompt meets the cache (``protocol``)."""
+
+    spec: tuple[tuple[str, Any], ...]
+    budget: int | None = None
+    compression: float | None = None
+    protocol: str = "streaming"
+
+    @property
+    def policy(self) -> str:
+        return dict(self.spec).get("policy", "full")
+
+    def cache(self, length: int, room: int = 0) -> CacheConfig:
+        """The cache of a cell of ``length`` tokens. A compression ratio keeps ``round((1 - c) * length)`` tokens;
+        ``one_shot`` takes the whole context in one prefill call and leaves ``room`` slots (question and answer)
+        after the compression, so nothing is evicted after it (``interval`` = the length + ``room``)."""
+        spec = dict(self.spec)
+        if self.policy == "full":
+            return CacheConfig.from_mapping({**spec, "budget": self.budget}, prefix="ablate")
+        budget = self.budget if self.compression is None else max(1, round((1.0 - self.compression) * length))
+        if self.protocol == "one_shot":
+            spec["interval"] = length + room
+            spec["prefill_chunk"] = 1 << max(length - 1, 1).bit_length()  # the whole context in one call
+        return CacheConfig.from_mapping({**spec, "budget": budget}, prefix="ablate")
+
+
 @dataclasses.dataclass(frozen=True)
 class AblateConfig:
     """The grid: each entry of ``policies`` (a cache section without budget: ``{policy: streaming, sinks: 4}``) at
-    each of ``budgets`` (ignored by ``full``) x each RoPE variant in ``ropes`` x the eval lengths and depths."""
+    each of ``budgets`` - or each compression ratio of ``compressions`` (the share of a cell's tokens evicted: 0.75
+    keeps a quarter of the length) - in each of ``protocols`` (``streaming``: the prompt through the cache in chunks
+    with evictions between them; ``one_shot``: kvpress's protocol - the context prefilled at once, compressed once,
+    the question read after it), x each RoPE variant in ``ropes`` x the eval lengths and depths (``full``: once)."""
 
     policies: tuple[tuple[tuple[str, Any], ...], ...] = ((("policy", "full"),),)
     budgets: tuple[int, ...] = (64,)
+    compressions: tuple[float, ...] = ()
+    protocols: tuple[str, ...] = ("streaming",)
     ropes: tuple[RopeVariant, ...] = (RopeVariant("trained"),)
     interval: int = 32
     prefill_chunk: int = 256
 
     def __post_init__(self):
         _positive_ints(self.budgets, "ablate.budgets")
+        if any(not 0.0 < c < 1.0 for c in self.compressions):
+            raise ConfigError(f"ablate.compressions={list(self.compressions)!r} is invalid: ratios in (0, 1) (the "
+                              "share of the context evicted)")
+        if not self.protocols or any(p not in PROTOCOLS for p in self.protocols):
+            raise ConfigError(f"ablate.protocols={list(self.protocols)!r} is invalid: a non-empty list of "
+                              f"{list(PROTOCOLS)}")
         for name in ("interval", "prefill_chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"ablate.{name}={value!r} is invalid: must be a positive integer")
-        for cache in self.caches():  # unknown policies or parameters fail at load
-            cache.make_policy()
+        for setting in self.settings():  # unknown policies or parameters fail at load
+            setting.cache(256).make_policy()
 
-    def caches(self) -> list[CacheConfig]:
-        """Every (policy, budget) cell as a CacheConfig; ``full`` once, without a budget. A policy entry may set its
-        own ``interval`` and ``prefill_chunk`` (e.g. a memory tier whose local positions must stay in range)."""
+    def settings(self) -> list[Setting]:
+        """Every row of the grid: (policy, budget or compression, protocol); ``full`` once. A policy entry may set
+        its own ``interval`` and ``prefill_chunk`` (e.g. a memory tier whose local positions must stay in range)."""
         out = []
         for entry in self.policies:
-            spec = {"interval": self.interval, "prefill_chunk": self.prefill_chunk, **dict(entry)}
-            if spec.get("policy", "full") == "full":
-                spec.pop("interval")
-                out.append(CacheConfig.from_mapping(spec, prefix="ablate"))
+            spec = tuple(sorted({"interval": self.interval, "prefill_chunk": self.prefill_chunk,
+                                 **dict(entry)}.items()))
+            if dict(spec).get("policy", "full") == "full":
+                out.append(Setting(tuple((k, v) for k, v in spec if k != "interval")))
                 continue
-            for budget in self.budgets:
-                out.append(CacheConfig.from_mapping({**spec, "budget": budget}, prefix="ablate"))
+            for protocol in self.protocols:
+                if self.compressions:
+                    out += [Setting(spec, compression=c, protocol=protocol) for c in self.compressions]
+                else:
+                    out += [Setting(spec, budget=b, protocol=protocol) for b in self.budgets]
         return out
+
+    def caches(self, length: int) -> list[CacheConfig]:
+        """Every row's cache for cells of ``length`` tokens."""
+        return [s.cache(length) for s in self.settings()]
+
+    @classmethod
+    def of_cache(cls, cache: CacheConfig) -> Setting:
+        """The setting of one cache section (the eval stage's)."""
+        data = cache.to_dict()
+        budget = data.pop("budget")
+        return Setting(tuple(sorted(data.items())), budget=tuple(budget) if isinstance(budget, list) else budget)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], prefix: str = "ablate") -> "AblateConfig":
@@ -221,6 +314,7 @@ class AblateConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"policies": [dict(p) for p in self.policies], "budgets": list(self.budgets),
+                "compressions": list(self.compressions), "protocols": list(self.protocols),
                 "ropes": [{"name": r.name, **dict(r.rope),
                            **({"max_position_embeddings": r.max_position_embeddings}
                               if r.max_position_embeddings else {}),

@@ -34,27 +34,84 @@ def with_depth(task: Task, depth: float | None) -> Task:
     return dataclasses.replace(task, depth=depth)
 
 
-def answer_tokens(examples: list[Example]) -> int:
-    return max(len(TOKENIZER.encode(" " + ex.answer, bos=False)) for ex in examples) + 2
+def answer_tokens(examples: list[Example], tokenizer=TOKENIZER) -> int:
+    return max(len(tokenizer.encode(" " + ex.answer, bos=False)) for ex in examples) + 2
+
+
+PROTOCOLS = ("streaming", "one_shot")
 
 
 def retrieval_scores(model: ModelConfig, params, task: Task, *, length: int, depth: float | None, samples: int,
                      batch_size: int, seed: int, cache: CacheConfig, max_new_tokens: int | None = None,
-                     capacity: int | None = None) -> np.ndarray:
-    """The grade of each of ``samples`` validation examples of ``length`` tokens: ``[samples]`` in [0, 1]."""
+                     capacity: int | None = None, protocol: str = "streaming",
+                     unroll: bool | None = None, buffer: int | None = None) -> np.ndarray:
+    """The grade of each of ``samples`` validation examples of ``length`` tokens: ``[samples]`` in [0, 1]
+    (``retrieval_outputs`` graded by the task)."""
+    examples, outputs = retrieval_outputs(model, params, task, length=length, depth=depth, samples=samples,
+                                          batch_size=batch_size, seed=seed, cache=cache,
+                                          max_new_tokens=max_new_tokens, capacity=capacity, protocol=protocol,
+                                          unroll=unroll, buffer=buffer)
+    return np.asarray([grade(task, out, ex) for ex, out in zip(examples, outputs)], np.float64)
+
+
+def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, depth: float | None, samples: int,
+                      batch_size: int, seed: int, cache: CacheConfig, max_new_tokens: int | None = None,
+                      capacity: int | None = None, protocol: str = "streaming", unroll: bool | None = None,
+                      buffer: int | None = None) -> tuple[list[Example], list[str]]:
+    """``samples`` validation examples of ``length`` tokens and the greedy generation (decoded text) for each.
+
+    ``protocol``: ``streaming`` prefills the whole prompt through the cache (chunks and evictions as configured);
+    ``one_shot`` (kvpress's protocol) prefills the context alone, compresses it once, then reads the question
+    (teacher-forced, no eviction when the cache's ``interval`` leaves room for the question and the answer) and
+    generates - the question never influences what is kept. Examples are batched by question length.
+    ``buffer``: the generator's ``max_new_tokens`` when larger than this task's (tasks of one grid share one compiled
+    decode loop; its step limit is traced, so each stops at its own ``max_new_tokens``); with ``one_shot`` it must
+    also hold the question's tokens."""
+    tok = task.tokenizer
     examples = with_depth(task, depth).examples(seed, 0, samples, length, "validation")
-    max_new = max_new_tokens or answer_tokens(examples)
-    gen = Generator(model, params, max_new_tokens=max_new, cache=cache, eos_id=TOKENIZER.eos_id, capacity=capacity)
-    scores = []
-    for lo in range(0, samples, batch_size):
-        batch = examples[lo:lo + batch_size]
+    max_new = max_new_tokens or answer_tokens(examples, tok)
+    # one_shot: the prefill sees the context only; the question is read after it, into the same cache - planned
+    # for it as for generated tokens (a grid's ``buffer`` already holds room for it)
+    question = max((ex.prompt_len - ex.context_len for ex in examples if ex.context_len is not None), default=0)
+    extra = question if protocol == "one_shot" and buffer is None else 0
+    gen = Generator(model, params, max_new_tokens=max(max_new, buffer or 0) + extra, cache=cache, eos_id=tok.eos_id,
+                    capacity=capacity, unroll=unroll)
+    outputs = [""] * samples
+    for batch in _batches(examples, batch_size, protocol, task.name):
+        real = len(batch)
+        if protocol == "one_shot":  # a group smaller than the batch repeats its last row: one compiled batch shape
+            batch = batch + [batch[-1]] * (min(batch_size, samples) - real)
         with warnings.catch_warnings():  # an evaluation grid measures past the trained range on purpose
             warnings.simplefilter("ignore", PositionRangeWarning)
-            result = gen.result(gen.decode(gen.prefill([ex.prompt_ids for ex in batch])))
-        for ex, tokens, n in zip(batch, result.tokens, result.lengths):
-            scores.append(grade(task, TOKENIZER.decode(tokens[:n]), ex))
+            if protocol == "one_shot":
+                state = gen.prefill([examples[i].prompt_ids[:examples[i].context_len] for i in batch])
+                questions = np.stack([examples[i].prompt_ids[examples[i].context_len:] for i in batch])
+                if questions.shape[1]:
+                    state, _ = gen.score(state, questions)
+            else:
+                state = gen.prefill([examples[i].prompt_ids for i in batch])
+            result = gen.result(gen.decode(state, steps=max_new))
+        for i, tokens, n in zip(batch[:real], result.tokens, result.lengths):
+            outputs[i] = tok.decode(tokens[:n])
     gen.close()
-    return np.asarray(scores, np.float64)
+    return examples, outputs
+
+
+def _batches(examples: list[Example], batch_size: int, protocol: str, name: str) -> list[list[int]]:
+    """Indices of the examples per batch: in order, or (one_shot) grouped by question length, since the question is
+    teacher-forced as one ``[batch, n]`` block."""
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"protocol={protocol!r} is invalid: must be one of {list(PROTOCOLS)}")
+    order = list(range(len(examples)))
+    if protocol == "streaming":
+        return [order[lo:lo + batch_size] for lo in range(0, len(order), batch_size)]
+    if any(ex.context_len is None for ex in examples):
+        raise ConfigError(f"protocol 'one_shot' needs examples that mark where the question starts; task {name!r} "
+                          "with this tokenizer does not (the byte-level synthetic tasks do not)")
+    groups: dict[int, list[int]] = {}
+    for i, ex in enumerate(examples):
+        groups.setdefault(ex.prompt_len - ex.context_len, []).append(i)
+    return [g[lo:lo + batch_size] for g in groups.values() for lo in range(0, len(g), batch_size)]
 
 
 def retrieval_accuracy(model: ModelConfig, params, task: Task, *, length: int, depth: float | None, samples: int,
@@ -68,20 +125,24 @@ def retrieval_accuracy(model: ModelConfig, params, task: Task, *, length: int, d
 
 def window_nll(model: ModelConfig, params, task: Task, *, length: int, samples: int, batch_size: int, seed: int,
                cache: CacheConfig, prefix: int | None = None, capacity: int | None = None,
-               tail: int | None = None, longest: int | None = None) -> np.ndarray:
+               tail: int | None = None, longest: int | None = None, unroll: bool | None = None,
+               per_token: bool = False) -> np.ndarray:
     """Mean negative log-likelihood (nats / token) of tokens ``prefix+1 .. length`` of each of ``samples``
     validation windows of ``length`` tokens, ``[samples]``.
 
     With ``tail``, the windows are the last ``length`` tokens of windows of ``longest`` tokens (the first token
-    kept when it is BOS) and the last ``tail`` tokens are scored: the same text at every length."""
+    kept when it is BOS) and the last ``tail`` tokens are scored: the same text at every length. ``per_token``: the
+    NLL of every scored token, ``[samples, length - prefix]``."""
     if tail is not None:
         if not 0 < tail < length:
             raise ConfigError(f"eval.perplexity.tail={tail} is invalid: must be in [1, {length - 1}] for length "
                               f"{length}")
         examples = task.examples(seed, 0, samples, longest or length, "validation")
         ids = np.stack([ex.ids[:(longest or length)][-length:] for ex in examples])  # [n, length]
-        starts_with_bos = np.asarray([ex.ids[0] == TOKENIZER.bos_id for ex in examples])
-        ids[:, 0] = np.where(starts_with_bos, TOKENIZER.bos_id, ids[:, 0])
+        bos = task.tokenizer.bos_id
+        if bos is not None:
+            starts_with_bos = np.asarray([ex.ids[0] == bos for ex in examples])
+            ids[:, 0] = np.where(starts_with_bos, bos, ids[:, 0])
         prefix = length - tail
     else:
         prefix = prefix or max(1, length // 2)
@@ -90,13 +151,13 @@ def window_nll(model: ModelConfig, params, task: Task, *, length: int, samples: 
                               f"{length}")
         examples = task.examples(seed, 0, samples, length, "validation")
         ids = np.stack([ex.ids[: length] for ex in examples])  # [n, length]
-    gen = Generator(model, params, max_new_tokens=length - prefix, cache=cache, capacity=capacity)
+    gen = Generator(model, params, max_new_tokens=length - prefix, cache=cache, capacity=capacity, unroll=unroll)
     nll = []
     for lo in range(0, samples, batch_size):
         batch = ids[lo:lo + batch_size]
         state = gen.prefill(batch[:, :prefix])
         _, logprobs = gen.score(state, batch[:, prefix:])
-        nll.append(-np.mean(logprobs, axis=1))
+        nll.append(-logprobs if per_token else -np.mean(logprobs, axis=1))
     gen.close()
     return np.concatenate(nll)
 

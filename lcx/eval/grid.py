@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lcx.config import CacheConfig, ConfigError, ModelConfig
-from lcx.eval.config import AblateConfig, EvalConfig, RopeVariant
+from lcx.eval.config import AblateConfig, EvalConfig, RopeVariant, Setting
 from lcx.eval.evaluate import answer_tokens, retrieval_scores, window_nll, with_depth
 from lcx.eval.report import write_report
 from lcx.eval.stats import perplexity_interval, wilson_interval
@@ -30,9 +30,10 @@ from lcx.generate import CacheCapacityError, plan_capacity
 _GRID_KEYS = ("policy", "budget", "interval", "prefill_chunk")
 
 
-def setting_label(cache: CacheConfig, rope: str = "trained") -> str:
-    """``policy @budget k=v ... [rope]``: the budget, every policy parameter that differs from the policy's default
-    and every cache field that differs from ``CacheConfig``'s, and the RoPE variant."""
+def setting_label(cache: CacheConfig, rope: str = "trained", setting: Setting | None = None) -> str:
+    """``policy @budget k=v ... [rope]``: the budget (or ``@c=ratio``, a compression ratio), every policy parameter
+    that differs from the policy's default and every cache field that differs from ``CacheConfig``'s, the protocol
+    when not streaming, and the RoPE variant."""
     policy = cache.make_policy()
     defaults = {f.name: f.default for f in dataclasses.fields(policy) if f.default is not dataclasses.MISSING}
     extras = [f"{k}={v}" for k, v in sorted(cache.params.items()) if defaults.get(k, object()) != v]
@@ -40,87 +41,141 @@ def setting_label(cache: CacheConfig, rope: str = "trained") -> str:
     extras += [f"{f}={getattr(cache, f)}" for f in ("budget_schedule", "dtype", "max_bytes")
                if getattr(cache, f) != getattr(base, f)]
     budget = f" @{cache.budget}" if policy.evicts and cache.budget is not None else ""
+    if setting is not None and setting.compression is not None and policy.evicts:
+        budget = f" @c={setting.compression:g}"
+    if setting is not None and setting.protocol != "streaming" and policy.evicts:
+        extras.append(setting.protocol.replace("_", "-"))
     suffix = "" if rope in ("trained", "") else f" [{rope}]"
     return f"{cache.policy}{budget}" + "".join(f" {e}" for e in extras) + suffix
 
 
-def _max_new(ev: EvalConfig, task) -> int:
+# Slots a one-shot cell keeps free after compressing the context: the question and the answer (checked per task).
+ONE_SHOT_ROOM = 256
+
+
+def _max_new(ev: EvalConfig, tasks: Mapping[str, object]) -> dict[str, int]:
+    """New tokens per retrieval prompt of each task: ``max_new_tokens``, or the task's longest answer (of a few
+    examples at the longest length) + 2 - for a task with its own generation budget (RULER's) twice that + 8, at
+    most the budget, since a model may phrase the answer around the references; generation also stops at EOS."""
     if ev.metric == "perplexity":
-        return 0
+        return {name: 0 for name in tasks}
     if ev.max_new_tokens:
-        return ev.max_new_tokens
-    examples = with_depth(task, (ev.depths or (None,))[0]).examples(ev.seed, 0, min(ev.samples, 4),
-                                                                   max(ev.lengths), "validation")
-    return answer_tokens(examples)
+        return {name: ev.max_new_tokens for name in tasks}
+    out = {}
+    for name, task in tasks.items():
+        n = answer_tokens(with_depth(task, (ev.depths or (None,))[0]).examples(
+            ev.seed, 0, min(ev.samples, 4), max(ev.lengths), "validation"), task.tokenizer)
+        budget = getattr(task, "max_new_tokens", None)  # RULER's generation budget: room for a wordier answer
+        out[name] = min(budget, 2 * n + 8) if budget else n
+    return out
 
 
-def _capacity(model: ModelConfig, cache: CacheConfig, ev: EvalConfig, max_new: int) -> int:
-    """The slots one cache setting needs for the longest cell (a retrieval prompt and its answer, or a perplexity
-    window); raises naming the cell when it cannot fit."""
-    longest = max(ev.lengths)
+def _capacity(model: ModelConfig, cache: CacheConfig, ev: EvalConfig, max_new: int, length: int) -> int:
+    """The slots one cache setting needs for a cell of ``length`` tokens (a retrieval prompt and its answer, or a
+    perplexity window); raises naming the cell when it cannot fit."""
     batch = max(min(ev.batch_size, ev.samples), ev.perplexity.batch_size if ev.perplexity is not None else 1)
     try:
-        return max(plan_capacity(model, cache, batch, longest, max(max_new, 1)),
-                   plan_capacity(model, cache, batch, 1, longest))
+        return max(plan_capacity(model, cache, batch, length, max(max_new, 1)),
+                   plan_capacity(model, cache, batch, 1, length))
     except CacheCapacityError as err:
         budget = f", budget {cache.budget}" if cache.budget else ""
-        raise CacheCapacityError(f"eval grid cell (policy {cache.policy}{budget}, length {longest}) does not fit the "
+        raise CacheCapacityError(f"eval grid cell (policy {cache.policy}{budget}, length {length}) does not fit the "
                                  f"cache: {err}") from err
 
 
-def _cells(caches, ropes, ev: EvalConfig):
-    """(cache, variant, length, depth, metric) in the order the tables list them."""
-    for cache in caches:
+def _cells(settings, ropes, tasks, ev: EvalConfig):
+    """(setting, variant, task, length, depth, metric) in the order the tables list them."""
+    for setting in settings:
         for variant in ropes:
             for length in ev.lengths:
-                if ev.metric == "accuracy":
-                    for depth in (ev.depths or (None,)):
-                        yield cache, variant, length, depth, "accuracy"
-                else:
-                    yield cache, variant, length, None, "perplexity"
-                if ev.perplexity is not None:
-                    yield cache, variant, length, None, "perplexity"
+                for name in tasks:
+                    if ev.metric == "accuracy":
+                        for depth in (ev.depths or (None,)):
+                            yield setting, variant, name, length, depth, "accuracy"
+                    else:
+                        yield setting, variant, name, length, None, "perplexity"
+                if ev.perplexity is not None and setting.protocol == "streaming":
+                    yield setting, variant, "", length, None, "perplexity"
 
 
-def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, caches: list[CacheConfig],
-         ropes: tuple[RopeVariant, ...], out_dir: Path, title: str, progress: bool) -> list[dict]:
-    """``models``: variant name -> (model config, params) of that variant's checkpoint (RoPE overrides applied)."""
-    task = ev.make_task()
-    ppl_task = ev.perplexity.make_task() if ev.perplexity is not None else task
-    max_new = _max_new(ev, task)
+def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, settings: list[Setting],
+         ropes: tuple[RopeVariant, ...], out_dir: Path, title: str, progress: bool,
+         tokenizer=None) -> list[dict]:
+    """``models``: variant name -> (model config, params) of that variant's checkpoint (RoPE overrides applied);
+    ``tokenizer``: the run's (None: lcx's byte tokenizer), which builds and grades every task."""
+    tasks = {name: _tokenized(task, tokenizer, ev.chat) for name, task in ev.make_tasks().items()}
+    ppl_task = (_tokenized(ev.perplexity.make_task(), tokenizer, False) if ev.perplexity is not None
+                else next(iter(tasks.values())))
+    per_task = _max_new(ev, tasks)
+    max_new = max(per_task.values())  # one compiled decode loop for every task
     # Preflight: every cell must fit before anything runs.
-    capacities = {(cache, v.name): _capacity(models[v.name][0], cache, ev, max_new) for cache in caches
-                  for v in ropes}
-    cells = list(_cells(caches, ropes, ev))
+    caches = {(s, length): s.cache(length, ONE_SHOT_ROOM) for s in settings for length in ev.lengths}
+    capacities = {(s, v.name, n): _capacity(models[v.name][0], caches[(s, n)], ev,
+                                            max_new + (ONE_SHOT_ROOM if s.protocol == "one_shot" else 0),
+                                            max(ev.lengths) if s.compression is None and s.protocol == "streaming"
+                                            else n)
+                  for s in settings for v in ropes for n in ev.lengths}
+    cells = list(_cells(settings, ropes, tasks, ev))
     rows = []
     bar = tqdm(cells, desc=title, unit="cell", disable=not progress, dynamic_ncols=True)
-    for cache, variant, length, depth, metric in bar:
-        label = setting_label(cache, variant.name)
-        bar.set_postfix_str(f"{label} {length} {metric}")
+    for setting, variant, name, length, depth, metric in bar:
+        cache = caches[(setting, length)]
+        label = setting_label(cache, variant.name, setting)
+        bar.set_postfix_str(f"{label} {name} {length} {metric}")
         model, params = models[variant.name]
+        # the full cache, and a one-shot cell, get one capacity for all their tasks (one compiled program each)
+        fixed = (capacities[(setting, variant.name, length)]
+                 if not cache.make_policy().evicts or setting.protocol == "one_shot" else None)
         t0 = time.perf_counter()
         if metric == "perplexity":
             pcfg = ev.perplexity
+            task = ppl_task if pcfg is not None else tasks[name]
             samples = pcfg.samples if pcfg is not None else ev.samples
-            fixed = capacities[(cache, variant.name)] if not cache.make_policy().evicts else None
-            nll = window_nll(model, params, ppl_task, length=length, samples=samples,
+            buckets = ev.ppl_buckets if pcfg is None else ()
+            prefix = pcfg.prefix if pcfg is not None else ev.ppl_prefix
+            nll = window_nll(model, params, task, length=length, samples=samples,
                              batch_size=min(pcfg.batch_size if pcfg else ev.batch_size, samples), seed=ev.seed,
-                             cache=cache, prefix=pcfg.prefix if pcfg is not None else ev.ppl_prefix, capacity=fixed,
-                             tail=pcfg.tail if pcfg is not None else None, longest=max(ev.lengths))
+                             cache=cache, prefix=prefix, capacity=fixed, tail=pcfg.tail if pcfg is not None else None,
+                             longest=max(ev.lengths), unroll=ev.unroll, per_token=bool(buckets))
+            if buckets:  # one row per bucket of scored positions (the window's time on the last one)
+                start = prefix or max(1, length // 2)
+                edges = [b for b in buckets if start < b <= length]
+                for lo_edge, hi_edge in zip([start, *edges[:-1]], edges):
+                    part = nll[:, lo_edge - start:hi_edge - start].mean(axis=1)
+                    rows.append(_row(cache, variant, hi_edge, None, metric, math.exp(float(np.mean(part))),
+                                     perplexity_interval(part), label, samples,
+                                     time.perf_counter() - t0 if hi_edge == edges[-1] else 0.0, name, setting,
+                                     len(tasks)))
+                continue
             value, (lo, hi) = math.exp(float(np.mean(nll))), perplexity_interval(nll)
         else:
             samples = ev.samples
             scores = retrieval_scores(
-                model, params, task, length=length, depth=depth, samples=samples,
-                batch_size=min(ev.batch_size, samples), seed=ev.seed, cache=cache, max_new_tokens=max_new,
-                capacity=capacities[(cache, variant.name)] if not cache.make_policy().evicts else None)
+                model, params, tasks[name], length=length, depth=depth, samples=samples,
+                batch_size=min(ev.batch_size, samples), seed=ev.seed, cache=cache, max_new_tokens=per_task[name],
+                capacity=fixed, protocol=setting.protocol, unroll=ev.unroll,
+                buffer=max_new + (ONE_SHOT_ROOM if setting.protocol == "one_shot" else 0))
             value, (lo, hi) = float(np.mean(scores)), wilson_interval(float(np.sum(scores)), len(scores))
-        rows.append({"policy": cache.policy, "budget": cache.budget if cache.make_policy().evicts else "",
-                     "rope": variant.name, "length": length, "depth": "" if depth is None else depth,
-                     "metric": metric, "value": value, "lo": lo, "hi": hi, "setting": label, "samples": samples,
-                     "seconds": round(time.perf_counter() - t0, 2)})
+        rows.append(_row(cache, variant, length, depth, metric, value, (lo, hi), label, samples,
+                         time.perf_counter() - t0, name, setting, len(tasks)))
     write_report(rows, out_dir, title)
     return rows
+
+
+def _row(cache: CacheConfig, variant: RopeVariant, length: int, depth, metric: str, value: float, interval,
+         label: str, samples: int, seconds: float, task: str, setting: Setting, n_tasks: int) -> dict:
+    return {"policy": cache.policy, "budget": cache.budget if cache.make_policy().evicts else "",
+            "rope": variant.name, "length": length, "depth": "" if depth is None else depth, "metric": metric,
+            "value": value, "lo": interval[0], "hi": interval[1], "setting": label, "samples": samples,
+            "seconds": round(seconds, 2), "task": task if n_tasks > 1 else "",
+            "compression": "" if setting.compression is None else setting.compression, "protocol": setting.protocol}
+
+
+def _tokenized(task, tokenizer, chat: bool):
+    """``task`` building its examples with the run's tokenizer (lcx's byte tokenizer when None)."""
+    if tokenizer is None:
+        return task.with_tokenizer(task.tokenizer, chat=chat) if chat else task
+    return task.with_tokenizer(tokenizer, chat=chat)
 
 
 def _models(model: ModelConfig, params, ropes: tuple[RopeVariant, ...], checkpoints: Mapping[str, tuple] | None
@@ -139,23 +194,30 @@ def _models(model: ModelConfig, params, ropes: tuple[RopeVariant, ...], checkpoi
 
 
 def run_eval(model: ModelConfig, params, ev: EvalConfig, cache: CacheConfig, out_dir: Path, *,
-             progress: bool = True) -> list[dict]:
+             progress: bool = True, tokenizer=None) -> list[dict]:
     """The eval stage: ``cache`` over ``ev.lengths`` x ``ev.depths`` (and perplexity when ``ev.perplexity``)."""
     ropes = (RopeVariant("trained"),)
-    return _run(_models(model, params, ropes, None), ev, [cache], ropes, out_dir, f"eval {ev.task}", progress)
+    return _run(_models(model, params, ropes, None), ev, [AblateConfig.of_cache(cache)], ropes, out_dir,
+                _title("eval", ev), progress, tokenizer)
 
 
 def run_ablate(model: ModelConfig, params, ev: EvalConfig, ablate: AblateConfig, out_dir: Path, *,
-               progress: bool = True, checkpoints: Mapping[str, tuple] | None = None) -> list[dict]:
-    """The ablate stage: every policy x budget x RoPE variant over ``ev.lengths`` x ``ev.depths``.
-    ``checkpoints``: (model, params) of the variants that name a ``checkpoint``."""
-    caches = ablate.caches()
-    if not caches:
+               progress: bool = True, checkpoints: Mapping[str, tuple] | None = None, tokenizer=None) -> list[dict]:
+    """The ablate stage: every policy x budget (or compression) x protocol x RoPE variant over ``ev.lengths`` x
+    ``ev.depths``. ``checkpoints``: (model, params) of the variants that name a ``checkpoint``."""
+    settings = ablate.settings()
+    if not settings:
         raise ConfigError("ablate.policies is empty: nothing to ablate")
-    labels = [setting_label(c, v.name) for c in caches for v in ablate.ropes]
+    labels = [setting_label(s.cache(max(ev.lengths), ONE_SHOT_ROOM), v.name, s) for s in settings
+              for v in ablate.ropes]
     twice = sorted({x for x in labels if labels.count(x) > 1})
     if twice:
         raise ConfigError(f"ablate: settings {twice} appear twice in the grid (same policy, budget, parameters and "
                           f"RoPE variant); remove the duplicates")
-    return _run(_models(model, params, ablate.ropes, checkpoints), ev, caches, ablate.ropes, out_dir,
-                f"ablate {ev.task}", progress)
+    return _run(_models(model, params, ablate.ropes, checkpoints), ev, settings, ablate.ropes, out_dir,
+                _title("ablate", ev), progress, tokenizer)
+
+
+def _title(stage: str, ev: EvalConfig) -> str:
+    names = ev.task_names()
+    return f"{stage} {names[0]}" if len(names) == 1 else f"{stage} {len(names)} tasks"

@@ -14,7 +14,8 @@ import numpy as np
 from lcx.eval.stats import wilson_interval
 
 FIELDS = ("setting", "policy", "budget", "rope", "length", "depth", "metric", "value", "lo", "hi", "samples",
-          "seconds")
+          "seconds", "task", "compression", "protocol")
+MACRO = "macro average"
 
 
 def label(row: dict) -> str:
@@ -42,6 +43,9 @@ def read_csv(path: Path) -> list[dict]:
         for key in ("value", "lo", "hi"):
             row[key] = float(row[key]) if row.get(key) not in (None, "") else float("nan")
         row["depth"] = "" if row["depth"] == "" else float(row["depth"])
+        for key in ("task", "protocol"):
+            row.setdefault(key, "")
+        row["compression"] = "" if row.get("compression") in (None, "") else float(row["compression"])
     return rows
 
 
@@ -72,9 +76,35 @@ def _pooled(metric: str, cell: list[dict]) -> tuple[float, float, float]:
     return float(np.mean([r["value"] for r in cell])), float("nan"), float("nan")
 
 
+def macro_rows(rows: list[dict]) -> list[dict]:
+    """The macro average over tasks of each (setting, length) accuracy cell, as rows of task ``macro average``
+    (tasks weigh equally; with equal samples per task the pooled Wilson interval is the average's)."""
+    tasks = list(dict.fromkeys(r["task"] for r in rows if r["metric"] == "accuracy" and r.get("task")))
+    if len(tasks) < 2:
+        return []
+    order, cells = _by_setting([r for r in rows if r["metric"] == "accuracy" and r.get("task")])
+    out = []
+    for key in order:
+        for length, cell in cells[key].items():
+            per_task = [_pooled("accuracy", [r for r in cell if r["task"] == t]) for t in tasks
+                        if any(r["task"] == t for r in cell)]
+            n = sum(int(r["samples"]) for r in cell)
+            value = float(np.mean([v for v, _, _ in per_task]))
+            lo, hi = wilson_interval(value * n, n)
+            out.append({**cell[0], "task": MACRO, "depth": "", "value": value, "lo": lo, "hi": hi, "samples": n,
+                        "seconds": round(sum(float(r["seconds"] or 0) for r in cell), 2)})
+    return out
+
+
 def markdown_table(rows: list[dict], title: str) -> str:
-    """One table per metric: one line per setting, one column per length (accuracy pooled over depths), each cell
-    with its 95% interval."""
+    """One table per metric (and per task when there are several, then their macro average): one line per setting,
+    one column per length (accuracy pooled over depths), each cell with its 95% interval."""
+    tasks = list(dict.fromkeys(r.get("task", "") for r in rows if r.get("task")))
+    if len(tasks) > 1:
+        rows = rows + macro_rows(rows)
+        parts = [markdown_table([r for r in rows if r.get("task") == t], f"{title}: {t}") for t in [MACRO, *tasks]]
+        rest = [r for r in rows if not r.get("task")]
+        return "\n".join(parts + ([markdown_table(rest, title)] if rest else []))
     out = []
     for metric in dict.fromkeys(r["metric"] for r in rows):
         sub = [r for r in rows if r["metric"] == metric]
@@ -142,7 +172,9 @@ def plot(rows: list[dict], out_dir: Path, title: str) -> list[Path]:
         plt.close(fig)
         paths.append(path)
 
-    acc = [r for r in rows if r["metric"] == "accuracy"]
+    if any(r.get("compression") not in (None, "") for r in rows):
+        paths.append(plot_compression(rows, out_dir, title, plt))
+    acc = [r for r in rows if r["metric"] == "accuracy" and r.get("task") in (None, "", MACRO)]
     depths = sorted({r["depth"] for r in acc if r["depth"] != ""})
     if len(depths) > 1:
         lengths = sorted({r["length"] for r in acc})
@@ -168,6 +200,42 @@ def plot(rows: list[dict], out_dir: Path, title: str) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def plot_compression(rows: list[dict], out_dir: Path, title: str, plt) -> Path:
+    """Accuracy (the macro average over tasks when there are several) vs compression ratio: a line per policy and
+    protocol, a panel per length; ``full`` as a dashed horizontal line."""
+    tasks = {r.get("task") for r in rows if r["metric"] == "accuracy"}
+    acc = macro_rows(rows) if len(tasks - {""}) > 1 else [r for r in rows if r["metric"] == "accuracy"]
+    lengths = sorted({r["length"] for r in acc})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
+    colors = plt.get_cmap("tab10").colors
+    policies = list(dict.fromkeys(r["policy"] for r in acc))
+    for ax, length in zip(axes.flat, lengths):
+        cell = [r for r in acc if r["length"] == length]
+        lines = dict.fromkeys((r["policy"], r.get("protocol", "")) for r in cell if r.get("compression") != "")
+        for policy, protocol in lines:
+            pts = sorted((float(r["compression"]), r["value"], r["lo"], r["hi"]) for r in cell
+                         if r["policy"] == policy and r.get("protocol", "") == protocol and r["compression"] != "")
+            xs = [p[0] for p in pts]
+            color = colors[policies.index(policy) % len(colors)]
+            ax.plot(xs, [p[1] for p in pts], marker="o", color=color, linestyle="-" if protocol != "one_shot" else "--",
+                    label=f"{policy} {protocol.replace('_', '-')}".strip())
+        for r in cell:
+            if r.get("compression") == "":
+                ax.axhline(r["value"], color="black", linestyle=":", label=f"{r['policy']} (no compression)")
+        ax.set_xlabel("compression ratio (share of the context evicted)")
+        ax.set_ylabel("accuracy" + (" (macro average)" if len(tasks - {""}) > 1 else ""))
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(f"{length} tokens", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"{title}: accuracy vs compression", fontsize=10)
+    fig.tight_layout()
+    path = out_dir / "accuracy_vs_compression.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def write_report(rows: list[dict], out_dir: Path, title: str) -> list[Path]:

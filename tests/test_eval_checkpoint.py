@@ -1,0 +1,173 @@
+"""Evaluating a checkpoint without training: ``checkpoint:`` (an HF directory or a GGUF file) with its own tokenizer,
+several tasks with their macro average, compression ratios, the one-shot (question excluded) protocol and
+perplexity by position buckets."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+
+from lcx.cache.base import CacheCapacityError
+from lcx.config import CacheConfig, ConfigError
+from lcx.data import make_task
+from lcx.data.haystack import NOISE, prose_text
+from lcx.data.tokenizer import HFTokenizer, resolve_tokenizer
+from lcx.eval.evaluate import retrieval_outputs, window_nll
+from lcx.experiment import load_experiment, run
+
+VOCAB = 512
+CHAT = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
+        "{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
+
+
+def _bpe(folder):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([prose_text()[:60_000], NOISE * 10], trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHAT}))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A random 2-layer Llama of the tokenizer's 512 ids, with its tokenizer.json and chat template."""
+    from tests.conftest import random_hf_model
+
+    path = tmp_path_factory.mktemp("hf")
+    random_hf_model("llama", vocab_size=VOCAB, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                    pad_token_id=None).save_pretrained(path)
+    _bpe(path)
+    return path
+
+
+def _write(tmp_path, body: dict):
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump({"runs_dir": str(tmp_path / "runs"), **body}))
+    return path
+
+
+def test_checkpoint_ablate_in_its_own_tokens(hf_dir, tmp_path):
+    """An HF checkpoint evaluated without training: its config is the model section (keys under model: override),
+    its tokenizer builds the prompts, several tasks get a macro average, compressions and protocols are rows."""
+    path = _write(tmp_path, {
+        "name": "ckpt", "checkpoint": str(hf_dir), "stages": ["ablate"],
+        "model": {"attention": {"impl": "xla"}, "max_position_embeddings": 384},
+        "eval": {"tasks": ["niah_single_1", "passkey"], "lengths": [320], "samples": 1, "batch_size": 1},
+        "ablate": {"policies": ["full", {"policy": "snapkv", "window": 8}], "compressions": [0.5],
+                   "protocols": ["one_shot", "streaming"], "interval": 16, "prefill_chunk": 32}})
+    cfg = load_experiment(path)
+    assert (cfg.model.n_layers, cfg.model.vocab_size, cfg.model.d_model) == (2, VOCAB, 64)
+    assert cfg.model.attention.impl == "xla" and cfg.model.max_position_embeddings == 384
+    run(cfg, progress=False)
+    out = tmp_path / "runs" / "ckpt" / "ablate"
+    rows = list(__import__("csv").DictReader(open(out / "results.csv")))
+    assert {(r["setting"], r["task"]) for r in rows} == {
+        (s, t) for s in ("full", "snapkv @c=0.5 window=8 one-shot", "snapkv @c=0.5 window=8")
+        for t in ("niah_single_1", "passkey")}
+    assert {r["budget"] for r in rows if r["policy"] == "snapkv"} == {"160"}  # half of the 320-token cells
+    md = (out / "results.md").read_text()
+    assert "macro average" in md and "niah_single_1" in md and str(hf_dir) in md
+    assert (out / "accuracy_vs_compression.png").is_file()
+
+
+def test_one_shot_protocol_equals_prefill_when_nothing_is_evicted(hf_dir):
+    """Context prefilled, question teacher-forced: the next-token logits of prefilling the whole prompt, for the full
+    cache and for a compressing policy whose budget holds every token; a budget that evicts changes them. The
+    evaluation's one-shot path runs end to end."""
+    from lcx.generate import Generator
+    from lcx.hf import load_hf
+
+    config, params = load_hf(hf_dir)
+    tok = resolve_tokenizer("auto", init_from=hf_dir, vocab_size=VOCAB)
+    task = make_task("niah_single_1", {}).with_tokenizer(tok, chat=True)
+    examples = task.examples(0, 0, 1, 320, "validation")
+    prompts = [ex.prompt_ids for ex in examples]
+    contexts = [ex.prompt_ids[:ex.context_len] for ex in examples]
+    questions = np.stack([ex.prompt_ids[ex.context_len:] for ex in examples])
+
+    def next_logits(cache, whole: bool):
+        gen = Generator(config, params, max_new_tokens=len(questions[0]) + 4, cache=cache)
+        if whole:
+            return np.asarray(gen.prefill(prompts).logits)
+        state, _ = gen.score(gen.prefill(contexts), questions)
+        return np.asarray(state.logits)
+
+    reference = next_logits(CacheConfig(), whole=True)
+    np.testing.assert_allclose(next_logits(CacheConfig(), whole=False), reference, atol=2e-4, rtol=2e-4)
+    roomy = CacheConfig(policy="snapkv", budget=320, window=8, interval=512, prefill_chunk=512)
+    np.testing.assert_allclose(next_logits(roomy, whole=False), reference, atol=2e-4, rtol=2e-4)
+    small = CacheConfig(policy="snapkv", budget=24, window=8, interval=512, prefill_chunk=512)
+    assert np.abs(next_logits(small, whole=False) - reference).max() > 1e-2
+    _, outputs = retrieval_outputs(config, params, task, length=320, depth=None, samples=2, batch_size=2, seed=0,
+                                   cache=small, max_new_tokens=3, protocol="one_shot")
+    assert len(outputs) == 2 and all(isinstance(o, str) for o in outputs)
+    # a cache planned for a short generation refuses a longer continuation instead of dropping its writes
+    short = Generator(config, params, max_new_tokens=4, cache=roomy)
+    with pytest.raises(CacheCapacityError, match="planned for"):
+        short.score(short.prefill(contexts), questions)
+
+
+def test_perplexity_buckets_split_one_pass(hf_dir, tmp_path):
+    """Bucket rows are the perplexity of their positions, from one pass: their token-weighted log-mean is the
+    window's."""
+    tok = HFTokenizer(hf_dir)
+    from lcx.hf import load_hf
+
+    config, params = load_hf(hf_dir)
+    task = make_task("prose", {}).with_tokenizer(tok)
+    per_token = window_nll(config, params, task, length=128, samples=2, batch_size=2, seed=1234,
+                           cache=CacheConfig(), prefix=16, per_token=True)
+    whole = window_nll(config, params, task, length=128, samples=2, batch_size=2, seed=1234, cache=CacheConfig(),
+                       prefix=16)  # the eval's default seed: the windows the experiment below scores
+    assert per_token.shape == (2, 112)
+    np.testing.assert_allclose(per_token.mean(axis=1), whole, rtol=1e-5)
+    path = _write(tmp_path, {
+        "name": "ppl", "checkpoint": str(hf_dir), "stages": ["ablate"], "model": {"attention": {"impl": "xla"}},
+        "eval": {"task": "prose", "lengths": [128], "ppl_prefix": 16, "ppl_buckets": [32, 64, 128], "samples": 2,
+                 "batch_size": 2},
+        "ablate": {"policies": ["full"]}})
+    run(load_experiment(path), progress=False)
+    rows = list(__import__("csv").DictReader(open(tmp_path / "runs" / "ppl" / "ablate" / "results.csv")))
+    assert [int(r["length"]) for r in rows] == [32, 64, 128]
+    logs = [math.log(float(r["value"])) for r in rows]
+    weights = np.asarray([16, 32, 64]) / 112
+    assert abs(float(np.dot(weights, logs)) - float(np.mean(whole))) < 1e-4
+
+
+def test_generate_and_checkpoint_from_a_gguf_file(hf_dir, tmp_path, capsys):
+    """``checkpoint: X.gguf`` and ``lcx generate --model X.gguf``: the config, weights and tokenizer come from the
+    file."""
+    pytest.importorskip("gguf")
+    import transformers
+
+    from lcx.cli import main
+    from lcx.sources import load_source, source_kind
+    from tests.test_gguf import write_gguf
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+    gguf_path = tmp_path / "tiny.gguf"
+    from tokenizers import Tokenizer
+
+    write_gguf(gguf_path, model, "llama", tokenizer=Tokenizer.from_file(str(hf_dir / "tokenizer.json")))
+    assert source_kind(gguf_path) == "gguf"
+    config, params, info = load_source(gguf_path)
+    assert info.fingerprint.startswith("sha256:") and config.n_layers == 2
+    path = _write(tmp_path, {"name": "g", "checkpoint": str(gguf_path), "stages": ["eval"],
+                             "model": {"attention": {"impl": "xla"}},
+                             "eval": {"task": "passkey", "lengths": [160], "samples": 2, "batch_size": 2}})
+    cfg = load_experiment(path)
+    assert cfg.model.vocab_size == VOCAB
+    run(cfg, progress=False)
+    assert "passkey" in (tmp_path / "runs" / "g" / "eval" / "results.md").read_text()
+    assert main(["generate", "--model", str(gguf_path), "--prompt", "The grass is", "--max-new-tokens", "4"]) == 0
+    with pytest.raises(ConfigError, match="checkpoint='.*nowhere.gguf' does not exist"):
+        load_experiment(_write(tmp_path, {"name": "x", "checkpoint": str(tmp_path / "nowhere.gguf"),
+                                          "stages": ["eval"], "eval": {"task": "passkey"}}))
