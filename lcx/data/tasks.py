@@ -148,16 +148,22 @@ class Passkey(Task):
         # BOS + head + "\n".join(prefix, needle, suffix, question) + answer + EOS, with the filler split in two
         fixed = 1 + sum(n_tokens(h) + 1 for h in head) + n_tokens(needle) + n_tokens(question) + 3
         fixed += n_tokens(answer) + 1
+        n_filler = self._filler_length(rng, seq_len, fixed)
+        filler = noise(n_filler, int(rng.integers(len(NOISE))) if self.offset else 0)
+        cut = nearest_start(filler, depth)
+        prompt = "\n".join([*head, filler[:cut], needle, filler[cut:], question])
+        return text_example(prompt, [(answer, True)], key, (key,), eos=True)
+
+    def _filler_length(self, rng: np.random.Generator, seq_len: int, fixed: int) -> int:
+        """Haystack length (bytes or tokens) after ``fixed`` others: ``filler_tokens``, all that fits, or a draw from
+        ``[filler_min, that]``."""
         n_filler = filler_budget(seq_len, fixed, self.filler_tokens, self.name)
         if self.filler_min is not None:
             if self.filler_min > n_filler:
                 raise ConfigError(f"data.params.filler_min={self.filler_min} does not fit seq_len={seq_len}: at "
                                   f"most {n_filler} filler tokens fit")
             n_filler = int(rng.integers(self.filler_min, n_filler + 1))
-        filler = noise(n_filler, int(rng.integers(len(NOISE))) if self.offset else 0)
-        cut = nearest_start(filler, depth)
-        prompt = "\n".join([*head, filler[:cut], needle, filler[cut:], question])
-        return text_example(prompt, [(answer, True)], key, (key,), eos=True)
+        return n_filler
 
     def _token_example(self, rng, seq_len, key, depth, needle, question, prefix) -> Example:
         """The same prompt in the run tokenizer's tokens: the noise filler takes exactly the tokens left over."""
@@ -166,12 +172,7 @@ class Passkey(Task):
         needle_piece, answer = "\n" + needle + "\n", " " + key
         fixed = (frame.overhead(question, prefix) + pieces_length(tok, [*head, needle_piece, "\n", answer])
                  + (tok.eos_id is not None))
-        n_filler = filler_budget(seq_len, fixed, self.filler_tokens, self.name)
-        if self.filler_min is not None:
-            if self.filler_min > n_filler:
-                raise ConfigError(f"data.params.filler_min={self.filler_min} does not fit seq_len={seq_len}: at "
-                                  f"most {n_filler} filler tokens fit")
-            n_filler = int(rng.integers(self.filler_min, n_filler + 1))
+        n_filler = self._filler_length(rng, seq_len, fixed)
         hay = haystack(tok, "noise")
         filler, starts = hay.take(n_filler, int(rng.integers(len(hay.ids))) if self.offset else 0)
         cut = nearest(starts, depth * n_filler)
