@@ -194,20 +194,8 @@ def test_policies_budget_above_length_reproduces_full(name, params):
     np.testing.assert_allclose(np.asarray(state.logits), np.asarray(ref_state.logits), atol=2e-5)
 
 
-@pytest.fixture
-def no_disk_cache():
-    """XLA:CPU crashed (a segfault in ``executable.serialize()``, jax 0.10.2) writing the ladder's decode loop to the
-    persistent compilation cache when it came after certain other programs in a full-suite worker (not alone); these
-    programs are this test's own, so they skip the disk cache (they are compiled and run all the same)."""
-    import jax
-
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", True)
-
-
 @pytest.mark.parametrize("name", ["streaming", "ladder", "h2o", "snapkv"])
-def test_policies_decoding_16x_budget_keeps_cache_at_capacity(name, params, no_disk_cache):
+def test_policies_decoding_16x_budget_keeps_cache_at_capacity(name, params):
     budget, interval, new = 16, 8, 16 * 16
     gen = Generator(CFG, params, max_new_tokens=new,
                     cache=CacheConfig(policy=name, budget=budget, interval=interval, **POLICY_PARAMS[name]))
