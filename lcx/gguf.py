@@ -3,8 +3,10 @@ from the file's metadata (``read_gguf_tokenizer``), and through ``lcx convert`` 
 
 Supported:
 
-- ``general.architecture`` llama, mistral and qwen2: the dense, full-attention SwiGLU blocks lcx runs (qwen2 with
-  q/k/v biases; llama/mistral with all four attention biases or none). Tied embeddings = no ``output.weight``.
+- ``general.architecture`` llama, mistral, qwen2 and qwen3: the dense, full-attention SwiGLU blocks lcx runs (qwen2
+  with q/k/v biases; qwen3 with QK-norm; llama/mistral/qwen3 with all four attention biases or none). Tied embeddings
+  = no ``output.weight``. (Gemma 2 / 3 files are not read yet: llama.cpp leaves their query scale, local RoPE base
+  and layer pattern out of the metadata.)
 - RoPE: default, linear and YaRN (``{arch}.rope.scaling.*``), and Llama 3.x scaling, which llama.cpp stores as a
   ``rope_freqs.weight`` tensor of per-frequency factors: lcx recovers the llama3 parameters from it and refuses
   factors of any other form.
@@ -21,7 +23,7 @@ How: the metadata becomes a Hugging Face ``config.json`` dict, so ``lcx.hf.confi
 the ``ModelConfig`` exactly as for a HF directory, and ``GGUFTensorReader`` serves the tensors under their HF names
 in HF layout, so ``lcx.hf._assemble`` does the reshapes. llama.cpp's converter permutes the rows of llama/mistral q
 and k per head (from the half-split RoPE layout to the interleaved pairs its kernel rotates); the reader undoes it.
-qwen2 files are written unpermuted (llama.cpp runs them with the half-split "NEOX" rotation).
+qwen2 / qwen3 files are written unpermuted (llama.cpp runs them with the half-split "NEOX" rotation).
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from typing import Any
 import numpy as np
 
 from lcx.config_base import ConfigError
-from lcx.hf import _assemble, _tensor_names, config_from_hf, with_dtype
+from lcx.hf import _assemble, config_from_hf, with_dtype
 from lcx.model import rope_scaling
 from lcx.model.config import ModelConfig
+from lcx.model.families import hf_names
 
 # GGUF general.architecture -> the transformers class whose config.json lcx builds
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 _PERMUTED = ("llama", "mistral")  # q/k rows interleaved by llama.cpp's converter
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
@@ -49,7 +53,8 @@ _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight
            "output.weight": "lm_head.weight"}
 _BLOCK = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-          "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+          "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # the last two: qwen3
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE factors: read into the config, not a parameter
 
@@ -165,6 +170,7 @@ def hf_config(gf: GGUFFile) -> dict[str, Any]:
     if arch == "qwen2":
         hf["use_sliding_window"] = False
     else:
+        hf["use_sliding_window"] = False  # read by qwen3 (a window was refused above), ignored by llama
         # llama.cpp's llama block takes all four attention biases when present (HF's attention_bias)
         hf["attention_bias"] = "blk.0.attn_q.bias" in gf.tensors
         hf["mlp_bias"] = False
@@ -315,7 +321,7 @@ class GGUFTensorReader:
                 names[hf_name] = name
             elif name != _ROPE_FREQS:  # rope_freqs went into the config
                 unknown.append(name)
-        expected = _tensor_names(self.config)
+        expected = hf_names(self.config)
         extra = unknown + [names[n] for n in sorted(set(names) - expected)]
         if extra:
             raise ConfigError(f"{self.gf.path}: tensor(s) {extra[:5]} are not part of the {self.arch} block lcx runs "

@@ -1,14 +1,16 @@
 """Hugging Face checkpoint interop without torch: local directories of config.json + safetensors.
 
-Supported architectures: ``LlamaForCausalLM``, ``MistralForCausalLM`` (without sliding window) and
-``Qwen2ForCausalLM`` (full attention). Both config layouts are read: transformers v5 ``rope_parameters`` and the
-legacy top-level ``rope_theta`` + ``rope_scaling`` of released Llama 3.x / Qwen2 checkpoints. Anything lcx does not
+Supported architectures (``lcx.model.families``): ``LlamaForCausalLM``, ``MistralForCausalLM`` (with or without a
+sliding window), ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` (sliding-window layers too), ``Gemma2ForCausalLM`` and
+``Gemma3ForCausalLM`` (text). Both config layouts are read: transformers v5 ``rope_parameters`` (per layer type for
+Gemma 3) and the legacy top-level ``rope_theta`` + ``rope_scaling`` of released checkpoints. Anything lcx does not
 implement is refused with a clear error rather than loaded silently wrong.
 
 Weight layout: HF ``nn.Linear`` weights are ``[out, in]``; lcx kernels are ``[in, ...out]`` with heads split out
 (q: ``[embed, heads, head_dim]``, o: ``[heads, head_dim, embed]``), layers stacked on a leading axis. Both use the
-half-split RoPE layout, so no row permutation is needed. ``_assemble`` turns any reader of HF-named tensors into lcx
-params; ``lcx.gguf`` feeds it GGUF files (``load_gguf``, also reachable as ``lcx.hf.load_gguf``).
+half-split RoPE layout, so no row permutation is needed. Each family's table (``lcx.model.families``) maps names and
+layouts both ways; ``_assemble`` reads it from any reader of HF-named tensors (safetensors here, GGUF in
+``lcx.gguf``: ``load_gguf``, also reachable as ``lcx.hf.load_gguf``).
 """
 
 from __future__ import annotations
@@ -21,14 +23,13 @@ from typing import Any
 import numpy as np
 
 from lcx.config_base import ConfigError, canonical_dtype, from_dict
-from lcx.model import rope_scaling
-from lcx.model.config import ModelConfig, RopeConfig
+from lcx.model import families, rope_scaling
+from lcx.model.config import FULL, LAYER_TYPES, SLIDING, ModelConfig, RopeConfig
+from lcx.model.families import ARCHITECTURES
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+# transformers' model_type of each family where it differs from the family name
+MODEL_TYPES = {"gemma3": "gemma3_text"}
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of the tanh-approximated GELU
 
 
 # --------------------------------------------------------------------------------------------------- config
@@ -36,13 +37,27 @@ def _refuse(path_hint: str, what: str) -> ConfigError:
     return ConfigError(f"{path_hint}: {what}")
 
 
-def _rope_from_hf(hf: Mapping[str, Any], where: str) -> RopeConfig:
+def _rope_from_hf(hf: Mapping[str, Any], where: str) -> tuple[RopeConfig, RopeConfig | None]:
+    """``(rope, local_rope)``: the RoPE of global layers and, where a config gives one per layer type (Gemma 3's
+    ``rope_parameters: {full_attention: ..., sliding_attention: ...}``), that of sliding-window layers."""
     params = dict(hf.get("rope_parameters") or {})
     legacy = hf.get("rope_scaling") or {}
+    if any(isinstance(v, Mapping) for v in params.values()):
+        unknown = sorted(set(params) - set(LAYER_TYPES))
+        if unknown:
+            raise _refuse(where, f"rope_parameters has per-layer-type entries {unknown}; allowed: {list(LAYER_TYPES)}")
+        full = _rope_fields(dict(params.get(FULL) or {}), hf, where)
+        local = _rope_fields(dict(params[SLIDING]), hf, where) if params.get(SLIDING) else None
+        return full, local
     if not params:
         params = dict(legacy)
-    if any(isinstance(v, Mapping) for v in params.values()):
-        raise _refuse(where, "per-layer-type rope_parameters are not supported by lcx")
+    local = None
+    if hf.get("rope_local_base_freq") is not None:  # Gemma 3 configs from before per-type rope_parameters
+        local = RopeConfig(theta=float(hf["rope_local_base_freq"]))
+    return _rope_fields(params, hf, where), local
+
+
+def _rope_fields(params: dict[str, Any], hf: Mapping[str, Any], where: str) -> RopeConfig:
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     known = rope_scaling.hf_types()  # transformers' rope_type -> lcx type, from the RoPE registry
@@ -64,26 +79,55 @@ def _rope_from_hf(hf: Mapping[str, Any], where: str) -> RopeConfig:
     return from_dict(RopeConfig, fields, prefix="rope")
 
 
+def _layer_types(hf: Mapping[str, Any], family: str, n_layers: int, where: str) -> tuple[str, ...] | None:
+    """Each layer's attention type (None: all global), from ``layer_types`` or, in configs written before it
+    existed, the family's own rule (transformers computes the same defaults)."""
+    types = hf.get("layer_types")
+    window = hf.get("sliding_window")
+    if types is None:
+        if family == "mistral":
+            types = [SLIDING if window is not None else FULL] * n_layers
+        elif family in ("qwen2", "qwen3"):
+            start = hf.get("max_window_layers", n_layers)
+            types = [SLIDING if hf.get("use_sliding_window") and window is not None and i >= start else FULL
+                     for i in range(n_layers)]
+        elif family == "gemma2":
+            types = [SLIDING if (i + 1) % 2 else FULL for i in range(n_layers)]
+        elif family == "gemma3":
+            pattern = hf.get("sliding_window_pattern", 6)
+            types = [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
+        else:
+            types = [FULL] * n_layers
+    if not isinstance(types, (list, tuple)):
+        raise _refuse(where, f"layer_types={types!r} must be a list of {list(LAYER_TYPES)}, one per layer")
+    types = tuple(types)
+    return None if all(t == FULL for t in types) else types
+
+
 def config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> ModelConfig:
     """``ModelConfig`` from a parsed HF ``config.json`` dict; refuses what lcx does not implement."""
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type")
+    model_types = {MODEL_TYPES.get(f, f): f for f in families.FAMILIES}
     known = [a for a in archs if a in ARCHITECTURES]
-    if not known and model_type not in ARCHITECTURES.values():
+    if not known and model_type not in model_types:
         raise _refuse(where, f"architectures={archs!r} (model_type={model_type!r}) is not supported; "
                              f"allowed: {sorted(ARCHITECTURES)}")
-    family = ARCHITECTURES[known[0]] if known else model_type
-    if hf.get("hidden_act", "silu") != "silu":
-        raise _refuse(where, f"hidden_act={hf['hidden_act']!r} is not supported; lcx implements SwiGLU ('silu')")
+    family = ARCHITECTURES[known[0]] if known else model_types[model_type]
+    fam = families.FAMILIES[family]
+    if fam.activation == "silu":
+        if hf.get("hidden_act", "silu") != "silu":
+            raise _refuse(where, f"hidden_act={hf['hidden_act']!r} is not supported; lcx implements SwiGLU ('silu') "
+                                 f"for {family}")
+    else:
+        act = hf.get("hidden_activation") or GELU_TANH[0]  # what transformers' Gemma code reads (not hidden_act)
+        if act not in GELU_TANH:
+            raise _refuse(where, f"hidden_activation={act!r} is not supported; {family} runs {list(GELU_TANH)}")
     if hf.get("mlp_bias"):
         raise _refuse(where, "mlp_bias=true is not supported by lcx")
-    if family == "mistral" and hf.get("sliding_window") is not None:
-        raise _refuse(where, f"sliding_window={hf['sliding_window']!r}: lcx does not implement sliding-window "
-                             "attention; only Mistral checkpoints with sliding_window=null load")
-    if family == "qwen2":
-        sliding = hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or [])
-        if sliding:
-            raise _refuse(where, "use_sliding_window=true / sliding_attention layers are not supported by lcx")
+    if hf.get("use_bidirectional_attention"):
+        raise _refuse(where, "use_bidirectional_attention=true (an encoder) is not supported; lcx runs causal "
+                             "decoders")
     required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
     missing = [k for k in required if k not in hf]
     if missing:
@@ -93,7 +137,10 @@ def config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> ModelCo
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     attention_bias = bool(hf.get("attention_bias", False))
     eos = hf.get("eos_token_id")
+    types = _layer_types(hf, family, hf["num_hidden_layers"], where)
+    rope, local_rope = _rope_from_hf(hf, where)
     fields = {
+        "family": family,
         "vocab_size": hf["vocab_size"],
         "d_model": hf["hidden_size"],
         "n_layers": hf["num_hidden_layers"],
@@ -104,15 +151,21 @@ def config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> ModelCo
         "max_position_embeddings": hf.get("max_position_embeddings", 4096),
         "norm_eps": hf.get("rms_norm_eps", 1e-6),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qkv_bias": family == "qwen2" or attention_bias,
-        "o_bias": attention_bias and family != "qwen2",
+        "qkv_bias": fam.qkv_bias or attention_bias,
+        "o_bias": attention_bias and not fam.qkv_bias,
         "param_dtype": canonical_dtype(dtype, "config.json dtype"),
         "dtype": canonical_dtype(dtype, "config.json dtype"),
         "bos_token_id": hf.get("bos_token_id"),
         "eos_token_id": eos[0] if isinstance(eos, list) and eos else eos,
+        "layer_types": types,
+        "sliding_window": hf.get("sliding_window") if types is not None else None,
+        # Gemma 3's transformers code does not apply attn_logit_softcapping; lcx computes what transformers does
+        "attn_softcap": hf.get("attn_logit_softcapping") if fam.attn_softcap else None,
+        "final_softcap": hf.get("final_logit_softcapping"),
+        "query_scale": hf.get("query_pre_attn_scalar") if family.startswith("gemma") else None,
+        "local_rope": local_rope if types is not None and local_rope != rope else None,
     }
     fields = {k: v for k, v in fields.items() if v is not None}
-    rope = _rope_from_hf(hf, where)
     try:
         return ModelConfig(**fields, rope=rope)
     except (TypeError, ValueError) as err:
@@ -134,9 +187,8 @@ def read_hf_config(path: str | Path) -> ModelConfig:
     return config_from_hf(hf, where=str(cfg_path))
 
 
-def _rope_to_hf(config: ModelConfig) -> dict[str, Any]:
+def _rope_to_hf(config: ModelConfig, rope: RopeConfig) -> dict[str, Any]:
     """``rope_parameters`` of config.json: the type's registry entry says which fields it writes."""
-    rope = config.rope
     kind = rope_scaling.get(rope.type)
     if kind.to_hf is not None:
         out = kind.to_hf(rope, config.rotary_dim)
@@ -154,12 +206,14 @@ def _rope_to_hf(config: ModelConfig) -> dict[str, Any]:
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """A transformers v5 ``config.json`` dict (Llama, or Qwen2 when the config has q/k/v bias only)."""
-    qwen2 = config.qkv_bias and not config.o_bias
-    arch, model_type = ("Qwen2ForCausalLM", "qwen2") if qwen2 else ("LlamaForCausalLM", "llama")
+    """A transformers v5 ``config.json`` dict of ``config.family``."""
+    fam = config.block
+    if config.family == "mistral" and config.layer_types is not None and len(set(config.layer_types)) > 1:
+        raise ConfigError(f"model.layer_types={list(config.layer_types)} mixes layer types, which a Mistral "
+                          "config.json cannot express (its sliding_window applies to every layer)")
     hf = {
-        "architectures": [arch],
-        "model_type": model_type,
+        "architectures": [fam.architecture],
+        "model_type": MODEL_TYPES.get(config.family, config.family),
         "vocab_size": config.vocab_size,
         "hidden_size": config.d_model,
         "num_hidden_layers": config.n_layers,
@@ -170,34 +224,37 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_embeddings,
-        "hidden_act": "silu",
         "initializer_range": config.init_std,
         "dtype": config.param_dtype,
-        "rope_parameters": _rope_to_hf(config),
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_id,
+        "layer_types": list(config.types),
+        "sliding_window": config.sliding_window,
     }
-    if qwen2:
-        hf["use_sliding_window"] = False
+    if fam.activation == "silu":
+        hf["hidden_act"] = "silu"
     else:
+        hf["hidden_activation"] = GELU_TANH[0]
+    rope = _rope_to_hf(config, config.rope)
+    if config.family == "gemma3":
+        hf["rope_parameters"] = {FULL: rope, SLIDING: _rope_to_hf(config, config.local_rope or config.rope)}
+    else:
+        hf["rope_parameters"] = rope
+    if config.family.startswith("gemma"):
+        hf["query_pre_attn_scalar"] = config.query_scale or config.head_dim
+        hf["final_logit_softcapping"] = config.final_softcap
+        hf["attn_logit_softcapping"] = config.attn_softcap
+    if config.family in ("qwen2", "qwen3"):
+        hf["use_sliding_window"] = config.layer_types is not None
+    if config.family == "mistral":
+        del hf["layer_types"]
+    if not fam.qkv_bias:
         hf["attention_bias"] = bool(config.qkv_bias)
         hf["mlp_bias"] = False
     return hf
 
 
 # --------------------------------------------------------------------------------------------------- weights
-def _hf_names(i: int) -> dict[str, str]:
-    p = f"model.layers.{i}."
-    return {
-        "q": p + "self_attn.q_proj.weight", "k": p + "self_attn.k_proj.weight", "v": p + "self_attn.v_proj.weight",
-        "o": p + "self_attn.o_proj.weight", "q_bias": p + "self_attn.q_proj.bias",
-        "k_bias": p + "self_attn.k_proj.bias", "v_bias": p + "self_attn.v_proj.bias",
-        "o_bias": p + "self_attn.o_proj.bias", "gate": p + "mlp.gate_proj.weight", "up": p + "mlp.up_proj.weight",
-        "down": p + "mlp.down_proj.weight", "attn_norm": p + "input_layernorm.weight",
-        "mlp_norm": p + "post_attention_layernorm.weight",
-    }
-
-
 class _TensorReader:
     """Reads tensors by name from one safetensors file or a sharded index, without torch."""
 
@@ -291,68 +348,10 @@ def with_dtype(config: ModelConfig, dtype: str | None) -> ModelConfig:
     return dataclasses.replace(config, param_dtype=dt, dtype=dt)
 
 
-def _layer_keys(config: ModelConfig) -> list[str]:
-    """The per-layer tensors (keys of ``_hf_names``) a checkpoint of ``config`` holds."""
-    keys = ["q", "k", "v", "o", "gate", "up", "down", "attn_norm", "mlp_norm"]
-    if config.qkv_bias:
-        keys += ["q_bias", "k_bias", "v_bias"]
-    if config.o_bias:
-        keys += ["o_bias"]
-    return keys
-
-
-def _tensor_names(config: ModelConfig) -> set[str]:
-    """Every HF tensor name ``_assemble`` reads for ``config`` (importers refuse files holding others)."""
-    names = {"model.embed_tokens.weight", "model.norm.weight"} | ({"lm_head.weight"} if not config.tie_embeddings
-                                                                   else set())
-    for i in range(config.n_layers):
-        layer = _hf_names(i)
-        names |= {layer[key] for key in _layer_keys(config)}
-    return names
-
-
 def _assemble(config: ModelConfig, reader) -> dict:
-    """lcx params (NumPy, ``config.param_dtype``) from ``reader``, anything with ``has(name)`` and ``get(name,
-    shape)`` that returns HF-named tensors in HF layout (``[out, in]`` linear weights): safetensors or GGUF."""
-    import jax.numpy as jnp
-
-    e, h, k, d, f, v = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff,
-                        config.vocab_size)
-    target = jnp.dtype(config.param_dtype)
-
-    def conv(x: np.ndarray) -> np.ndarray:
-        return np.asarray(x).astype(target)
-
-    shapes = {"q": ((h * d, e), lambda w: w.T.reshape(e, h, d)),
-              "k": ((k * d, e), lambda w: w.T.reshape(e, k, d)),
-              "v": ((k * d, e), lambda w: w.T.reshape(e, k, d)),
-              "o": ((e, h * d), lambda w: w.T.reshape(h, d, e)),
-              "q_bias": ((h * d,), lambda w: w.reshape(h, d)),
-              "k_bias": ((k * d,), lambda w: w.reshape(k, d)),
-              "v_bias": ((k * d,), lambda w: w.reshape(k, d)),
-              "o_bias": ((e,), lambda w: w),
-              "gate": ((f, e), lambda w: w.T), "up": ((f, e), lambda w: w.T), "down": ((e, f), lambda w: w.T),
-              "attn_norm": ((e,), lambda w: w), "mlp_norm": ((e,), lambda w: w)}
-    wanted = _layer_keys(config)
-    stacked = {}
-    for key in wanted:
-        shape, fn = shapes[key]
-        stacked[key] = np.stack([conv(fn(reader.get(_hf_names(i)[key], shape))) for i in range(config.n_layers)])
-    layers = {
-        "attn": {key: stacked[key] for key in wanted if key in
-                 ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias")},
-        "mlp": {key: stacked[key] for key in ("gate", "up", "down")},
-        "attn_norm": {"scale": stacked["attn_norm"]},
-        "mlp_norm": {"scale": stacked["mlp_norm"]},
-    }
-    params = {
-        "embed": conv(reader.get("model.embed_tokens.weight", (v, e))),
-        "layers": layers,
-        "final_norm": {"scale": conv(reader.get("model.norm.weight", (e,)))},
-    }
-    if not config.tie_embeddings:
-        params["lm_head"] = np.ascontiguousarray(conv(reader.get("lm_head.weight", (v, e)).T))
-    return params
+    """lcx params (NumPy, ``config.param_dtype``) from ``reader``: the family's parameter table
+    (``lcx.model.families``) read through anything with ``get(name, shape)`` returning HF-named tensors."""
+    return families.assemble(config, reader)
 
 
 def save_hf(config: ModelConfig, params: Mapping, path: str | Path, *, max_shard_bytes: int = 4 * 1024**3) -> None:
@@ -361,30 +360,7 @@ def save_hf(config: ModelConfig, params: Mapping, path: str | Path, *, max_shard
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    e, h, k, d = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
-
-    def arr(x) -> np.ndarray:
-        return np.ascontiguousarray(np.asarray(x))
-
-    tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": arr(params["embed"]),
-                                      "model.norm.weight": arr(params["final_norm"]["scale"])}
-    if not config.tie_embeddings:
-        tensors["lm_head.weight"] = arr(np.asarray(params["lm_head"]).T)
-    attn, mlp = params["layers"]["attn"], params["layers"]["mlp"]
-    out = {"q": lambda w: w.reshape(e, h * d).T, "k": lambda w: w.reshape(e, k * d).T,
-           "v": lambda w: w.reshape(e, k * d).T, "o": lambda w: w.reshape(h * d, e).T,
-           "q_bias": lambda w: w.reshape(h * d), "k_bias": lambda w: w.reshape(k * d),
-           "v_bias": lambda w: w.reshape(k * d), "o_bias": lambda w: w}
-    for i in range(config.n_layers):
-        names = _hf_names(i)
-        for key, fn in out.items():
-            if key in attn:
-                tensors[names[key]] = arr(fn(np.asarray(attn[key][i])))
-        for key in ("gate", "up", "down"):
-            tensors[names[key]] = arr(np.asarray(mlp[key][i]).T)
-        tensors[names["attn_norm"]] = arr(params["layers"]["attn_norm"]["scale"][i])
-        tensors[names["mlp_norm"]] = arr(params["layers"]["mlp_norm"]["scale"][i])
-
+    tensors = families.to_hf_tensors(config, params)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, t in tensors.items():

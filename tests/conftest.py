@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 
 def random_hf_model(family: str, seed: int = 0, std: float = 0.08, **overrides):
-    """A tiny random-weight transformers model of ``family`` (llama / mistral / qwen2), eager attention, fp32.
+    """A tiny random-weight transformers model of ``family`` (llama / mistral / qwen2 / qwen3 / gemma2 / gemma3),
+    eager attention, fp32.
 
     Every parameter (biases and norm scales included) is redrawn with ``std`` well above the default init, so that
     a wrong transpose, bias or scale shows in the logits instead of hiding under tiny activations.
@@ -39,18 +40,22 @@ def random_hf_model(family: str, seed: int = 0, std: float = 0.08, **overrides):
                 attn_implementation="eager")
     if family == "mistral":
         base["sliding_window"] = None
+    if family.startswith("gemma"):  # transformers' Gemma defaults (head_dim 256, window 4096) are not tiny
+        base.update(head_dim=16, sliding_window=8, query_pre_attn_scalar=16)
     base.update(overrides)
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config}[family]
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig}[family]
     model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-                 "qwen2": transformers.Qwen2ForCausalLM}[family]
+                 "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+                 "gemma2": transformers.Gemma2ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}[family]
     config = cls(**base)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            if "norm" in name:  # Gemma's norms scale by (1 + w): their weights sit around 0
+                p.copy_((0.0 if family.startswith("gemma") else 1.0) + 0.2 * torch.randn_like(p))
             else:
                 p.copy_(std * torch.randn_like(p))
     return model

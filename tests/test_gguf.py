@@ -98,7 +98,8 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 _HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-               "post_attention_layernorm": "ffn_norm"}
+               "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm"}
 
 
 def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
@@ -117,7 +118,7 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
         else:
             _, _, i, rest = name.split(".", 3)
             module, suffix = rest.rsplit(".", 1)
-            if arch != "qwen2" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch not in ("qwen2", "qwen3") and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads
                 w = llama_cpp_permute(w, heads)
             out[f"blk.{i}.{_HF_TO_GGUF[module]}.{suffix}"] = w
@@ -272,6 +273,15 @@ def test_qwen2_biases_match_transformers_gguf_loader(tmp_path):
     ids = _ids(VOCAB)
     config, ours = lcx_logits(path, ids)
     assert config.qkv_bias and not config.o_bias
+    assert_logits_close(ours, hf_logits(transformers_gguf_model(path), ids))
+
+
+def test_qwen3_qk_norm_matches_transformers_gguf_loader(tmp_path):
+    model = random_hf_model("qwen3", vocab_size=VOCAB, hidden_size=64, intermediate_size=96)
+    path = write_gguf(tmp_path / "q3.gguf", model, "qwen3", pre="qwen2", types={"attn_q": Q.Q8_0, "ffn_up": Q.Q4_1})
+    ids = _ids(VOCAB)
+    config, ours = lcx_logits(path, ids)
+    assert config.family == "qwen3" and config.block.qk_norm
     assert_logits_close(ours, hf_logits(transformers_gguf_model(path), ids))
 
 
@@ -491,7 +501,7 @@ def test_refuses_unsupported_architecture(tmp_path):
     model = random_hf_model("llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1)
     path = write_gguf(tmp_path / "g.gguf", model, "gemma2")
     with pytest.raises(ConfigError, match=r"general.architecture='gemma2' is not supported; allowed: \['llama', "
-                                          r"'mistral', 'qwen2'\]"):
+                                          r"'mistral', 'qwen2', 'qwen3'\]"):
         lcx_gguf.load_gguf(path)
 
 

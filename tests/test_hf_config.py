@@ -37,12 +37,38 @@ def test_hf_config_qwen2_has_qkv_bias_only():
     assert config_to_hf(cfg)["architectures"] == ["Qwen2ForCausalLM"]
 
 
+def test_hf_config_layer_types_from_legacy_keys():
+    """Configs written before ``layer_types`` existed: Mistral's window covers every layer, Gemma 3's pattern puts
+    one global layer after five local ones (local RoPE base from ``rope_local_base_freq``), Qwen's windows start at
+    ``max_window_layers``."""
+    mistral = config_from_hf(dict(LLAMA, architectures=["MistralForCausalLM"], model_type="mistral",
+                                  sliding_window=4096))
+    assert mistral.family == "mistral" and set(mistral.types) == {"sliding_attention"}
+    assert mistral.attention_specs()[0].window == 4096
+    gemma3 = config_from_hf(dict(LLAMA, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                                 num_hidden_layers=12, sliding_window=512, sliding_window_pattern=6,
+                                 rope_theta=1e6, rope_local_base_freq=10000.0, query_pre_attn_scalar=256,
+                                 hidden_activation="gelu_pytorch_tanh", head_dim=256))
+    assert [t[0] for t in gemma3.types] == list("sssssfsssssf")
+    specs, index = gemma3.spec_table()
+    assert len(specs) == 2 and index == (0,) * 5 + (1,) + (0,) * 5 + (1,)
+    assert specs[0].rope.theta == 10000.0 and specs[1].rope.theta == 1e6 and specs[0].sm_scale == 256 ** -0.5
+    qwen = config_from_hf(dict(LLAMA, architectures=["Qwen2ForCausalLM"], model_type="qwen2", num_hidden_layers=4,
+                               use_sliding_window=True, sliding_window=64, max_window_layers=2))
+    assert qwen.types == ("full_attention",) * 2 + ("sliding_attention",) * 2
+    assert config_from_hf(config_to_hf(gemma3)) == gemma3 and config_from_hf(config_to_hf(qwen)) == qwen
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "architectures=['GPT2LMHeadModel']"),
-    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096},
-     "sliding_window=4096: lcx does not implement sliding-window attention"),
-    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True},
-     "use_sliding_window=true"),
+    ({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_activation": "gelu"},
+     "hidden_activation='gelu' is not supported"),
+    ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "use_bidirectional_attention": True},
+     "use_bidirectional_attention=true"),
+    ({"layer_types": ["full_attention"] * 31 + ["chunked_attention"], "sliding_window": 64},
+     "model.layer_types[31]='chunked_attention'"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default"}, "local": {"rope_type": "default"}}},
+     "rope_parameters has per-layer-type entries ['local']"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ({"mlp_bias": True}, "mlp_bias=true is not supported"),
     ({"rope_scaling": {"type": "su", "factor": 2.0}}, "rope_type='su' is not supported"),

@@ -243,11 +243,13 @@ class CacheKind(abc.ABC):
     # ------------------------------------------------------------------------------------------- in the model
     @abc.abstractmethod
     def attend(self, layer: CacheState, q: jax.Array, key: jax.Array, val: jax.Array, *, cos: jax.Array,
-               sin: jax.Array, positions: jax.Array, ok: jax.Array, stat_weights: jax.Array | None
-               ) -> tuple[jax.Array, CacheState]:
+               sin: jax.Array, positions: jax.Array, ok: jax.Array, stat_weights: jax.Array | None,
+               spec=None) -> tuple[jax.Array, CacheState]:
         """One layer: append ``key, val [b, t, k, d]`` (unrotated, where ``ok [b, t]``) at ``positions [b, t]`` and
         attend ``q [b, t, h, d]`` (unrotated; ``cos, sin`` are the RoPE tables of ``positions``) to the cache.
-        ``stat_weights [b, t]``: the queries whose attention feeds eviction statistics (None: none).
+        ``stat_weights [b, t]``: the queries whose attention feeds eviction statistics (None: none). ``spec``: the
+        layer's ``AttentionSpec`` (window, soft-cap, scale, RoPE), passed only for models whose attention is not plain
+        (``ModelConfig.plain_attention``), so kinds that predate it keep working on Llama-style models.
         Returns ``(out [b, t, h, d], layer)``."""
 
     # ------------------------------------------------------------------------------------------- between calls

@@ -34,7 +34,7 @@ from lcx.cache.base import (AUTO_PREFILL_CHUNK, CacheCapacityError, CacheKind, C
 from lcx.cache.policy import EvictionPolicy, make_policy
 from lcx.cache.schedule import evict_cache, layer_budgets
 from lcx.cache.schema import Field
-from lcx.config_base import canonical_dtype, format_bytes
+from lcx.config_base import ConfigError, canonical_dtype, format_bytes
 from lcx.model.config import ModelConfig
 
 FIELDS: Mapping[str, Field] = {
@@ -91,6 +91,12 @@ class SlotCacheKind(CacheKind):
     def from_config(cls, model, cache, policy) -> "SlotCacheKind":
         budgets = None
         if policy.evicts:
+            windowed = [i for i, s in enumerate(model.attention_specs()) if s.window is not None]
+            if windowed:
+                raise ConfigError(f"cache.policy={policy.name!r} evicts, and model layers {windowed[:8]} use a sliding "
+                                  f"window (model.sliding_window={model.sliding_window}): eviction on sliding-window "
+                                  "models is not supported yet; use cache.policy='full' (the window already bounds "
+                                  "what those layers read)")
             budgets = layer_budgets(cache, model.n_layers)
             policy.check(model.n_layers, budgets)
         return cls(model=model, policy=policy, budgets=budgets, dtype=cache.dtype or model.dtype,
@@ -181,9 +187,9 @@ class SlotCacheKind(CacheKind):
         return np.broadcast_to(chosen.astype(np.float32), (batch, width)).copy()
 
     # ------------------------------------------------------------------------------------------- attention
-    def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
+    def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None):
         return slot_attention.attend(self, layer, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
-                                     stat_weights=stat_weights)
+                                     stat_weights=stat_weights, spec=spec)
 
     # ------------------------------------------------------------------------------------------- eviction
     def evict(self, state: KVCache):

@@ -17,6 +17,11 @@ KV head, offsets, lengths and live masks are per row and KV head; each query hea
 Attention statistics (H2O / TOVA / SnapKV): with ``stat_weights [b, t]`` (positive for queries that count), the
 probabilities those queries give each slot, summed over queries and the query heads of each keep head, are added to
 (``"sum"``) or, in rows with a counted query, replace (``"replace"``) the slot's score.
+
+The layer's ``AttentionSpec`` sets the logit scale, the soft-cap (kernels and statistics) and the RoPE of "cache"
+mode; a sliding window hides slots whose position is ``window`` or more before the query's: in the decode mask
+directly, and as the chunk kernels' ``window`` - exact because a cache that never evicts holds a row's tokens in
+consecutive slots (caches that evict refuse windowed models, ``SlotCacheKind.from_config``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from lcx import kernels
+from lcx.model.config import AttentionSpec
 from lcx.model.rope import apply_rope, rope_tables
 from lcx.sharding import BHD, BK, BKS, BKSD, BSKD, BTHD, ROWS, per_shard
 
@@ -57,11 +63,11 @@ def write(layer, k: jax.Array, v: jax.Array, positions: jax.Array, ok: jax.Array
     )
 
 
-def rotate_by_rank(config, x: jax.Array, ranks: jax.Array, *, cache_layout: bool = False) -> jax.Array:
+def rotate_by_rank(config, x: jax.Array, ranks: jax.Array, *, cache_layout: bool = False, rope=None) -> jax.Array:
     """Rotate ``x [b, T, heads, d]`` (``cache_layout``: ``[b, heads, T, d]``) by per-keep-head positions ``ranks
-    [b, H, T]`` (heads grouped by keep head)."""
+    [b, H, T]`` (heads grouped by keep head), with ``rope`` (default ``config.rope``)."""
     b, heads, length = ranks.shape
-    cos, sin = rope_tables(config, ranks.reshape(b, heads * length))  # [b, H*T, r]
+    cos, sin = rope_tables(config, ranks.reshape(b, heads * length), rope)  # [b, H*T, r]
     if cache_layout:  # [b, H, T, r] broadcasts over x's heads: H is 1 (a shared keep set) or every KV head
         return apply_rope(x, cos.reshape(b, heads, length, -1), sin.reshape(b, heads, length, -1))
     if heads == 1:
@@ -76,15 +82,17 @@ def _keep_head_sums(weights: jax.Array, heads: int) -> jax.Array:
     return einops.reduce(weights, "b (H j) C -> b H C", "sum", H=heads)
 
 
-def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
+def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, spec: AttentionSpec | None = None):
     """``SlotCacheKind.attend``: append ``key, val [b, t, k, d]`` (unrotated) to ``layer`` and attend ``q [b, t, h,
     d]`` (unrotated) to it; ``cos, sin`` are the RoPE tables of ``positions`` (used in "original" mode).
 
     A prefill chunk attends through the backend's ``chunk`` with per-row offsets: query i of row b at slot
     ``count_b + i`` sees the slots up to it, and the backend visits only the key tiles some query can see - a
     request's first chunk (an empty cache) costs its causal triangle, a later one the filled slots, never the whole
-    capacity. Padding queries get outputs nobody reads."""
+    capacity. Padding queries get outputs nobody reads. ``spec``: the layer's attention (default: the model's
+    first layer's)."""
     config, policy = kind.model, kind.policy
+    spec = spec or config.attention_specs()[0]
     chex.assert_rank([q, key, val], 4)
     chex.assert_equal_shape([key, val])
     chex.assert_equal_shape_prefix([q, key, positions, ok], 2)
@@ -96,22 +104,25 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
     layout = kind.layer_axes()  # each shard writes its rows and KV heads
     layer = per_shard(write, (layout, BSKD, BSKD, ROWS, ROWS), layout)(layer, key, val, positions, ok)
     mask = layer.valid[:, :, None, :] & (layer.pos[:, :, None, :] <= positions[:, None, :, None])  # [b, H, t, C]
+    if spec.window is not None:
+        mask &= layer.pos[:, :, None, :] > positions[:, None, :, None] - spec.window
     k_att = layer.k
     if mode == "cache":
         k_att = rotate_by_rank(config, layer.k, jnp.maximum(jnp.cumsum(layer.valid, axis=-1, dtype=jnp.int32) - 1, 0),
-                               cache_layout=True)
-        q = rotate_by_rank(config, q, jnp.maximum(jnp.sum(mask, axis=-1, dtype=jnp.int32) - 1, 0))
+                               cache_layout=True, rope=spec.rope)
+        q = rotate_by_rank(config, q, jnp.maximum(jnp.sum(mask, axis=-1, dtype=jnp.int32) - 1, 0), rope=spec.rope)
 
     # The kernels' row ints and live masks: per row with one shared keep set, else per row and KV head.
     per_kv = (lambda x: x[:, 0]) if heads == 1 else (  # noqa: E731
         lambda x: einops.repeat(x, "b H ... -> b (H j) ...", j=kv_heads // heads))
     ints, live = (ROWS, ROWS) if heads == 1 else (BK, BKS)
     backend = kernels.backend(config.attention.impl)
-    scale = q.shape[-1] ** -0.5
+    scale, extra = spec.sm_scale, kernels.spec_kwargs(spec)
     counted = stat_weights is not None and policy.attention_stat is not None
     stats = None
     if q.shape[1] == 1:
-        decode = functools.partial(backend.decode, sm_scale=scale, weights=counted)
+        decode = functools.partial(backend.decode, sm_scale=scale, weights=counted,
+                                   **{k: v for k, v in extra.items() if k != "window"})  # the window is in the mask
         call = lambda q1, k, v, valid: decode(q1, k, v, valid=valid)  # noqa: E731
         result = per_shard(call, (BHD, BKSD, BKSD, live), (BHD, BKS) if counted else BHD)(
             q[:, 0], k_att, layer.v, per_kv(mask[:, :, 0]))
@@ -123,11 +134,11 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
         seq = lambda x: x.swapaxes(1, 2)  # noqa: E731
         offsets, lengths = per_kv(q_offsets), per_kv(layer.count)
         chunk = lambda q, k, v, off, lens: backend.chunk(q, k, v, q_offsets=off, kv_lengths=lens,  # noqa: E731
-                                                          sm_scale=scale)
+                                                          sm_scale=scale, **extra)
         out = per_shard(chunk, (BTHD, BSKD, BSKD, ints, ints), BTHD)(q, seq(k_att), seq(layer.v), offsets, lengths)
         if counted:
             sums = lambda q, k, off, lens, w: backend.column_sums(q, k, q_offsets=off, kv_lengths=lens,  # noqa: E731
-                                                                  query_weights=w, sm_scale=scale)
+                                                                  query_weights=w, sm_scale=scale, **extra)
             weights = per_shard(sums, (BTHD, BSKD, ints, ints, ROWS), BKS)(q, seq(k_att), offsets, lengths,
                                                                            stat_weights)
             stats = _keep_head_sums(weights, heads)

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from lcx.kernels.backends import BACKENDS, IMPLS, Backend, attention, backend, resolve
+from lcx.kernels.backends import BACKENDS, IMPLS, Backend, attention, backend, resolve, spec_kwargs
 from lcx.kernels.common import merge_partials
 from lcx.kernels.decode import DecodeBlockSizes, decode_attention
 from lcx.kernels.flash import flash_attention
@@ -25,4 +25,4 @@ __all__ = ["BACKENDS", "Backend", "DecodeBlockSizes", "FlashBlockSizes", "IMPLS"
            "attention_column_sums", "attention_column_sums_reference", "attention_mask", "attention_reference",
            "backend", "decode_attention", "decode_attention_reference", "flash_attention", "masked_attention_parts",
            "masked_attention_reference", "masked_column_sums_reference", "merge_partials", "resolve",
-           "resolve_interpret"]
+           "resolve_interpret", "spec_kwargs"]

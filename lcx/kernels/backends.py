@@ -16,6 +16,11 @@ Einsum legend: b batch, t queries, s keys / cache slots, h query heads, k kv hea
                 ``chunk``), summed over queries and each KV group -> ``[b, k, s]`` float32 (H2O / SnapKV scores)
 =============  =====================================================================================================
 
+Every op also takes a layer's ``AttentionSpec`` settings (``spec_kwargs``): ``softcap`` (logits ``z`` -> ``softcap *
+tanh(z / softcap)``, also in the statistics) and, for ``causal`` / ``chunk`` / ``column_sums``, ``window`` (a query
+sees the ``window`` most recent positions, its own included). ``decode`` has no ``window``: its caller folds the
+window into ``valid`` (the cache knows each slot's position).
+
 Residuals ``(m, l)`` are each row's logit max and sum of exponentials (natural log base), which
 :func:`lcx.kernels.merge_partials` combines exactly: a cache may attend its parts separately and merge.
 
@@ -65,37 +70,46 @@ def _compute_dtype(*xs):
     return xs
 
 
-def _chunk_mask(q, k, q_offsets, kv_lengths, causal):
+def spec_kwargs(spec) -> dict:
+    """The backend keywords of an ``AttentionSpec``: only the settings it uses, so a plain global layer calls the
+    ops exactly as before."""
+    return {name: getattr(spec, name) for name in ("window", "softcap") if getattr(spec, name) is not None}
+
+
+def _chunk_mask(q, k, q_offsets, kv_lengths, causal, window=None):
     return attention_mask(q.shape[1], k.shape[1], causal=causal, kv_lengths=kv_lengths, batch=q.shape[0],
-                          q_offsets=q_offsets)
+                          q_offsets=q_offsets, window=window)
 
 
-def _jnp_chunk(q, k, v, *, q_offsets, kv_lengths, sm_scale, causal=True, residuals=False, precision):
+def _jnp_chunk(q, k, v, *, q_offsets, kv_lengths, sm_scale, causal=True, residuals=False, precision, window=None,
+               softcap=None):
     dtype = q.dtype
     q, k, v = _compute_dtype(q, k, v)
-    o, m, l = masked_attention_parts(q, k, v, _chunk_mask(q, k, q_offsets, kv_lengths, causal), sm_scale=sm_scale,
-                                     precision=precision)
+    o, m, l = masked_attention_parts(q, k, v, _chunk_mask(q, k, q_offsets, kv_lengths, causal, window),
+                                     sm_scale=sm_scale, precision=precision, softcap=softcap)
     o = o.astype(dtype)
     return (o, m, l) if residuals else o
 
 
-def _xla_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale):
+def _xla_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale, window=None, softcap=None):
     # In float32 tiles (a prefill chunk's statistics over the whole cache would otherwise be a [b, k, g, t, C] float32
     # array); the same sums as the reference up to summation order.
     return tiled_column_sums(q.astype(jnp.float32), k.astype(jnp.float32), q_offsets=q_offsets,
-                             kv_lengths=kv_lengths, query_weights=query_weights, sm_scale=sm_scale)
+                             kv_lengths=kv_lengths, query_weights=query_weights, sm_scale=sm_scale, window=window,
+                             softcap=softcap)
 
 
-def _jnp_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale):
+def _jnp_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale, window=None, softcap=None):
     return attention_column_sums_reference(q, k, causal=True, sm_scale=sm_scale, kv_lengths=kv_lengths,
-                                           q_offsets=q_offsets, query_weights=query_weights)
+                                           q_offsets=q_offsets, query_weights=query_weights, window=window,
+                                           softcap=softcap)
 
 
-def _jnp_decode(q, k, v, *, valid, sm_scale, weights=False, residuals=False, precision):
+def _jnp_decode(q, k, v, *, valid, sm_scale, weights=False, residuals=False, precision, softcap=None):
     dtype = q.dtype
     q, k, v = _compute_dtype(q, k, v)
     out = decode_attention_reference(q, k, v, valid=valid, sm_scale=sm_scale, return_weights=weights,
-                                     return_residuals=residuals, precision=precision)
+                                     return_residuals=residuals, precision=precision, softcap=softcap)
     if isinstance(out, tuple):
         return (out[0].astype(dtype), *out[1:])
     return out.astype(dtype)
@@ -106,31 +120,35 @@ CPU_MAX_BLOCKS = 16  # longer sequences take larger blocks: the program is unrol
 CPU_MIN_LENGTH = 4 * CPU_QUERY_BLOCK  # shorter sequences gain little and keep the dense path's exact sums
 
 
-def _blocked_causal(q, k, v, *, sm_scale, segment_ids=None):
+def _blocked_causal(q, k, v, *, sm_scale, segment_ids=None, window=None, softcap=None):
     """Causal self-attention one block of queries at a time, each block against the keys up to its own end.
 
     XLA:CPU's ``dot_product_attention`` materializes ``[b, h, t, t]`` float32 scores and masks half of them; here
     block i reads ``(i + 1)`` blocks of keys, so the upper triangle is never computed and each block's scores fit in
     cache: 8 x 512 tokens, 8 heads / 2 KV heads, head dim 32: 86 -> 40 ms per layer (2-core CPU). Same values up
-    to float32 summation order (masked keys contribute exactly 0 either way)."""
+    to float32 summation order (masked keys contribute exactly 0 either way). With a ``window`` a block reads only the
+    keys from its first query's window on."""
     b, t = q.shape[:2]
     block = max(CPU_QUERY_BLOCK, -(-t // CPU_MAX_BLOCKS))
     outs = []
     for lo in range(0, t, block):
         hi = min(t, lo + block)
-        mask = attention_mask(hi - lo, hi, causal=True, batch=b)  # queries at lo .. hi-1: the last hi-lo keys
+        first = 0 if window is None else max(0, lo - window + 1)  # keys before it are outside every window
+        mask = attention_mask(hi - lo, hi - first, causal=True, batch=b, window=window)  # the last hi-lo keys
         if segment_ids is not None:
-            mask = mask & (segment_ids[:, lo:hi, None] == segment_ids[:, None, :hi])
-        outs.append(masked_attention_parts(q[:, lo:hi], k[:, :hi], v[:, :hi], mask, sm_scale=sm_scale,
-                                           precision=_DEFAULT)[0])
+            mask = mask & (segment_ids[:, lo:hi, None] == segment_ids[:, None, first:hi])
+        outs.append(masked_attention_parts(q[:, lo:hi], k[:, first:hi], v[:, first:hi], mask, sm_scale=sm_scale,
+                                           precision=_DEFAULT, softcap=softcap)[0])
     return jnp.concatenate(outs, axis=1)
 
 
-def _xla_causal(q, k, v, *, sm_scale, segment_ids=None):
+def _xla_causal(q, k, v, *, sm_scale, segment_ids=None, window=None, softcap=None):
     dtype = q.dtype
     q, k, v = _compute_dtype(q, k, v)
-    if jax.default_backend() == "cpu" and q.shape[1] >= CPU_MIN_LENGTH:
-        return _blocked_causal(q, k, v, sm_scale=sm_scale, segment_ids=segment_ids).astype(dtype)
+    # dot_product_attention has no soft-cap; the blocked path computes windows and caps on any backend
+    if (jax.default_backend() == "cpu" and q.shape[1] >= CPU_MIN_LENGTH) or window is not None or softcap is not None:
+        return _blocked_causal(q, k, v, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
+                               softcap=softcap).astype(dtype)
     # jax.nn.dot_product_attention handles GQA itself (K/V heads broadcast over query groups); cuDNN on GPU.
     mask = None
     if segment_ids is not None:  # [b, 1, t, s], broadcast over heads; combined with the causal mask
@@ -138,34 +156,39 @@ def _xla_causal(q, k, v, *, sm_scale, segment_ids=None):
     return jax.nn.dot_product_attention(q, k, v, scale=sm_scale, is_causal=True, mask=mask).astype(dtype)
 
 
-def _pallas_chunk(q, k, v, *, q_offsets, kv_lengths, sm_scale, causal=True, residuals=False):
+def _pallas_chunk(q, k, v, *, q_offsets, kv_lengths, sm_scale, causal=True, residuals=False, window=None,
+                  softcap=None):
     return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, kv_lengths=kv_lengths, q_offsets=q_offsets,
-                           return_residuals=residuals)
+                           return_residuals=residuals, window=window, softcap=softcap)
 
 
-def _pallas_decode(q, k, v, *, valid, sm_scale, weights=False, residuals=False):
+def _pallas_decode(q, k, v, *, valid, sm_scale, weights=False, residuals=False, softcap=None):
     return decode_attention(q, k, v, valid=valid, sm_scale=sm_scale, return_weights=weights,
-                            return_residuals=residuals)
+                            return_residuals=residuals, softcap=softcap)
 
 
-def _pallas_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale):
+def _pallas_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale, window=None, softcap=None):
+    if softcap is not None:  # the column-sum kernel has no soft-cap yet: the tiled XLA sums (same values)
+        return _xla_column_sums(q, k, q_offsets=q_offsets, kv_lengths=kv_lengths, query_weights=query_weights,
+                                sm_scale=sm_scale, window=window, softcap=softcap)
     return attention_column_sums(q, k, causal=True, sm_scale=sm_scale, kv_lengths=kv_lengths, q_offsets=q_offsets,
-                                 query_weights=query_weights)
+                                 query_weights=query_weights, window=window)
 
 
 BACKENDS: dict[str, Backend] = {
     "reference": Backend(
         "reference",
-        causal=lambda q, k, v, *, sm_scale, segment_ids=None: attention_reference(
-            q, k, v, causal=True, sm_scale=sm_scale, segment_ids=segment_ids),
+        causal=lambda q, k, v, *, sm_scale, segment_ids=None, window=None, softcap=None: attention_reference(
+            q, k, v, causal=True, sm_scale=sm_scale, segment_ids=segment_ids, window=window, softcap=softcap),
         chunk=functools.partial(_jnp_chunk, precision=jax.lax.Precision.HIGHEST),
         decode=functools.partial(_jnp_decode, precision=jax.lax.Precision.HIGHEST),
         column_sums=_jnp_column_sums),
     # chunk: only the key tiles a query block can see - its cost follows the filled part of a cache, not its capacity
     "xla": Backend("xla", causal=_xla_causal, chunk=tiled_attention,
                    decode=functools.partial(_jnp_decode, precision=_DEFAULT), column_sums=_xla_column_sums),
-    "pallas": Backend("pallas", causal=lambda q, k, v, *, sm_scale, segment_ids=None: flash_attention(
-                          q, k, v, causal=True, sm_scale=sm_scale, segment_ids=segment_ids),
+    "pallas": Backend("pallas", causal=lambda q, k, v, *, sm_scale, segment_ids=None, window=None, softcap=None:
+                      flash_attention(q, k, v, causal=True, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
+                                      softcap=softcap),
                       chunk=_pallas_chunk, decode=_pallas_decode, column_sums=_pallas_column_sums),
 }
 IMPLS: tuple[str, ...] = ("auto", *BACKENDS)
@@ -197,4 +220,4 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str = "referenc
                                causal=False)
 
 
-__all__ = ["BACKENDS", "Backend", "IMPLS", "attention", "backend", "resolve"]
+__all__ = ["BACKENDS", "Backend", "IMPLS", "attention", "backend", "resolve", "spec_kwargs"]

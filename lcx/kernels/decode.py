@@ -64,6 +64,7 @@ class _Static:
     sm_scale: float
     has_lengths: bool
     return_weights: bool
+    softcap: float | None = None  # logits z -> softcap * tanh(z / softcap)
 
 
 def _num_splits(n_tiles: int, want: int) -> int:
@@ -91,7 +92,11 @@ def decode_kernel(*refs, st: _Static):
         acc, m, l = carry  # [r, d], [r], [r]
         k0 = pl.multiple_of(i * bk, bk)
         live = live_ref[pl.ds(k0, bk)] != 0  # [bk]
-        s = dot_nt(q, k_ref[pl.ds(k0, bk), :]) * (st.sm_scale * LOG2E)  # [r, bk]
+        s = dot_nt(q, k_ref[pl.ds(k0, bk), :])  # [r, bk]
+        if st.softcap is None:
+            s = s * (st.sm_scale * LOG2E)
+        else:
+            s = jnp.tanh(s * (st.sm_scale / st.softcap)) * (st.softcap * LOG2E)
         if s_ref is not None:
             parts = st.rows // st.score_rows  # Triton splits into equal power-of-two parts only
             s_ref[:, pl.ds(k0, bk)] = s if parts == 1 else lax.split(s, [st.score_rows] * parts, axis=0)[0]
@@ -113,7 +118,7 @@ def decode_kernel(*refs, st: _Static):
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Array | None = None,
                      lengths: jax.Array | None = None, return_weights: bool = False, sm_scale: float | None = None,
                      block_sizes: DecodeBlockSizes | None = None, interpret: bool | None = None,
-                     return_residuals: bool = False):
+                     return_residuals: bool = False, softcap: float | None = None):
     """Attention of one new token per sequence over a KV cache.
 
     Args:
@@ -126,6 +131,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
         just masked).
       return_weights: also return the attention probabilities summed over each KV head's query group.
       sm_scale: default ``head_dim ** -0.5``.
+      softcap: cap the scaled logits at ``softcap * tanh(z / softcap)`` (the weights are those of the capped logits).
       block_sizes: :class:`DecodeBlockSizes`.
       interpret: None = interpret unless the default backend is a GPU (``mode.py``).
       return_residuals: also return the row max ``m`` of the logits and the sum of exponentials ``l = sum exp(s -
@@ -159,7 +165,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
     rows = max(16, pl.next_power_of_2(g))
     st = _Static(block_k=bk, split_len=s_pad // n_splits, rows=rows, score_rows=pl.next_power_of_2(g),
                  sm_scale=float(d ** -0.5 if sm_scale is None else sm_scale), has_lengths=lengths is not None,
-                 return_weights=bool(return_weights))
+                 return_weights=bool(return_weights), softcap=None if softcap is None else float(softcap))
 
     lengths = row_ints(lengths, b, kvh, "lengths")  # [b, k]
     live = jnp.ones((b, 1, s), bool) if valid is None else valid.astype(bool).reshape(b, -1, s)

@@ -16,6 +16,9 @@ traced scalar per row and KV head; ``[b]`` is broadcast; the default keeps a sta
 tiles that are fully visible run a loop without mask arithmetic; only the tiles on the diagonal / window edge /
 length edge pay for it; fully hidden tiles are skipped.
 
+Soft-capping (``softcap``, Gemma 2): logits ``z = q.k * sm_scale`` become ``c tanh(z / c)`` before the mask and
+softmax; the backward recomputes ``tanh`` per tile and multiplies ``dS`` by its derivative ``1 - tanh^2``.
+
 Shapes that Triton needs are made in the wrapper, identically in interpret mode so CPU tests run the GPU code path:
 sequence lengths are zero-padded to tile multiples (padded keys are masked, padded query rows are sliced off and
 masked out of dK/dV), head_dim is zero-padded to a power of two >= 16 (zeros change no dot product), tiles are
@@ -49,14 +52,13 @@ def flash_forward_kernel(*refs, st: FlashStatic):
     kv_len_b, off, segs, (q_ref, k_ref, v_ref, o_ref, lse_ref) = split_row_refs(st, refs)
     bq, bk = st.block_q, st.block_k
     q0 = pl.program_id(0) * bq
-    scale2 = st.sm_scale * LOG2E  # base-2 softmax: exp2 is the native instruction
     q = q_ref[...]  # [bq, d]
     rows = q0 + jnp.arange(bq)
 
     def body(kb, carry, masked):
         acc, m, l = carry  # [bq, d], [bq], [bq]
         k0 = pl.multiple_of(kb * bk, bk)
-        s = dot_nt(q, k_ref[pl.ds(k0, bk), :]) * scale2  # [bq, bk]
+        s, _ = logits2(st, dot_nt(q, k_ref[pl.ds(k0, bk), :]))  # [bq, bk] base-2
         if masked:
             mask = tile_mask(st, rows, k0 + jnp.arange(bk), kv_len_b, off=off, segs=tile_segs(segs, k0, bk))
             s = jnp.where(mask, s, MASK_VALUE)
@@ -76,6 +78,15 @@ def flash_forward_kernel(*refs, st: FlashStatic):
     empty = l == 0.0  # fully masked row: output 0, lse +inf so the backward's 2^(s - lse) is 0
     o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+
+
+def logits2(st: FlashStatic, qk):
+    """Base-2 logits of the raw products ``qk`` (base-2 softmax: exp2 is the native instruction) and, with a
+    soft-cap, ``tanh(z / c)`` for the backward's derivative (else None)."""
+    if st.softcap is None:
+        return qk * (st.sm_scale * LOG2E), None
+    th = jnp.tanh(qk * (st.sm_scale / st.softcap))
+    return th * (st.softcap * LOG2E), th
 
 
 def tile_segs(segs, k0, bk):
@@ -119,7 +130,6 @@ def flash_dq_kernel(*refs, st: FlashStatic):
     kv_len_b, off, segs, (q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref) = split_row_refs(st, refs)
     bq, bk = st.block_q_dq, st.block_k_dq
     q0 = pl.program_id(0) * bq
-    scale2 = st.sm_scale * LOG2E
     q, do = q_ref[...], do_ref[...]  # [bq, d]
     lse, delta = lse_ref[...], delta_ref[...]  # [bq]
     rows = q0 + jnp.arange(bq)
@@ -127,13 +137,15 @@ def flash_dq_kernel(*refs, st: FlashStatic):
     def body(kb, dq, masked):
         k0 = pl.multiple_of(kb * bk, bk)
         k = k_ref[pl.ds(k0, bk), :]
-        s = dot_nt(q, k) * scale2  # [bq, bk]
+        s, th = logits2(st, dot_nt(q, k))  # [bq, bk]
         if masked:
             mask = tile_mask(st, rows, k0 + jnp.arange(bk), kv_len_b, off=off, segs=tile_segs(segs, k0, bk))
             s = jnp.where(mask, s, MASK_VALUE)
         p = jnp.exp2(s - lse[:, None])
         dp = dot_nt(do, v_ref[pl.ds(k0, bk), :])  # [bq, bk]
         ds = p * (dp - delta[:, None])
+        if th is not None:  # d(c tanh(z / c)) / dz
+            ds = ds * (1.0 - th * th)
         return dq + dot_nn(ds.astype(k.dtype), k)
 
     ranges = key_block_ranges(st, q0, bq, bk, k_ref.shape[0] // bk, kv_len_b, off)
@@ -150,7 +162,6 @@ def flash_dkv_kernel(*refs, st: FlashStatic):
     bq, bk = st.block_q_dkv, st.block_k_dkv
     d = k_ref.shape[-1]
     k0 = pl.program_id(0) * bk
-    scale2 = st.sm_scale * LOG2E
     k, v = k_ref[...], v_ref[...]  # [bk, d]
     cols = k0 + jnp.arange(bk)
     ranges = query_block_ranges(st, k0, bq, bk, q_ref.shape[0] // bq, kv_len_b, off)
@@ -166,7 +177,7 @@ def flash_dkv_kernel(*refs, st: FlashStatic):
             do = do_ref[pl.ds(r0, bq), pl.ds(c0, d)]
             lse = lse_ref[j, pl.ds(r0, bq)]  # [bq]
             delta = delta_ref[j, pl.ds(r0, bq)]
-            s = dot_nt(q, k) * scale2  # [bq, bk]
+            s, th = logits2(st, dot_nt(q, k))  # [bq, bk]
             if masked:
                 row_segs = None if segs is None else (segs[0][pl.ds(r0, bq)], segs[1][...])
                 mask = tile_mask(st, r0 + jnp.arange(bq), cols, kv_len_b, row_valid=True, off=off, segs=row_segs)
@@ -174,6 +185,8 @@ def flash_dkv_kernel(*refs, st: FlashStatic):
             p = jnp.exp2(s - lse[:, None])
             dv = dv + dot_tn(p.astype(do.dtype), do)
             ds = p * (dot_nt(do, v) - delta[:, None])
+            if th is not None:
+                ds = ds * (1.0 - th * th)
             return dk + dot_tn(ds.astype(q.dtype), q), dv
 
         return three_loops(body, ranges, carry, masked)
@@ -264,7 +277,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
                     window: int | None = None, kv_lengths: jax.Array | None = None,
                     q_offsets: jax.Array | None = None, segment_ids: jax.Array | None = None,
                     block_sizes: FlashBlockSizes | None = None, interpret: bool | None = None,
-                    return_residuals: bool = False):
+                    return_residuals: bool = False, softcap: float | None = None):
     """Tiled softmax attention with a Pallas forward and backward (``jax.grad`` works through it).
 
     Args:
@@ -273,6 +286,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
       causal: query i sits at key position ``kv_len - q_len + i`` (or ``q_offsets[b] + i``) and sees keys up to it.
       sm_scale: score scale; default ``head_dim ** -0.5``.
       window: keep only the ``window`` most recent keys (own position included).
+      softcap: cap the scaled logits at ``softcap * tanh(z / softcap)`` (forward and backward).
       kv_lengths: ``[batch]`` or ``[batch, kv_heads]`` ints; keys at index >= length are padding.
       q_offsets: ``[batch]`` or ``[batch, kv_heads]`` ints, not differentiated: query i of row b sits at key
         position ``q_offsets[b] + i`` (``causal`` and ``window`` count from there). E.g. a prefill chunk of t tokens
@@ -300,7 +314,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
                          f"self-attention (kv_len={k.shape[1]} == q_len={t}, no q_offsets)")
     st = make_static(t, k.shape[1], g, d, q.dtype, causal=causal, sm_scale=sm_scale, window=window,
                      has_lengths=kv_lengths is not None, block_sizes=block_sizes, interpret=interpret,
-                     has_offsets=q_offsets is not None, has_segments=segment_ids is not None)
+                     has_offsets=q_offsets is not None, has_segments=segment_ids is not None, softcap=softcap)
     with jax.named_scope("lcx_flash_attention"):
         # One dtype for the dots (a cache kept in another dtype than the activations); a no-op when they agree.
         qp, kp, vp = pad_inputs(q, k.astype(q.dtype), v.astype(q.dtype), st)

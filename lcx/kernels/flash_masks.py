@@ -87,6 +87,7 @@ class FlashStatic:
     interpret: bool | None
     has_offsets: bool = False  # per-row q_offsets [b] replace ``offset`` (a traced scalar in the kernels)
     has_segments: bool = False  # segment ids [b, t] of packed documents: queries see keys of their own segment
+    softcap: float | None = None  # logits z -> softcap * tanh(z / softcap)
 
     @property
     def offset(self) -> int:
@@ -101,9 +102,12 @@ class FlashStatic:
 
 def make_static(q_len: int, kv_len: int, groups: int, head_dim: int, dtype, *, causal: bool, sm_scale: float | None,
                 window: int | None, has_lengths: bool, block_sizes: FlashBlockSizes | None,
-                interpret: bool | None, has_offsets: bool = False, has_segments: bool = False) -> FlashStatic:
+                interpret: bool | None, has_offsets: bool = False, has_segments: bool = False,
+                softcap: float | None = None) -> FlashStatic:
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"{window=} must be None or a positive int")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"{softcap=} must be None or a positive number")
     bs = FlashBlockSizes.for_dtype(dtype) if block_sizes is None else block_sizes
     if not isinstance(bs, FlashBlockSizes):
         raise ValueError(f"{block_sizes=} must be a FlashBlockSizes or None")
@@ -115,7 +119,8 @@ def make_static(q_len: int, kv_len: int, groups: int, head_dim: int, dtype, *, c
         block_q_dkv=fit_block(bs.block_q_dkv, q_len), block_k_dkv=fit_block(bs.block_k_dkv, kv_len),
         block_q_dq=fit_block(bs.block_q_dq, q_len), block_k_dq=fit_block(bs.block_k_dq, kv_len),
         num_warps=bs.num_warps or (4 if dp <= 64 else 8), num_stages=bs.num_stages,
-        num_stages_bwd=bs.num_stages_bwd, interpret=interpret, has_offsets=has_offsets, has_segments=has_segments)
+        num_stages_bwd=bs.num_stages_bwd, interpret=interpret, has_offsets=has_offsets, has_segments=has_segments,
+        softcap=None if softcap is None else float(softcap))
 
 
 def pad_inputs(q, k, v, st: FlashStatic):

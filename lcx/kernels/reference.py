@@ -3,6 +3,7 @@
 Einsum legend: b batch, t query positions, s key positions, k kv heads, g query heads per kv head, d head dim.
 Query head h = k * g + g_index, i.e. heads are grouped by KV head (the Hugging Face ``repeat_kv`` order).
 Everything is computed in float32 at HIGHEST precision; the output has the dtype of ``q``.
+``softcap`` (Gemma 2): the scaled logits ``z`` become ``softcap * tanh(z / softcap)`` before masking and softmax.
 """
 
 from __future__ import annotations
@@ -76,15 +77,21 @@ def _head_mask(mask: jax.Array) -> jax.Array:
     return mask[:, None, None] if mask.ndim == 3 else mask[:, :, None]
 
 
-def _masked_scores(q, k, mask, sm_scale, precision):
-    """Scaled logits ``[b, k, g, t, s]`` (float32), -inf where ``mask [b, t, s]`` (or ``[b, k, t, s]``) is False."""
+def capped(scores: jax.Array, softcap: float | None) -> jax.Array:
+    """``softcap * tanh(scores / softcap)``, or ``scores`` when ``softcap`` is None."""
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
+def _masked_scores(q, k, mask, sm_scale, precision, softcap=None):
+    """Scaled (and capped) logits ``[b, k, g, t, s]`` (float32), -inf where ``mask [b, t, s]`` (or ``[b, k, t, s]``)
+    is False."""
     b, t, h, d = q.shape
     kv_heads = k.shape[2]
     if h % kv_heads:
         raise ValueError(f"{h=} query heads must be a multiple of {kv_heads=} key/value heads")
     scale = d ** -0.5 if sm_scale is None else sm_scale
     qg = einops.rearrange(q, "b t (k g) d -> b t k g d", k=kv_heads)
-    scores = _product("btkgd,bskd->bkgts", qg, k.astype(q.dtype), precision) * scale  # [b, k, g, t, s]
+    scores = capped(_product("btkgd,bskd->bkgts", qg, k.astype(q.dtype), precision) * scale, softcap)
     if mask is not None:
         scores = jnp.where(_head_mask(mask), scores, -jnp.inf)
     return scores
@@ -99,17 +106,17 @@ def _softmax_parts(scores):
 
 
 def masked_probs(q: jax.Array, k: jax.Array, mask: jax.Array | None, *, sm_scale: float | None = None,
-                 precision=_HI) -> jax.Array:
+                 precision=_HI, softcap: float | None = None) -> jax.Array:
     """Softmax probabilities ``[b, k, g, t, s]`` (float32) of ``q [b, t, h, d]`` over ``k [b, s, k, d]`` with an
     explicit boolean ``mask [b, t, s]`` or ``[b, k, t, s]``; fully masked rows are all 0, never NaN."""
     if precision == _HI:
         q, k = q.astype(jnp.float32), k.astype(jnp.float32)
-    p, _, denom = _softmax_parts(_masked_scores(q, k, mask, sm_scale, precision))
+    p, _, denom = _softmax_parts(_masked_scores(q, k, mask, sm_scale, precision, softcap))
     return p / jnp.where(denom == 0, 1.0, denom)[..., None]
 
 
 def masked_attention_parts(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *,
-                           sm_scale: float | None = None, precision=_HI):
+                           sm_scale: float | None = None, precision=_HI, softcap: float | None = None):
     """Softmax attention with ``mask [b, t, s]`` (or per KV head ``[b, k, t, s]``) as a partial: ``(o [b, t, h, d]
     float32, m [b, t, h], l [b, t, h])``, natural-log row max and sum of exponentials
     (``lcx.kernels.merge_partials``); empty rows: 0, -inf, 0.
@@ -119,7 +126,7 @@ def masked_attention_parts(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     b, t, h, d = q.shape
     if precision == _HI:
         q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
-    p, m, l = _softmax_parts(_masked_scores(q, k, mask, sm_scale, precision))  # [b, k, g, t, s], [b, k, g, t]
+    p, m, l = _softmax_parts(_masked_scores(q, k, mask, sm_scale, precision, softcap))  # [b, k, g, t, s], [b, k, g, t]
     o = _product("bkgts,bskd->btkgd", p.astype(v.dtype) if precision != _HI else p, v.astype(q.dtype),
                  precision)  # [b, t, k, g, d]
     o = o / jnp.where(l == 0, 1.0, l).transpose(0, 3, 1, 2)[..., None]
@@ -128,15 +135,15 @@ def masked_attention_parts(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
 
 
 def masked_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
-                               *, sm_scale: float | None = None) -> jax.Array:
+                               *, sm_scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """Softmax attention with an explicit boolean ``mask [b, t, s]``; fully masked rows give 0, never NaN."""
-    return masked_attention_parts(q, k, v, mask, sm_scale=sm_scale)[0].astype(q.dtype)
+    return masked_attention_parts(q, k, v, mask, sm_scale=sm_scale, softcap=softcap)[0].astype(q.dtype)
 
 
 def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                         sm_scale: float | None = None, window: int | None = None,
                         kv_lengths: jax.Array | None = None, q_offsets: jax.Array | None = None,
-                        segment_ids: jax.Array | None = None) -> jax.Array:
+                        segment_ids: jax.Array | None = None, softcap: float | None = None) -> jax.Array:
     """Reference for ``flash_attention``: ``q [b, t, h, d]``, ``k, v [b, s, k, d]`` -> ``[b, t, h, d]``; ``kv_lengths``,
     ``q_offsets [b]``, ``segment_ids [b, t]`` as in :func:`attention_mask`."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -145,12 +152,13 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
     if causal or window is not None or kv_lengths is not None or segment_ids is not None:
         mask = attention_mask(q.shape[1], k.shape[1], causal=causal, window=window, kv_lengths=kv_lengths,
                               batch=q.shape[0], q_offsets=q_offsets, segment_ids=segment_ids)
-    return masked_attention_reference(q, k, v, mask, sm_scale=sm_scale)
+    return masked_attention_reference(q, k, v, mask, sm_scale=sm_scale, softcap=softcap)
 
 
 def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Array | None = None,
                                lengths: jax.Array | None = None, return_weights: bool = False,
-                               sm_scale: float | None = None, return_residuals: bool = False, precision=_HI):
+                               sm_scale: float | None = None, return_residuals: bool = False, precision=_HI,
+                               softcap: float | None = None):
     """Reference for ``decode_attention``: ``q [b, h, d]``, ``k, v [b, k, s, d]`` (the slot cache's layout: each KV
     head's slots contiguous), ``valid [b, s]`` or ``[b, k, s]``, ``lengths [b]`` or ``[b, k]``.
 
@@ -174,7 +182,7 @@ def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, vali
     if precision == _HI:
         q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
     qg = einops.rearrange(q, "b (k g) d -> b k g d", k=kv_heads)
-    scores = _product("bkgd,bksd->bkgs", qg, k.astype(q.dtype), precision) * scale
+    scores = capped(_product("bkgd,bksd->bkgs", qg, k.astype(q.dtype), precision) * scale, softcap)
     scores = jnp.where(mask[:, :, None, :], scores, -jnp.inf)  # [b, k, g, s]
     p, m, l = _softmax_parts(scores)  # [b, k, g, s], [b, k, g], [b, k, g]
     o = _product("bkgs,bksd->bkgd", p.astype(v.dtype) if precision != _HI else p, v.astype(q.dtype), precision)
@@ -191,7 +199,8 @@ def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, vali
 def attention_column_sums_reference(q: jax.Array, k: jax.Array, *, causal: bool = True,
                                     sm_scale: float | None = None, window: int | None = None,
                                     kv_lengths: jax.Array | None = None, q_offsets: jax.Array | None = None,
-                                    query_weights: jax.Array | None = None) -> jax.Array:
+                                    query_weights: jax.Array | None = None, softcap: float | None = None
+                                    ) -> jax.Array:
     """Reference for ``attention_column_sums``: probabilities of ``q [b, t, h, d]`` over ``k [b, s, k, d]`` (masks as
     in ``attention_reference``; only queries with ``query_weights [b, t] > 0`` when given) summed over the queries
     and each KV head's query group -> ``[b, k, s]`` float32."""
@@ -200,11 +209,13 @@ def attention_column_sums_reference(q: jax.Array, k: jax.Array, *, causal: bool 
     if query_weights is not None:
         counted = jnp.asarray(query_weights) > 0  # [b, t]
         mask &= counted[:, :, None] if mask.ndim == 3 else counted[:, None, :, None]
-    return masked_column_sums_reference(q, k, mask, sm_scale=sm_scale)
+    return masked_column_sums_reference(q, k, mask, sm_scale=sm_scale, softcap=softcap)
 
 
 def masked_column_sums_reference(q: jax.Array, k: jax.Array, mask: jax.Array | None, *,
-                                 sm_scale: float | None = None, precision=_HI) -> jax.Array:
+                                 sm_scale: float | None = None, precision=_HI, softcap: float | None = None
+                                 ) -> jax.Array:
     """Column sums with an explicit ``mask [b, t, s]`` (or ``[b, k, t, s]``): ``[b, k, s]`` float32; fully masked
     rows add 0."""
-    return jnp.sum(masked_probs(q, k, mask, sm_scale=sm_scale, precision=precision), axis=(2, 3))  # [b, k, s]
+    probs = masked_probs(q, k, mask, sm_scale=sm_scale, precision=precision, softcap=softcap)
+    return jnp.sum(probs, axis=(2, 3))  # [b, k, s]

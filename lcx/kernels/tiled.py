@@ -12,6 +12,10 @@ chunk of a prompt: the causal triangle, no more). The largest float32 score arra
 the tiles below every query of the block (and below every row's length) take no mask at all, only the diagonal
 ones do.
 
+``window`` (a sliding-window layer) hides slots more than ``window - 1`` before a query's own: the walk starts at the
+first tile some query of the block can see, and every visited tile takes the mask. ``softcap`` caps the scaled logits
+(``softcap * tanh(z / softcap)``) in every tile.
+
 Same values as the dense softmax up to float32 summation order (the running max and sum are rescaled per tile, the
 flash-attention recurrence). Inference only: the loops' trip counts are traced, which reverse-mode autodiff cannot
 differentiate; training's causal attention keeps its own path.
@@ -46,7 +50,7 @@ class _Tiles:
     block visits. ``walk(i, init, step)`` runs ``step(carry, j, scores)`` over query block ``i``'s visible key tiles
     ``j`` with their scaled logits ``[b, k, Q, g, S]`` (-inf where hidden)."""
 
-    def __init__(self, q, k, *, q_offsets, kv_lengths, sm_scale, causal, block_q, block_k):
+    def __init__(self, q, k, *, q_offsets, kv_lengths, sm_scale, causal, block_q, block_k, window=None, softcap=None):
         b, t, h, d = q.shape
         s, kv_heads = k.shape[1], k.shape[2]
         if h % kv_heads:
@@ -63,7 +67,7 @@ class _Tiles:
         self.pad_keys = lambda x: jnp.pad(x, ((0, 0), (0, n_k * self.block_k - s), (0, 0), (0, 0)))
         self.kt = self.pad_keys(k)
         self.dtype = q.dtype if q.dtype in _LOW else jnp.float32
-        self.sm_scale, self.causal = sm_scale, causal
+        self.sm_scale, self.causal, self.window, self.softcap = sm_scale, causal, window, softcap
         offsets = jnp.broadcast_to(jnp.asarray(q_offsets, jnp.int32), jnp.shape(q_offsets))
         lengths = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), s)
         self.first_q, self.lens = _rows(offsets), _rows(lengths)
@@ -77,11 +81,15 @@ class _Tiles:
     def scores(self, j, q_blk, q_slot, masked: bool):
         k_blk = jax.lax.dynamic_slice_in_dim(self.kt, j * self.block_k, self.block_k, axis=1)  # [b, S, k, d]
         scores = _product("bkqgd,bskd->bkqgs", q_blk, k_blk.astype(q_blk.dtype))  # [b, k, Q, g, S]
+        if self.softcap is not None:
+            scores = self.softcap * jnp.tanh(scores / self.softcap)
         if masked:
             k_slot = j * self.block_k + jnp.arange(self.block_k)[None, None, None, None, :]
             visible = k_slot < self.lens
             if self.causal:
                 visible &= k_slot <= q_slot
+            if self.window is not None:
+                visible &= k_slot > q_slot - self.window
             scores = jnp.where(visible, scores, -jnp.inf)
         return scores
 
@@ -96,7 +104,11 @@ class _Tiles:
         see_any = jnp.minimum(self.hi_len, self.hi_off + (i + 1) * bq) if self.causal else self.hi_len
         free = jnp.maximum(see_all, 0) // bk
         end = jnp.maximum(-(-see_any // bk), free)
-        carry = jax.lax.fori_loop(0, free, lambda j, c: step(c, j, self.scores(j, q_blk, q_slot, False)), init)
+        start = 0
+        if self.window is not None:  # the first key the block's earliest query sees; every tile takes the mask
+            start = jnp.clip((self.lo_off + i * bq - self.window + 1) // bk, 0, end)
+            free = start
+        carry = jax.lax.fori_loop(start, free, lambda j, c: step(c, j, self.scores(j, q_blk, q_slot, False)), init)
         return jax.lax.fori_loop(free, end, lambda j, c: step(c, j, self.scores(j, q_blk, q_slot, True)), carry)
 
     def rows(self, x):
@@ -119,14 +131,14 @@ def _online_softmax_step(carry, scores, v_blk=None):
 
 def tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offsets: jax.Array, kv_lengths: jax.Array,
                     sm_scale: float, causal: bool = True, residuals: bool = False, block_q: int = BLOCK_Q,
-                    block_k: int = BLOCK_K):
+                    block_k: int = BLOCK_K, window: int | None = None, softcap: float | None = None):
     """``q [b, t, h, d]`` against ``k, v [b, s, k, d]``: query i of row b sits at key slot ``q_offsets[b] + i`` and
     sees the slots ``<= q_offsets[b] + i`` (``causal``) and ``< kv_lengths[b]``; ``q_offsets`` / ``kv_lengths`` are
     ``[b]`` or, per KV head, ``[b, k]``. Returns ``out [b, t, h, d]`` in ``q``'s dtype, or with ``residuals``
     ``(out float32, m, l)``: each row's logit max and sum of exponentials ``[b, t, h]`` (empty rows: 0, -inf, 0),
-    as :func:`lcx.kernels.merge_partials` takes them."""
+    as :func:`lcx.kernels.merge_partials` takes them. ``window`` / ``softcap``: see the module docstring."""
     tiles = _Tiles(q, k, q_offsets=q_offsets, kv_lengths=kv_lengths, sm_scale=sm_scale, causal=causal,
-                   block_q=block_q, block_k=block_k)
+                   block_q=block_q, block_k=block_k, window=window, softcap=softcap)
     vt = tiles.pad_keys(v)
     b, kv, bq, g = tiles.b, tiles.kv_heads, tiles.block_q, tiles.g
 
@@ -148,7 +160,7 @@ def tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offsets: jax.
 
 def tiled_column_sums(q: jax.Array, k: jax.Array, *, q_offsets: jax.Array, kv_lengths: jax.Array, sm_scale: float,
                       query_weights: jax.Array | None = None, causal: bool = True, block_q: int = BLOCK_Q,
-                      block_k: int = BLOCK_K) -> jax.Array:
+                      block_k: int = BLOCK_K, window: int | None = None, softcap: float | None = None) -> jax.Array:
     """The attention each key receives from the queries with ``query_weights [b, t] > 0`` (None: all), summed over
     the queries and each KV head's query group: ``[b, k, s]`` float32 (masks as :func:`tiled_attention`).
 
@@ -156,7 +168,7 @@ def tiled_column_sums(q: jax.Array, k: jax.Array, *, q_offsets: jax.Array, kv_le
     the normalized probabilities per key tile - the dense formulation's ``[b, k, g, t, s]`` probabilities never
     exist at once."""
     tiles = _Tiles(q, k, q_offsets=q_offsets, kv_lengths=kv_lengths, sm_scale=sm_scale, causal=causal,
-                   block_q=block_q, block_k=block_k)
+                   block_q=block_q, block_k=block_k, window=window, softcap=softcap)
     b, kv, bq, g, bk = tiles.b, tiles.kv_heads, tiles.block_q, tiles.g, tiles.block_k
     t_pad = tiles.n_q * bq
     counted = jnp.ones((b, tiles.t), bool) if query_weights is None else jnp.asarray(query_weights) > 0

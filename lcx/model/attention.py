@@ -1,4 +1,5 @@
-"""Grouped-query attention: projections -> RoPE -> attention backend (or the cache's ``attend``) -> output projection.
+"""Grouped-query attention: projections -> [QK-norm] -> RoPE -> attention backend (or the cache's ``attend``) -> output
+projection, with the layer's ``AttentionSpec`` (window, soft-cap, scale, RoPE).
 
 Einsum legend: b batch, t positions, e embed, h query heads, k kv heads, d head dim.
 Query heads are ordered by KV group (head h belongs to KV head h // n_groups), the Hugging Face order, so that
@@ -14,18 +15,45 @@ import jax
 import jax.numpy as jnp
 
 from lcx import kernels, sharding
-from lcx.model.config import ModelConfig
+from lcx.model.config import AttentionSpec, ModelConfig
+from lcx.model.layers import RMSNorm
 from lcx.model.params import as_dtype, declare, normal, zeros
 from lcx.model.rope import apply_rope
 from lcx.sharding import BSKD, BT, BTHD
+
+
+def attend_spec(config: ModelConfig, spec: AttentionSpec, tables, q, key, val, cache, positions, ok, stat_weights,
+                segment_ids):
+    """One layer's attention with a static ``spec``: ``(out [b, t, h, d], cache)``. ``tables``: ``(cos, sin)`` of
+    ``spec.rope`` at ``positions``."""
+    cos, sin = tables
+    if cache is not None:
+        if segment_ids is not None:
+            raise ValueError("segment_ids (packed documents) are for training and scoring without a cache")
+        # Cache kinds written before per-layer specs take no ``spec``: plain (Llama-style) models do not pass it.
+        extra = {} if config.plain_attention else {"spec": spec}
+        return cache.kind.attend(cache, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
+                                 stat_weights=stat_weights, **extra)
+    q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+    attend = functools.partial(kernels.backend(config.attention.impl).causal, sm_scale=spec.sm_scale,
+                               **kernels.spec_kwargs(spec))
+    if segment_ids is None:
+        return sharding.per_shard(attend, (BTHD, BSKD, BSKD), BTHD)(q, key, val), None  # no communication
+    packed = lambda q, k, v, seg: attend(q, k, v, segment_ids=seg)  # noqa: E731
+    return sharding.per_shard(packed, (BTHD, BSKD, BSKD, BT), BTHD)(q, key, val, segment_ids), None
 
 
 class Attention(nn.Module):
     """Self-attention over ``x [b, t, e]``; returns ``(out [b, t, e], cache)``.
 
     Without a cache the sequence attends causally to itself (within its segment when ``segment_ids [b, t]`` is
-    given: packed documents). With one (a layer of a cache state, see
-    ``lcx.cache.base``), the cache's own ``attend`` appends the new keys and values (where ``ok``) and attends.
+    given: packed documents). With one (a layer of a cache state, see ``lcx.cache.base``), the cache's own ``attend``
+    appends the new keys and values (where ``ok``) and attends.
+
+    ``tables`` holds ``(cos, sin)`` per distinct spec of the model (``ModelConfig.spec_table``); ``spec_index``
+    picks this layer's: a Python int (static: the unrolled decoder, or a model with one spec) or, inside the layer
+    scan of a model with several, a traced int - then ``lax.switch`` runs the branch of the layer's spec, so the
+    compiled program holds each distinct spec once, whatever the depth.
     """
 
     config: ModelConfig
@@ -36,9 +64,9 @@ class Attention(nn.Module):
     merge_out_heads: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache=None,
-                 positions: jax.Array | None = None, ok: jax.Array | None = None,
-                 stat_weights: jax.Array | None = None, segment_ids: jax.Array | None = None):
+    def __call__(self, x: jax.Array, tables, spec_index, cache=None, positions: jax.Array | None = None,
+                 ok: jax.Array | None = None, stat_weights: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None):
         cfg = self.config
         e, h, k, d = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         init, pdt, dt = normal(cfg.init_std), as_dtype(cfg.param_dtype), cfg.dtype
@@ -54,25 +82,24 @@ class Attention(nn.Module):
             q = q + declare(self, "q_bias", (h, d), ("heads", "head_dim"), zeros, pdt).astype(dt)
             key = key + declare(self, "k_bias", (k, d), ("kv_heads", "head_dim"), zeros, pdt).astype(dt)
             val = val + declare(self, "v_bias", (k, d), ("kv_heads", "head_dim"), zeros, pdt).astype(dt)
+        if cfg.block.qk_norm:  # per head over head_dim, before RoPE (Qwen3, Gemma 3)
+            q = RMSNorm(cfg, dim=d, name="q_norm")(q)
+            key = RMSNorm(cfg, dim=d, name="k_norm")(key)
         key, val = sharding.replicate_kv_heads(key, val, n_heads=h)  # [b, t, k*r, d] when a mesh replicates
+        if cache is None:
+            # Kept only when asked for (apply(..., mutable=["intermediates"])): what routers distil from.
+            self.sow("intermediates", "q", q)
+            self.sow("intermediates", "k", key)
 
+        specs, _ = cfg.spec_table()
+        branches = [functools.partial(attend_spec, cfg, spec, tables[j]) for j, spec in enumerate(specs)]
+        rest = (positions, ok, stat_weights, segment_ids)
         with jax.named_scope(f"attention_{cfg.attention.impl}"):
-            if cache is None:
-                # Kept only when asked for (apply(..., mutable=["intermediates"])): what routers distil from.
-                self.sow("intermediates", "q", q)
-                self.sow("intermediates", "k", key)
-                q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
-                attend = functools.partial(kernels.backend(cfg.attention.impl).causal, sm_scale=d ** -0.5)
-                if segment_ids is None:
-                    out = sharding.per_shard(attend, (BTHD, BSKD, BSKD), BTHD)(q, key, val)  # no communication
-                else:
-                    packed = lambda q, k, v, seg: attend(q, k, v, segment_ids=seg)  # noqa: E731
-                    out = sharding.per_shard(packed, (BTHD, BSKD, BSKD, BT), BTHD)(q, key, val, segment_ids)
+            if isinstance(spec_index, int):
+                out, cache = branches[spec_index](q, key, val, cache, *rest)
             else:
-                if segment_ids is not None:
-                    raise ValueError("segment_ids (packed documents) are for training and scoring without a cache")
-                out, cache = cache.kind.attend(cache, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
-                                               stat_weights=stat_weights)
+                out, cache = jax.lax.switch(spec_index, [lambda *a, f=f: f(*a) for f in branches],
+                                            q, key, val, cache, *rest)
         if self.merge_out_heads:  # f = (h d): a bitcast of both operands
             out = jnp.einsum("btf,fe->bte", out.astype(dt).reshape(*out.shape[:2], h * d),
                              wo.astype(dt).reshape(h * d, e))  # [b, t, e]

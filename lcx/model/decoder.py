@@ -1,10 +1,13 @@
-"""The Llama-family decoder, Flax Linen used functionally: ``init`` / ``apply`` with a plain params dict.
+"""The decoder, Flax Linen used functionally: ``init`` / ``apply`` with a plain params dict.
 
-    embed -> n_layers x [RMSNorm -> Attention -> +res -> RMSNorm -> SwiGLU -> +res] -> RMSNorm -> logits (float32)
+    embed [x sqrt(e)] -> n_layers x [RMSNorm -> Attention [-> RMSNorm] -> +res -> RMSNorm -> gated MLP [-> RMSNorm]
+    -> +res] -> RMSNorm -> logits (float32) [-> soft-cap]
 
-Layers are one ``nn.scan`` over a stacked block (params carry a leading "layers" axis), so compile time does not
-grow with depth. ``Decoder(config, unrolled=True)`` runs the same block once per layer instead, with per-layer params
-(``unroll_params``): what generation uses, where every step reads every weight once.
+(brackets: by family, ``lcx.model.families``). Layers are one ``nn.scan`` over a stacked block (params carry a
+leading "layers" axis), so compile time does not grow with depth; layers whose attention specs differ (sliding-window
+and global layers) pick theirs inside the scan (``Attention``). ``Decoder(config, unrolled=True)`` runs the same block
+once per layer instead, with per-layer params (``unroll_params``): what generation uses, where every step reads every
+weight once.
 Einsum legend: b batch, t positions, e embed, v vocab.
 """
 
@@ -21,28 +24,53 @@ from lcx.model.params import as_dtype, declare, normal
 from lcx.model.rope import apply_rope, rope_tables
 
 
+def spec_tables(config: ModelConfig, positions: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
+    """``(cos, sin)`` at ``positions`` for each distinct attention spec (``ModelConfig.spec_table``), computed once per
+    distinct RoPE."""
+    specs, _ = config.spec_table()
+    by_rope = {}
+    for spec in specs:
+        if spec.rope not in by_rope:
+            by_rope[spec.rope] = rope_tables(config, positions, spec.rope)
+    return tuple(by_rope[spec.rope] for spec in specs)
+
+
 class Block(nn.Module):
     """One layer. The carry is ``(x, cache, i)``: the whole cache rides in it and layer ``i`` reads its view and
     writes it back in place (``CacheState.layer`` / ``set_layer``: on a stacked cache a ``dynamic_update_slice`` of
     a loop-carried buffer, on a split one its own buffers). Passing the cache as scanned inputs and outputs instead
     would build a fresh stacked cache every call - several full copies of every layer's keys and values per decoded
-    token."""
+    token.
+
+    ``spec_index``: the layer's attention spec (an int, static) or None inside the scan, where the traced index
+    arrives as the scanned input ``scanned_spec``."""
 
     config: ModelConfig
     merge_out_heads: bool = False  # see ``Attention.merge_out_heads``
+    spec_index: int | None = None
 
     @nn.compact
-    def __call__(self, carry, cos: jax.Array, sin: jax.Array, positions: jax.Array | None,
-                 ok: jax.Array | None, stat_weights: jax.Array | None, segment_ids: jax.Array | None):
+    def __call__(self, carry, tables, positions: jax.Array | None, ok: jax.Array | None,
+                 stat_weights: jax.Array | None, segment_ids: jax.Array | None, scanned_spec: jax.Array | None = None):
+        cfg = self.config
         x, cache, i = carry
         layer = None if cache is None else cache.layer(i)
+        spec = self.spec_index
+        if spec is None:
+            spec = 0 if len(cfg.spec_table()[0]) == 1 else scanned_spec
+        sandwich = cfg.block.sandwich_norms
         with jax.named_scope("attention_block"):
-            attn = Attention(self.config, merge_out_heads=self.merge_out_heads, name="attn")
-            h, layer = attn(RMSNorm(self.config, name="attn_norm")(x), cos, sin, layer, positions, ok, stat_weights,
+            attn = Attention(cfg, merge_out_heads=self.merge_out_heads, name="attn")
+            h, layer = attn(RMSNorm(cfg, name="attn_norm")(x), tables, spec, layer, positions, ok, stat_weights,
                             segment_ids)
+            if sandwich:
+                h = RMSNorm(cfg, name="post_attn_norm")(h)
             x = x + h
         with jax.named_scope("mlp_block"):
-            x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x))
+            h = MLP(cfg, name="mlp")(RMSNorm(cfg, name="mlp_norm")(x))
+            if sandwich:
+                h = RMSNorm(cfg, name="post_mlp_norm")(h)
+            x = x + h
         if cache is not None:
             cache = cache.set_layer(i, layer)
         return (x, cache, i + 1), None
@@ -79,29 +107,33 @@ class Decoder(nn.Module):
         init, pdt = normal(cfg.init_std), as_dtype(cfg.param_dtype)
         embedding = declare(self, "embed", (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), init, pdt)
         x = jnp.take(embedding, input_ids, axis=0).astype(cfg.dtype)  # [b, t, e]
-        cos, sin = rope_tables(cfg, positions)
+        if cfg.block.embed_scale:  # sqrt(e) rounded to the compute dtype first, as transformers
+            x = x * jnp.asarray(cfg.d_model ** 0.5, cfg.dtype)
+        tables = spec_tables(cfg, positions)
+        _, spec_of_layer = cfg.spec_table()
 
         block = Block
         if cfg.remat:
             policy = getattr(jax.checkpoint_policies, REMAT_POLICIES[cfg.remat_policy])
             block = nn.remat(Block, prevent_cse=False, policy=policy)
-        layer_inputs = (cos, sin, positions, ok, stat_weights, segment_ids)
+        layer_inputs = (tables, positions, ok, stat_weights, segment_ids)
         if self.unrolled:  # one Block per layer, params "layers_0" ... (``unroll_params``), layer i a Python int
             carry = (x, None if cache is None else cache.layers(), 0)
             for i in range(cfg.n_layers):
-                carry, _ = block(cfg, merge_out_heads=True, name=f"layers_{i}")(carry, *layer_inputs)
+                carry, _ = block(cfg, merge_out_heads=True, spec_index=spec_of_layer[i], name=f"layers_{i}")(
+                    carry, *layer_inputs)
             x, layer_caches, _ = carry
         else:
             layers = nn.scan(
                 block,
                 variable_axes={"params": 0, "intermediates": 0},
                 split_rngs={"params": True},
-                in_axes=(nn.broadcast,) * len(layer_inputs),
+                in_axes=(nn.broadcast,) * len(layer_inputs) + (0,),
                 length=cfg.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )(cfg, name="layers")
             carry = (x, None if cache is None else cache.layers(), jnp.zeros((), jnp.int32))
-            (x, layer_caches, _), _ = layers(carry, *layer_inputs)
+            (x, layer_caches, _), _ = layers(carry, *layer_inputs, jnp.asarray(spec_of_layer, jnp.int32))
 
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None].astype(jnp.int32), axis=1)  # [b, 1, e]
@@ -111,6 +143,8 @@ class Decoder(nn.Module):
         else:
             head = declare(self, "lm_head", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), init, pdt)
         logits = jnp.einsum("bte,ev->btv", x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)
+        if cfg.final_softcap is not None:  # Gemma 2: logits -> cap * tanh(logits / cap)
+            logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
         if cache is None:
             return logits
         return logits, cache.with_layers(layer_caches, cache.lengths + jnp.sum(ok, axis=1, dtype=jnp.int32))
@@ -147,8 +181,10 @@ def attention_inputs(config: ModelConfig, params, input_ids: jax.Array, rotated:
     q, k = attn["q"][0], attn["k"][0]
     if rotated:
         positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
-        cos, sin = rope_tables(config, positions)
-        q, k = jax.vmap(lambda x: apply_rope(x, cos, sin))(q), jax.vmap(lambda x: apply_rope(x, cos, sin))(k)
+        tables = spec_tables(config, positions)  # each layer rotates with its own spec's RoPE
+        _, spec_of_layer = config.spec_table()
+        q = jnp.stack([apply_rope(q[i], *tables[j]) for i, j in enumerate(spec_of_layer)])
+        k = jnp.stack([apply_rope(k[i], *tables[j]) for i, j in enumerate(spec_of_layer)])
     return q, k
 
 

@@ -27,24 +27,29 @@ def inv_freq_and_factor(rope: RopeConfig, dim: int, max_position_embeddings: int
     return np.asarray(inv).astype(np.float32), float(m)
 
 
-def inv_freq_for_length(config: ModelConfig, seq_len: jax.Array) -> jax.Array:
-    """Inverse frequencies ``[rotary_dim // 2]`` for a traced ``seq_len``."""
-    kind = rope_scaling.get(config.rope.type)
+def inv_freq_for_length(config: ModelConfig, seq_len: jax.Array, rope: RopeConfig | None = None) -> jax.Array:
+    """Inverse frequencies ``[rotary_dim // 2]`` for a traced ``seq_len`` (``rope``: default ``config.rope``)."""
+    rope = rope or config.rope
+    dim = int(config.head_dim * rope.partial_rotary_factor)
+    kind = rope_scaling.get(rope.type)
     if kind.traced is None:
-        return jnp.asarray(inv_freq_and_factor(config.rope, config.rotary_dim, config.max_position_embeddings)[0])
-    return kind.traced(config.rope, config.rotary_dim, config.max_position_embeddings,
-                       config.original_max_position_embeddings, seq_len)
+        return jnp.asarray(inv_freq_and_factor(rope, dim, config.max_position_embeddings)[0])
+    original = rope.original_max_position_embeddings or config.max_position_embeddings
+    return kind.traced(rope, dim, config.max_position_embeddings, original, seq_len)
 
 
-def rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos and sin ``[b, t, rotary_dim]`` (float32, attention factor applied) for int ``positions [b, t]``.
+def rope_tables(config: ModelConfig, positions: jax.Array, rope: RopeConfig | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+    """cos and sin ``[b, t, rotary_dim]`` (float32, attention factor applied) for int ``positions [b, t]``, of
+    ``rope`` (default ``config.rope``; a sliding-window layer's may differ, ``AttentionSpec.rope``).
 
     For length-dependent types the sequence length is ``max(positions) + 1``, as in transformers.
     """
-    dim = config.rotary_dim
-    inv, m = inv_freq_and_factor(config.rope, dim, config.max_position_embeddings)
-    if rope_scaling.get(config.rope.type).length_dependent:
-        inv = inv_freq_for_length(config, jnp.max(positions) + 1)
+    rope = rope or config.rope
+    dim = int(config.head_dim * rope.partial_rotary_factor)
+    inv, m = inv_freq_and_factor(rope, dim, config.max_position_embeddings)
+    if rope_scaling.get(rope.type).length_dependent:
+        inv = inv_freq_for_length(config, jnp.max(positions) + 1, rope)
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv, jnp.float32)  # [b, t, d/2]
     angles = jnp.concatenate([freqs, freqs], axis=-1)  # [b, t, d]
     return jnp.cos(angles) * m, jnp.sin(angles) * m

@@ -115,6 +115,10 @@ class MemoryKind(CacheKind):
     def from_config(cls, model, cache, policy) -> "MemoryKind":
         if isinstance(cache.budget, tuple):
             raise ConfigError("cache.budget for cache.policy='memory' is one number (the device budget per layer)")
+        if not model.plain_attention:
+            raise ConfigError(f"cache.policy='memory' needs plain attention in every layer; model.family="
+                              f"{model.family!r} has sliding windows, soft-capping or a query scale "
+                              "(the memory tier does not implement them yet)")
         window = policy.resolve_window(cache.budget)
         if policy.router == "learned":
             learned.check(policy.router_path, model, policy.positions)
@@ -221,7 +225,8 @@ class MemoryKind(CacheKind):
         return dataclasses.replace(self, route_each_query=True)
 
     # ------------------------------------------------------------------------------------------- attention
-    def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
+    def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None):
+        # from_config refuses models whose attention is not plain: every spec equals the one attend computes
         return memory_attend.attend(self, layer, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
                                     stat_weights=stat_weights)
 
