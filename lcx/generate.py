@@ -359,7 +359,7 @@ class Generator:
             self.params = shard_params(params, config, mesh)
         self.cache_config = cache or CacheConfig()
         self.kind = cache_kind(config, self.cache_config, mesh)  # validates the policy against the model
-        if mesh is not None and self.kind.name != "slots":
+        if mesh is not None and self.kind.name not in ("slots", "hybrid"):
             raise ConfigError(f"cache.policy={self.cache_config.policy!r} (cache type {self.kind.name!r}) does not "
                               "run on a device mesh yet; generate on one device or use an eviction policy")
         self._open: list = []  # handles of the host resources (e.g. stores) this generator's requests opened

@@ -206,7 +206,14 @@ def _rope_to_hf(config: ModelConfig, rope: RopeConfig) -> dict[str, Any]:
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """A transformers v5 ``config.json`` dict of ``config.family``."""
+    """A transformers v5 ``config.json`` dict of ``config.family``.
+
+    A ``llama`` config with q/k/v biases but no output bias (configs written before ``family`` existed) is written as
+    Qwen2, whose block it is: a Llama ``config.json`` can only state all four attention biases or none."""
+    if config.family == "llama" and config.qkv_bias and not config.o_bias:
+        import dataclasses
+
+        config = dataclasses.replace(config, family="qwen2")
     fam = config.block
     if config.family == "mistral" and config.layer_types is not None and len(set(config.layer_types)) > 1:
         raise ConfigError(f"model.layer_types={list(config.layer_types)} mixes layer types, which a Mistral "

@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from lcx import hf, sharding
+from lcx.cache.config import CacheConfig
 from lcx.cache.kv_cache import kv_bytes
 from lcx.config import ConfigError, ModelConfig, apply_model_overrides, load_model_config
 from lcx.config_base import canonical_dtype, dtype_bytes, format_bytes, parse_bytes
@@ -50,6 +51,22 @@ STATUSES = ("pass", "warn", "fail")
 def kv_bytes_per_token(model: ModelConfig, kv_dtype: str) -> int:
     """Bytes of K and V for one token of one sequence, all layers and all KV heads (no sharding, no replication)."""
     return kv_bytes(model, 1, 1, canonical_dtype(kv_dtype))
+
+
+def local_slots(model: ModelConfig, tokens: int, interval: int) -> int:
+    """Slots a sliding-window layer holds for a sequence of ``tokens``: ``window - 1`` kept plus the ``interval``
+    between compactions (``lcx.cache.hybrid``), or the sequence when shorter; 0 for a model without such layers."""
+    if model.sliding_window is None:
+        return 0
+    return min(tokens, max(model.sliding_window - 1, 1) + interval)
+
+
+def kv_bytes_for_context(model: ModelConfig, kv_dtype: str, tokens: int, interval: int = CacheConfig.interval) -> int:
+    """Bytes of K and V for one sequence of ``tokens``: global layers hold every token, sliding-window layers their
+    window's slots (``local_slots``)."""
+    per_layer = kv_bytes_per_token(model, kv_dtype) // model.n_layers
+    n_local = model.types.count("sliding_attention")
+    return per_layer * ((model.n_layers - n_local) * tokens + n_local * local_slots(model, tokens, interval))
 
 
 def weight_bytes(model: ModelConfig, dtype: str) -> int:
@@ -81,14 +98,27 @@ def weight_bytes_per_device(model: ModelConfig, dtype: str, model_axis: int, dat
     return param_bytes_per_device(model, abstract_mesh(data, model_axis), canonical_dtype(dtype))
 
 
+UNBOUNDED = 2 ** 62  # ``max_context`` of a model whose every layer keeps only its window
+
+
 def max_context(model: ModelConfig, *, batch: int, gpu_mem_bytes: int, devices: int, kv_dtype: str,
-                weight_dtype: str, utilization: float = UTILIZATION, data: int = 1) -> int:
+                weight_dtype: str, utilization: float = UTILIZATION, data: int = 1,
+                interval: int = CacheConfig.interval) -> int:
     """The longest context (tokens per sequence) whose full cache fits next to the weights on every device of a
-    ``data x (devices / data)`` mesh; 0 when the weights alone do not fit."""
+    ``data x (devices / data)`` mesh; 0 when the weights alone do not fit. Sliding-window layers count their
+    window's slots (a fixed amount), global layers every token; ``UNBOUNDED`` when no layer is global."""
     model_axis = devices // data
     free = usable_bytes(gpu_mem_bytes, utilization) - weight_bytes_per_device(model, weight_dtype, model_axis, data)
-    per_token = kv_bytes_per_token_per_device(model, kv_dtype, model_axis) * -(-batch // data)
-    return max(free, 0) // per_token
+    rows = -(-batch // data)
+    per_layer = kv_bytes_per_token_per_device(model, kv_dtype, model_axis) // model.n_layers * rows
+    n_local = model.types.count("sliding_attention")
+    every_layer = max(free, 0) // (per_layer * model.n_layers)  # while a sequence is shorter than the local slots
+    cap = local_slots(model, UNBOUNDED, interval)
+    if not n_local or every_layer < cap:
+        return every_layer
+    if n_local == model.n_layers:
+        return UNBOUNDED
+    return (free - per_layer * n_local * cap) // (per_layer * (model.n_layers - n_local))
 
 
 def valid_model_axis_sizes(model: ModelConfig, devices: int) -> list[int]:
@@ -194,6 +224,9 @@ class Plan:
     notes: tuple[str, ...]
 
     data: int = 1  # devices along the data axis (the batch splits over it)
+    n_local_layers: int = 0  # sliding-window layers: they hold local_slots per sequence, whatever the context
+    local_slots: int = 0
+    sliding_window: int | None = None
     # With a cache section (``--cache-policy``): what that cache type holds for the context, per sequence batch.
     cache_policy: str | None = None
     cache_device_kv_bytes: int | None = None  # keys / values on the device (working memory, device store)
@@ -221,6 +254,10 @@ class Plan:
 
 
 # --------------------------------------------------------------------------------------------------- checkpoints
+def _longest(tokens: int) -> str:
+    return "unbounded (every layer keeps only its window)" if tokens >= UNBOUNDED else f"{tokens} tokens"
+
+
 def _memory_checkpoint(inputs: PlanInputs, n: dict[str, Any]) -> Checkpoint:
     """(a) context vs memory budget."""
     model, usable = inputs.model, n["usable"]
@@ -230,12 +267,13 @@ def _memory_checkpoint(inputs: PlanInputs, n: dict[str, Any]) -> Checkpoint:
     if n["fits"]:
         return Checkpoint("context_vs_memory", "pass",
                           f"{need} fits in {of} ({format_bytes(usable - n['total_dev'])} to spare); "
-                          f"longest context that fits: {n['max_context']} tokens")
+                          f"longest context that fits: {_longest(n['max_context'])}")
     if inputs.budget is not None and n["fits_budget"]:
         return Checkpoint("context_vs_memory", "warn",
                           f"the full cache does not fit ({need} > {of}); with the eviction budget of "
                           f"{n['cache_tokens']} tokens the cache is {format_bytes(n['b_kv_dev'])} per device and "
-                          f"fits, at the cost of evicted tokens; longest full-cache context: {n['max_context']} tokens")
+                          f"fits, at the cost of evicted tokens; longest full-cache context: "
+                          f"{_longest(n['max_context'])}")
     advice = []
     if n["max_context"] > 0:
         advice.append(f"longest context that fits: {n['max_context']} tokens")
@@ -350,19 +388,22 @@ def _numbers(inputs: PlanInputs) -> dict[str, Any]:
     w_total = weight_bytes(model, inputs.weight_dtype)
     w_dev = weight_bytes_per_device(model, inputs.weight_dtype, m, data)
     per_token = kv_bytes_per_token(model, inputs.kv_dtype)
-    per_token_dev = kv_bytes_per_token_per_device(model, inputs.kv_dtype, m)
+    interval = (inputs.cache or CacheConfig()).interval
+    kv_of = lambda tokens: kv_bytes_for_context(model, inputs.kv_dtype, tokens, interval)  # noqa: E731
+    on_device = lambda nbytes: nbytes * kv_heads_per_device(model, m) // model.n_kv_heads  # noqa: E731
     cache_tokens = min(inputs.context, inputs.budget) if inputs.budget is not None else inputs.context
-    kv_dev = per_token_dev * inputs.context * rows
-    b_kv_dev = per_token_dev * cache_tokens * rows
+    kv_dev = on_device(kv_of(inputs.context)) * rows
+    b_kv_dev = on_device(kv_of(cache_tokens)) * rows
     return dict(
         usable=usable, w_total=w_total, w_dev=w_dev, per_token=per_token,
-        kv_total=per_token * inputs.context * inputs.batch, kv_dev=kv_dev, total_dev=w_dev + kv_dev,
+        kv_total=kv_of(inputs.context) * inputs.batch, kv_dev=kv_dev, total_dev=w_dev + kv_dev,
         fits=w_dev + kv_dev <= usable, cache_tokens=cache_tokens,
-        b_kv_total=per_token * cache_tokens * inputs.batch, b_kv_dev=b_kv_dev, b_total_dev=w_dev + b_kv_dev,
+        b_kv_total=kv_of(cache_tokens) * inputs.batch, b_kv_dev=b_kv_dev, b_total_dev=w_dev + b_kv_dev,
         fits_budget=w_dev + b_kv_dev <= usable,
         max_context=max_context(model, batch=inputs.batch, gpu_mem_bytes=inputs.gpu_mem_bytes,
                                 devices=inputs.devices, kv_dtype=inputs.kv_dtype, weight_dtype=inputs.weight_dtype,
-                                utilization=inputs.utilization, data=data),
+                                utilization=inputs.utilization, data=data, interval=interval),
+        n_local=model.types.count("sliding_attention"), local_slots=local_slots(model, inputs.context, interval),
     )
 
 
@@ -434,7 +475,8 @@ def make_plan(inputs: PlanInputs, source: str = "") -> Plan:
         kv_bytes_per_device=n["kv_dev"], total_bytes_per_device=n["total_dev"], fits=n["fits"],
         cache_tokens=n["cache_tokens"], budget_kv_bytes_total=n["b_kv_total"], budget_kv_bytes_per_device=n["b_kv_dev"],
         budget_total_bytes_per_device=n["b_total_dev"], fits_with_budget=n["fits_budget"],
-        max_context=n["max_context"], data=inputs.data, **_tier_numbers(inputs),
+        max_context=n["max_context"], data=inputs.data, n_local_layers=n["n_local"], local_slots=n["local_slots"],
+        sliding_window=model.sliding_window if n["n_local"] else None, **_tier_numbers(inputs),
         checkpoints=tuple(_checkpoints(inputs, n)),
         assumptions=_assumptions(inputs), notes=_notes(inputs),
     )
@@ -459,6 +501,10 @@ def render(plan: Plan) -> str:
         f"{fb(plan.kv_bytes_per_device)} per device ({plan.kv_heads_per_device} KV head(s) per device"
         + (f", each replicated {plan.kv_replication}x" if plan.kv_replication > 1 else "") + ")",
     ]
+    if plan.n_local_layers:
+        lines.append(f"layers       {plan.n_local_layers} sliding-window (window {plan.sliding_window}: "
+                     f"{plan.local_slots} slots each for this context) + {plan.n_layers - plan.n_local_layers} global "
+                     f"(every token); the KV figures count each layer's own slots")
     if plan.budget is not None:
         lines.append(f"budgeted     eviction budget {plan.budget} -> cache holds {plan.cache_tokens} tokens: "
                      f"{fb(plan.budget_kv_bytes_total)} total, {fb(plan.budget_kv_bytes_per_device)} per device")
@@ -476,7 +522,7 @@ def render(plan: Plan) -> str:
         if plan.cache_keep_sets is not None:
             lines.append(f"             {plan.cache_slots} slots per sequence and layer; kept positions "
                          f"{plan.cache_keep_sets} (each KV head has its own slots)")
-    lines.append(f"longest context that fits (full cache, batch {plan.batch}): {plan.max_context} tokens")
+    lines.append(f"longest context that fits (full cache, batch {plan.batch}): {_longest(plan.max_context)}")
     lines.append("checkpoints")
     for c in plan.checkpoints:
         lines.append(f"  {c.status:<4}  {_LABELS.get(c.name, c.name)}: {c.reason}")

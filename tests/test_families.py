@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from lcx import hf
 from lcx.config import CacheConfig, ConfigError
-from lcx.generate import generate
+from lcx.generate import Generator
 from lcx.model import families
 from lcx.model.decoder import abstract_params
 from tests.conftest import hf_logits, random_hf_model
@@ -44,8 +44,9 @@ def _rel(ours, ref) -> float:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_families_logits_tokens_and_roundtrip_equal_transformers(case, tmp_path):
-    """Logits of a 3x-window prompt (rel <= 1e-4), greedy tokens of a generation crossing the window (chunked
-    prefill and decode through the cache), the parameter count, and save_hf -> transformers."""
+    """Logits of a 3x-window prompt (rel <= 1e-4), greedy tokens of a generation 4x the window (chunked prefill and
+    decode through the cache, whose sliding-window layers keep window - 1 + interval slots: evicting every 4 steps),
+    the parameter count, and save_hf -> transformers."""
     import torch
     import transformers
 
@@ -63,13 +64,38 @@ def test_families_logits_tokens_and_roundtrip_equal_transformers(case, tmp_path)
     assert _rel(ours, ref) <= 1e-4, _rel(ours, ref)
 
     prompt = np.random.default_rng(1).integers(0, 128, (2, 11))
-    n_new = 2 * WINDOW
+    n_new, interval = 4 * WINDOW, 4
     with torch.no_grad():
         expected = model.generate(torch.as_tensor(prompt), max_new_tokens=n_new, min_new_tokens=n_new,
                                   do_sample=False, pad_token_id=0)[:, prompt.shape[1]:].numpy()
-    got = generate(config, params, prompt, max_new_tokens=n_new, cache=CacheConfig(prefill_chunk=4))
-    np.testing.assert_array_equal(got.tokens, expected)
+    gen = Generator(config, params, max_new_tokens=n_new, cache=CacheConfig(prefill_chunk=4, interval=interval))
+    state = gen.decode(gen.prefill(prompt))
+    np.testing.assert_array_equal(np.asarray(state.tokens), expected)
     assert len(set(expected[0].tolist())) > 3  # a non-degenerate continuation, so equality means something
+    n_local = config.types.count("sliding_attention")
+    full = 2 * config.n_layers * 2 * config.n_kv_heads * config.head_dim * (11 + n_new) * 4  # every layer, all tokens
+    if n_local:  # device KV of the local layers: window - 1 + interval slots, while the sequence is 43 long
+        local = state.cache.loc
+        assert local.k.shape == (n_local, 2, config.n_kv_heads, WINDOW - 1 + interval, config.head_dim)
+        assert int(np.max(np.asarray(local.count))) <= WINDOW - 1 + interval
+        glob_slots = (config.n_layers - n_local) * (11 + n_new)
+        assert state.cache.kv_bytes() == full * (glob_slots + n_local * (WINDOW - 1 + interval)) // (
+            config.n_layers * (11 + n_new))
+    assert gen.result(state).cache_bytes == state.cache.kv_bytes() <= full
+    if case == "gemma3":
+        # the scanned decoder: one layer of each group per scan step, the spec switch picks
+        scanned = Generator(config, params, max_new_tokens=n_new, unroll=False,
+                            cache=CacheConfig(prefill_chunk=4, interval=interval))
+        np.testing.assert_array_equal(np.asarray(scanned.decode(scanned.prefill(prompt)).tokens), expected)
+        # an eviction policy on the global layer, its budget above the sequence: the same tokens; below it, the
+        # global layer holds budget + interval slots and the local ones their window's
+        h2o = Generator(config, params, max_new_tokens=n_new, cache=CacheConfig(policy="h2o", budget=64, interval=4))
+        np.testing.assert_array_equal(np.asarray(h2o.decode(h2o.prefill(prompt)).tokens), expected)
+        small = Generator(config, params, max_new_tokens=n_new,
+                          cache=CacheConfig(policy="streaming", budget=16, sinks=2, interval=interval))
+        cache = small.decode(small.prefill(prompt)).cache
+        assert cache.glob.k.shape[3] == 16 + interval and cache.loc.k.shape[3] == WINDOW - 1 + interval
+        assert int(np.max(np.asarray(cache.glob.count))) <= 16 + interval
 
     hf.save_hf(config, params, tmp_path / "lcx")
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lcx", attn_implementation="eager")

@@ -120,7 +120,7 @@ def test_weight_bytes_is_params_times_dtype_size():
 
 @pytest.mark.parametrize("name, params", [
     ("llama2-7b", 6.74e9), ("llama3-70b", 70.6e9), ("llama3-8b", 8.03e9), ("mistral-7b", 7.25e9),
-    ("qwen2-7b", 7.62e9),
+    ("qwen2-7b", 7.62e9), ("qwen3-8b", 8.19e9), ("gemma3-4b", 3.88e9),
 ])
 def test_bundled_configs_parameter_counts(name, params):
     assert model(name).num_params() == pytest.approx(params, rel=0.01)
@@ -205,6 +205,32 @@ def test_max_context_brute_force_on_a_tiny_model():
             brute += 1
         assert max_context(m, batch=3, gpu_mem_bytes=gpu, devices=devices, kv_dtype="float32",
                            weight_dtype="float32") == brute > 0
+
+
+def test_plan_gemma3_counts_the_sliding_layers_at_their_window(capsys):
+    """Gemma-3-4B at 32K: 29 sliding-window layers hold window - 1 + interval = 1,087 slots, 5 global layers every
+    token - about 1/5 of an all-global cache; the longest context is set by the global layers alone; the brute-force
+    boundary of ``fits`` is ``max_context`` on a tiny hybrid model; all-local models are unbounded."""
+    plan = plan_for("gemma3-4b", context=32768)
+    per_layer = 2 * 4 * 256 * 2  # K and V, 4 KV heads, head_dim 256, bf16
+    assert plan.n_local_layers == 29 and plan.local_slots == 1023 + 64
+    assert plan.kv_bytes_total == per_layer * (5 * 32768 + 29 * 1087)
+    assert 0.17 < plan.kv_bytes_total / (34 * per_layer * 32768) < 0.19
+    rc, out, _ = run_cli(capsys, MODELS / "gemma3-4b.yaml", "--context", 32768, "--gpu-mem", "24GiB")
+    assert rc == 0 and "29 sliding-window (window 1024: 1087 slots each for this context) + 5 global" in out
+    tiny = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64, family="gemma3",
+                       layer_types=("sliding_attention", "sliding_attention", "full_attention"), sliding_window=8)
+    boundaries = []
+    for gpu in (200_000, 400_000):  # below and above the local layers' 71 slots
+        brute = 0
+        while make_plan(PlanInputs(model=tiny, context=brute + 1, batch=2, gpu_mem_bytes=gpu)).fits:
+            brute += 1
+        assert max_context(tiny, batch=2, gpu_mem_bytes=gpu, devices=1, kv_dtype="float32",
+                           weight_dtype="float32") == brute
+        boundaries.append(brute)
+    assert boundaries[0] < 7 + 64 < boundaries[1]
+    local = dataclasses.replace(tiny, layer_types=("sliding_attention",) * 3)
+    assert "unbounded" in render(make_plan(PlanInputs(model=local, context=100_000, batch=2, gpu_mem_bytes=400_000)))
 
 
 def test_max_context_is_zero_when_weights_alone_do_not_fit():

@@ -92,7 +92,10 @@ class CacheConfig:
     def kind(self, model: ModelConfig) -> CacheKind:
         """The cache type that implements this policy, for ``model`` (the KV heads the cache stores)."""
         policy = self.make_policy()
-        return kind_class(policy.cache_type).from_config(model, self, policy)
+        name = policy.cache_type
+        if name == "slots" and any(s.window is not None for s in model.attention_specs()):
+            name = "hybrid"  # sliding-window layers keep only their window (lcx.cache.hybrid)
+        return kind_class(name).from_config(model, self, policy)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], prefix: str = "cache") -> "CacheConfig":

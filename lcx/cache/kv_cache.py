@@ -89,14 +89,14 @@ class SlotCacheKind(CacheKind):
 
     @classmethod
     def from_config(cls, model, cache, policy) -> "SlotCacheKind":
+        """The slot cache of ``model``, whose layers must all be global (``CacheConfig.kind`` gives models with
+        sliding-window layers a ``HybridKind``, ``lcx.cache.hybrid``, built on this one)."""
+        windowed = [i for i, s in enumerate(model.attention_specs()) if s.window is not None]
+        if windowed:
+            raise ConfigError(f"model layers {windowed[:8]} use a sliding window: their cache is a HybridKind "
+                              "(lcx.cache.hybrid; CacheConfig.kind builds it), not a SlotCacheKind")
         budgets = None
         if policy.evicts:
-            windowed = [i for i, s in enumerate(model.attention_specs()) if s.window is not None]
-            if windowed:
-                raise ConfigError(f"cache.policy={policy.name!r} evicts, and model layers {windowed[:8]} use a sliding "
-                                  f"window (model.sliding_window={model.sliding_window}): eviction on sliding-window "
-                                  "models is not supported yet; use cache.policy='full' (the window already bounds "
-                                  "what those layers read)")
             budgets = layer_budgets(cache, model.n_layers)
             policy.check(model.n_layers, budgets)
         return cls(model=model, policy=policy, budgets=budgets, dtype=cache.dtype or model.dtype,

@@ -1,0 +1,245 @@
+"""The cache of a model with sliding-window layers: a bounded cache for its local layers, the request's for the rest.
+
+A sliding-window layer never reads a key ``window`` or more positions before its query, so it need not keep one:
+the local layers get a slot cache of their own (``KVCache`` stacked over the local layers only) under the ``window``
+policy with budget ``window - 1``. Before ``n`` new tokens go into a full one it keeps the ``window - 1`` newest,
+compacted to the front, so it holds ``window - 1 + interval`` slots (or the request, when that is shorter) however
+long the sequence grows. The global layers keep a slot cache under the requested policy (``full``: every token; an
+evicting policy: its budget, with the policy's statistics - the local layers have none).
+A local layer's kept slots are consecutive positions in order, so the kernels' slot-based window is the positional
+one.
+
+Layer ``i`` of the model is entry ``where[i]`` of its group. In the unrolled decoder (a Python ``i``) a layer's view
+holds its own group only; in the layer scan (a traced ``i``) it holds one layer of each group and both are written
+back, and ``attend`` serves the group of the layer's spec, static in each branch of the spec switch.
+
+Shape letters: L layers, b batch, C slots, k kv heads, d head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lcx import sharding
+from lcx.cache.base import CacheKind, CacheState, register_kind
+from lcx.cache.kv_cache import FIELDS, KVCache, SlotCacheKind
+from lcx.cache.policy import make_policy
+from lcx.cache.schema import Field
+from lcx.model.config import ModelConfig
+
+GLOBAL, LOCAL = "glob", "loc"
+
+
+@flax.struct.dataclass
+class HybridCache(CacheState):
+    """``glob``: the global layers' slot cache (None when every layer is local), ``loc``: the local layers' bounded
+    one; ``planned``: the capacity the request was planned for (the global layers' slots)."""
+
+    glob: KVCache | None
+    loc: KVCache | None
+    lengths: jax.Array | None  # [b] int32 (None in the per-layer view)
+    kind: "HybridKind" = flax.struct.field(pytree_node=False, default=None)
+    planned: int = flax.struct.field(pytree_node=False, default=0)
+
+    @property
+    def capacity(self) -> int:
+        return self.planned
+
+    def _groups(self, fn) -> dict[str, Any]:
+        return {g: None if getattr(self, g) is None else fn(getattr(self, g)) for g in (GLOBAL, LOCAL)}
+
+    def layers(self) -> "HybridCache":
+        return self.replace(lengths=None, **self._groups(lambda c: c.layers()))
+
+    def with_layers(self, layers: "HybridCache", lengths: jax.Array) -> "HybridCache":
+        groups = {g: None if getattr(self, g) is None else getattr(self, g).with_layers(getattr(layers, g), lengths)
+                  for g in (GLOBAL, LOCAL)}
+        return self.replace(lengths=lengths, **groups)
+
+    @property
+    def split(self) -> bool:
+        return any(c.split for c in (self.glob, self.loc) if c is not None)
+
+    def split_layers(self) -> "HybridCache":
+        return self.replace(**self._groups(lambda c: c.split_layers()))
+
+    def stack_layers(self) -> "HybridCache":
+        return self.replace(**self._groups(lambda c: c.stack_layers()))
+
+    def layer(self, i) -> "HybridCache":
+        """Layer ``i``'s view: its group's layer (static ``i``), or one layer of each group (traced ``i``)."""
+        where = self.kind.where
+        if isinstance(i, int):
+            group, j = where[i]
+            return self.replace(lengths=None, **{g: getattr(self, g).layer(j) if g == group else None
+                                                 for g in (GLOBAL, LOCAL)})
+        index = {g: jnp.asarray([j if group == g else 0 for group, j in where], jnp.int32)[i] for g in (GLOBAL, LOCAL)}
+        return self.replace(lengths=None, **{g: None if getattr(self, g) is None else getattr(self, g).layer(index[g])
+                                             for g in (GLOBAL, LOCAL)})
+
+    def set_layer(self, i, layer: "HybridCache") -> "HybridCache":
+        where = self.kind.where
+        if isinstance(i, int):
+            group, j = where[i]
+            return self.replace(**{group: getattr(self, group).set_layer(j, getattr(layer, group))})
+        index = {g: jnp.asarray([j if group == g else 0 for group, j in where], jnp.int32)[i] for g in (GLOBAL, LOCAL)}
+        return self.replace(**{g: None if getattr(self, g) is None else
+                               getattr(self, g).set_layer(index[g], getattr(layer, g)) for g in (GLOBAL, LOCAL)})
+
+    def buffers(self) -> dict[str, jax.Array]:
+        out = {"lengths": self.lengths}
+        for g in (GLOBAL, LOCAL):
+            if getattr(self, g) is not None:
+                out |= {f"{g}.{n}": x for n, x in getattr(self, g).buffers().items() if n != "lengths"}
+        return out
+
+    def kv_bytes(self) -> int:
+        return sum(c.kv_bytes() for c in (self.glob, self.loc) if c is not None)
+
+    def metadata_bytes(self) -> int:
+        return sum(c.metadata_bytes() for c in (self.glob, self.loc) if c is not None)
+
+
+@register_kind
+@dataclasses.dataclass(frozen=True)
+class HybridKind(CacheKind):
+    """What ``CacheConfig.kind`` builds for a slot-cache policy on a model with sliding-window layers (see the module
+    docstring): the policy runs on the global layers, the local ones keep their window."""
+
+    name: ClassVar[str] = "hybrid"
+    state_type: ClassVar[type] = HybridCache
+
+    model: ModelConfig
+    glob: SlotCacheKind | None
+    loc: SlotCacheKind
+    where: tuple[tuple[str, int], ...]  # per model layer: (group, index in the group)
+
+    @classmethod
+    def from_config(cls, model, cache, policy) -> "HybridKind":
+        specs = model.attention_specs()
+        where, counts = [], {GLOBAL: 0, LOCAL: 0}
+        for spec in specs:
+            group = GLOBAL if spec.window is None else LOCAL
+            where.append((group, counts[group]))
+            counts[group] += 1
+        windows = {s.window for s in specs if s.window is not None}
+        sub = lambda n: dataclasses.replace(model, n_layers=n, layer_types=None, sliding_window=None,  # noqa: E731
+                                            local_rope=None)
+        glob = SlotCacheKind.from_config(sub(counts[GLOBAL]), cache, policy) if counts[GLOBAL] else None
+        budget = max(max(windows) - 1, 1)  # what the next query still sees besides itself
+        loc = SlotCacheKind(model=sub(counts[LOCAL]), policy=make_policy("window"), budgets=(budget,) * counts[LOCAL],
+                            dtype=cache.dtype or model.dtype, interval=cache.interval)
+        return cls(model=model, glob=glob, loc=loc, where=tuple(where))
+
+    # ------------------------------------------------------------------------------------------- declaration
+    def fields(self) -> Mapping[str, Field]:
+        return FIELDS  # each group's; the state is composed in ``abstract`` / ``create``
+
+    def sizes(self, batch: int, capacity: int) -> Mapping[str, int]:
+        return self.loc.sizes(batch, self.local_capacity(capacity))
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.loc.kv_dtype
+
+    def local_capacity(self, capacity: int) -> int:
+        """The local layers' slots for a request planned at ``capacity``: the window's share, or the request when it
+        is shorter (known only when the global layers keep everything: then ``capacity`` is the request)."""
+        share = max(self.loc.head_budgets) + self.loc.interval
+        evicting = self.glob is not None and self.glob.budgets is not None
+        return share if evicting else min(capacity, share)
+
+    # ------------------------------------------------------------------------------------------- planning
+    def plan(self, batch: int, max_prompt: int, max_new_tokens: int) -> int:
+        self.loc.plan(batch, max_prompt, max_new_tokens)
+        if self.glob is None:
+            return max_prompt + max_new_tokens
+        return self.glob.plan(batch, max_prompt, max_new_tokens)
+
+    # Both groups' limits hold: a chunk fits the room an eviction frees in either.
+    def prefill_chunk(self, requested: int, max_len: int, capacity: int) -> int:
+        chunk = self.loc.prefill_chunk(requested, max_len, self.local_capacity(capacity))
+        return chunk if self.glob is None else min(chunk, self.glob.prefill_chunk(requested, max_len, capacity))
+
+    def prefill_weights(self, lengths: np.ndarray, width: int) -> np.ndarray | None:
+        return None if self.glob is None else self.glob.prefill_weights(lengths, width)
+
+    @staticmethod
+    def _least(*values):
+        known = [v for v in values if v is not None]
+        return min(known) if known else None
+
+    def score_width(self, tokens: int) -> int | None:
+        return self._least(self.loc.score_width(tokens), self.glob and self.glob.score_width(tokens))
+
+    def score_room(self, state: HybridCache) -> int | None:
+        return self._least(self.loc.score_room(state.loc), self.glob and self.glob.score_room(state.glob))
+
+    def score_weights(self, n: int, width: int, batch: int) -> np.ndarray | None:
+        return None if self.glob is None else self.glob.score_weights(n, width, batch)
+
+    # ------------------------------------------------------------------------------------------- derived
+    def _compose(self, make, batch: int, capacity: int, lengths) -> HybridCache:
+        glob = None if self.glob is None else make(self.glob, batch, capacity)
+        return HybridCache(glob=glob, loc=make(self.loc, batch, self.local_capacity(capacity)), lengths=lengths,
+                           kind=self, planned=capacity)
+
+    def abstract(self, batch: int, capacity: int) -> HybridCache:
+        return self._compose(lambda k, b, c: k.abstract(b, c), batch, capacity,
+                             jax.ShapeDtypeStruct((batch,), jnp.int32))
+
+    def create(self, batch: int, capacity: int) -> HybridCache:
+        if capacity <= 0 or batch <= 0:
+            raise ValueError(f"{capacity=} and {batch=} must be positive")
+        return self._compose(lambda k, b, c: k.create(b, c), batch, capacity, jnp.zeros((batch,), jnp.int32))
+
+    def nbytes(self, batch: int, capacity: int, role: str | None = "kv") -> int:
+        glob = 0 if self.glob is None else self.glob.nbytes(batch, capacity, role)
+        return glob + self.loc.nbytes(batch, self.local_capacity(capacity), role)
+
+    def shardings(self, state: HybridCache, mesh) -> HybridCache:
+        lengths = sharding.named_sharding(("batch",), state.lengths.shape, mesh, "cache lengths")
+        return state.replace(lengths=lengths, **{g: None if getattr(state, g) is None else
+                                                 getattr(self, g).shardings(getattr(state, g), mesh)
+                                                 for g in (GLOBAL, LOCAL)})
+
+    def layer_axes(self) -> HybridCache:
+        return HybridCache(glob=None if self.glob is None else self.glob.layer_axes(), loc=self.loc.layer_axes(),
+                           lengths=None, kind=self)
+
+    # ------------------------------------------------------------------------------------------- in the model
+    def attend(self, layer: HybridCache, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None):
+        if spec is None:
+            raise ValueError("a hybrid (sliding-window) cache needs the layer's AttentionSpec")
+        group = GLOBAL if spec.window is None else LOCAL
+        out, new = getattr(self, group).attend(getattr(layer, group), q, key, val, cos=cos, sin=sin,
+                                               positions=positions, ok=ok, stat_weights=stat_weights, spec=spec)
+        return out, layer.replace(**{group: new})
+
+    # ------------------------------------------------------------------------------------------- between calls
+    def _each(self, state: HybridCache, fn) -> HybridCache:
+        return state.replace(**{g: None if getattr(state, g) is None else fn(getattr(self, g), getattr(state, g))
+                                for g in (GLOBAL, LOCAL)})
+
+    def evict(self, state: HybridCache):
+        left = None if self.glob is None else self.glob.evict(state.glob)[1]
+        return self._each(state, lambda k, s: k.evict(s)[0]), left
+
+    def make_room(self, state: HybridCache, n) -> HybridCache:
+        return self._each(state, lambda k, s: k.make_room(s, n))
+
+    def end_prefill(self, state: HybridCache) -> HybridCache:
+        return self._each(state, lambda k, s: k.end_prefill(s))
+
+    def scoring(self) -> "HybridKind":
+        return self
+
+
+__all__ = ["HybridCache", "HybridKind"]
