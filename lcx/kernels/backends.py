@@ -168,11 +168,8 @@ def _pallas_decode(q, k, v, *, valid, sm_scale, weights=False, residuals=False, 
 
 
 def _pallas_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale, window=None, softcap=None):
-    if softcap is not None:  # the column-sum kernel has no soft-cap yet: the tiled XLA sums (same values)
-        return _xla_column_sums(q, k, q_offsets=q_offsets, kv_lengths=kv_lengths, query_weights=query_weights,
-                                sm_scale=sm_scale, window=window, softcap=softcap)
     return attention_column_sums(q, k, causal=True, sm_scale=sm_scale, kv_lengths=kv_lengths, q_offsets=q_offsets,
-                                 query_weights=query_weights, window=window)
+                                 query_weights=query_weights, window=window, softcap=softcap)
 
 
 BACKENDS: dict[str, Backend] = {

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from lcx.kernels.common import LOG2E, MASK_VALUE, check_qkv, dot_nt, row_ints
-from lcx.kernels.flash import flash_forward
+from lcx.kernels.common import MASK_VALUE, check_qkv, dot_nt, row_ints
+from lcx.kernels.flash import flash_forward, logits2
 from lcx.kernels.flash_masks import (FlashBlockSizes, make_static, pad_inputs, query_block_ranges, row_args, row_specs,
                                      split_row_refs, three_loops, tile_mask)
 from lcx.kernels.mode import pallas_call_kwargs
@@ -48,7 +48,7 @@ def column_sums_kernel(*refs, st):
 
         def body(qb, total, masked):
             r0 = pl.multiple_of(qb * bq, bq)
-            s = dot_nt(q_ref[pl.ds(r0, bq), pl.ds(c0, d)], k) * (st.sm_scale * LOG2E)  # [bq, bk]
+            s, _ = logits2(st, dot_nt(q_ref[pl.ds(r0, bq), pl.ds(c0, d)], k))  # [bq, bk] base 2, capped
             if masked:
                 s = jnp.where(tile_mask(st, r0 + jnp.arange(bq), cols, kv_len_b, row_valid=True, off=off), s,
                               MASK_VALUE)
@@ -63,7 +63,8 @@ def column_sums_kernel(*refs, st):
 def attention_column_sums(q: jax.Array, k: jax.Array, *, causal: bool = True, sm_scale: float | None = None,
                           window: int | None = None, kv_lengths: jax.Array | None = None,
                           q_offsets: jax.Array | None = None, query_weights: jax.Array | None = None,
-                          block_sizes: FlashBlockSizes | None = None, interpret: bool | None = None) -> jax.Array:
+                          block_sizes: FlashBlockSizes | None = None, interpret: bool | None = None,
+                          softcap: float | None = None) -> jax.Array:
     """Sum over queries and each KV head's query group of the softmax attention probabilities.
 
     Args:
@@ -72,8 +73,8 @@ def attention_column_sums(q: jax.Array, k: jax.Array, *, causal: bool = True, sm
       k: ``[batch, kv_len, kv_heads, head_dim]``.
       query_weights: ``[batch, w]``; only queries with a positive weight are summed (e.g. the observation window
         within a prefill chunk). None: all.
-      causal, sm_scale, window, kv_lengths, q_offsets, block_sizes, interpret: as in ``flash_attention`` (the column
-        kernel uses the ``*_dkv`` tiles).
+      causal, sm_scale, window, kv_lengths, q_offsets, block_sizes, interpret, softcap: as in ``flash_attention``
+        (the column kernel uses the ``*_dkv`` tiles; the sums are of the capped logits' probabilities).
 
     Returns:
       ``[batch, kv_heads, kv_len]`` float32; each counted (query, head) row contributes probabilities summing to 1
@@ -85,7 +86,7 @@ def attention_column_sums(q: jax.Array, k: jax.Array, *, causal: bool = True, sm
     q_offsets = row_ints(q_offsets, b, k.shape[2], "q_offsets")
     st = make_static(t, k.shape[1], g, d, q.dtype, causal=causal, sm_scale=sm_scale, window=window,
                      has_lengths=kv_lengths is not None, block_sizes=block_sizes, interpret=interpret,
-                     has_offsets=q_offsets is not None)
+                     has_offsets=q_offsets is not None, softcap=softcap)
     with jax.named_scope("lcx_attention_column_sums"):
         qp, kp, vp = pad_inputs(q, k, k, st)
         _, lse = flash_forward(qp, kp, vp, kv_lengths, st, q_offsets)  # [b, h, t_pad], base 2
