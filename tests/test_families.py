@@ -164,3 +164,25 @@ def test_families_training_gradients_through_windows_and_caps_equal_the_referenc
     got = jax.jit(jax.grad(loss), static_argnums=1)(params, "xla")
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_families_teacher_forcing_through_the_bounded_cache_equals_one_forward_pass():
+    """``Generator.score`` (what perplexity runs) on a Gemma-3-shaped model, 50 tokens after a 10-token prompt with
+    the local layers keeping window - 1 + interval slots (evicting as it goes), under the full policy and under
+    StreamingLLM whose budget holds every token: the log-probabilities of one forward pass."""
+    from lcx.model.config import ModelConfig, RopeConfig
+    from lcx.model.decoder import Decoder, init_params
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48, head_dim=8,
+                      family="gemma3", layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+                      sliding_window=WINDOW, query_scale=12.0, local_rope=RopeConfig(theta=100.0), init_std=0.3)
+    params = init_params(cfg, jax.random.key(0))
+    ids = np.random.default_rng(0).integers(0, 64, (2, 60))
+    logp = jax.nn.log_softmax(jax.jit(Decoder(cfg).apply)({"params": params}, ids)[:, 9:-1])
+    want = np.take_along_axis(np.asarray(logp), ids[:, 10:, None], axis=-1)[..., 0]
+    for cache, local_slots in ((CacheConfig(interval=4), WINDOW - 1 + 4),
+                               (CacheConfig(policy="streaming", budget=100, sinks=2, interval=8), WINDOW - 1 + 8)):
+        gen = Generator(cfg, params, max_new_tokens=50, cache=cache)
+        state, logprobs = gen.score(gen.prefill(ids[:, :10]), ids[:, 10:])
+        np.testing.assert_allclose(np.asarray(logprobs), want, atol=2e-5)
+        assert state.cache.loc.k.shape[3] == local_slots
