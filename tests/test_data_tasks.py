@@ -166,3 +166,18 @@ def test_tasks_passkey_filler_min_varies_length_within_bounds():
     assert max(lengths) <= len(full.ids) - len(full.answer) and min(lengths) >= max(lengths) - 50
     with pytest.raises(ConfigError, match=r"data.params.filler_min=70 is invalid: must be <= "):
         make_task("passkey", {"filler_min": 70, "filler_tokens": 60})
+
+
+def test_tasks_old_forms_fail_naming_the_new_ones(monkeypatch):
+    """Two contracts issue 26 changed: a passkey template is now (needle, question, answer prefix), and
+    ``AblateConfig.caches`` takes the cells' length; the old forms say so instead of failing somewhere deep."""
+    from lcx.data import tasks
+    from lcx.eval.config import AblateConfig
+
+    monkeypatch.setitem(tasks.PASSKEY_TEMPLATES, "mine", ("The pass key is {key}.", "What is the pass key?"))
+    with pytest.raises(ConfigError, match=r"each entry is now \(needle with \{key\}, question, answer prefix\)"):
+        make_task("passkey", {"template": "mine"})
+    ablate = AblateConfig.from_mapping({"policies": ["full", "window"], "compressions": [0.5]})
+    with pytest.raises(TypeError, match=r"caches\(length\) takes the cells' length in tokens"):
+        ablate.caches()
+    assert [c.budget for c in ablate.caches(256) if c.policy == "window"] == [128]  # half of 256 evicted

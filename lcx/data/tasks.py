@@ -130,6 +130,11 @@ class Passkey(Task):
         if self.template not in PASSKEY_TEMPLATES:
             raise ConfigError(f"data.params.template={self.template!r} is invalid: must be one of "
                               f"{list(PASSKEY_TEMPLATES)}")
+        entry = PASSKEY_TEMPLATES[self.template]
+        if not (isinstance(entry, tuple) and len(entry) == 3):  # entries were (needle, question) pairs before
+            raise ConfigError(f"PASSKEY_TEMPLATES[{self.template!r}]={entry!r} is invalid: each entry is now (needle "
+                              "with {key}, question, answer prefix), e.g. ('The pass key is {key}.', 'What is the pass "
+                              "key?', 'The pass key is')")
         _positive(self.key_min, "data.params.key_min", zero=True)
         if not isinstance(self.key_max, int) or self.key_max < self.key_min:
             raise ConfigError(f"data.params.key_max={self.key_max!r} is invalid: must be an integer >= "

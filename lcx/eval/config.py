@@ -283,8 +283,11 @@ class AblateConfig:
                     out += [Setting(spec, budget=b, protocol=protocol) for b in self.budgets]
         return out
 
-    def caches(self, length: int) -> list[CacheConfig]:
+    def caches(self, length: int | None = None) -> list[CacheConfig]:
         """Every row's cache for cells of ``length`` tokens."""
+        if length is None:  # the argument was added with ablate.compressions
+            raise TypeError("AblateConfig.caches(length) takes the cells' length in tokens: a setting of "
+                            "ablate.compressions sizes its budget by it (call .settings() for the rows themselves)")
         return [s.cache(length) for s in self.settings()]
 
     @classmethod
