@@ -33,6 +33,7 @@ import yaml
 
 from lcx import hf, sharding
 from lcx.cache.config import CacheConfig
+from lcx.cache.hybrid import local_room
 from lcx.cache.kv_cache import kv_bytes
 from lcx.config import ConfigError, ModelConfig, apply_model_overrides, load_model_config
 from lcx.config_base import canonical_dtype, dtype_bytes, format_bytes, parse_bytes
@@ -53,20 +54,23 @@ def kv_bytes_per_token(model: ModelConfig, kv_dtype: str) -> int:
     return kv_bytes(model, 1, 1, canonical_dtype(kv_dtype))
 
 
-def local_slots(model: ModelConfig, tokens: int, interval: int) -> int:
-    """Slots a sliding-window layer holds for a sequence of ``tokens``: ``window - 1`` kept plus the ``interval``
-    between compactions (``lcx.cache.hybrid``), or the sequence when shorter; 0 for a model without such layers."""
+def local_slots(model: ModelConfig, tokens: int, interval: int, prefill_chunk: int | None = None) -> int:
+    """Slots a sliding-window layer holds for a sequence of ``tokens``: ``window - 1`` kept plus the room of one call
+    (``lcx.cache.hybrid.local_room``), or the sequence when shorter; 0 for a model without such layers."""
     if model.sliding_window is None:
         return 0
-    return min(tokens, max(model.sliding_window - 1, 1) + interval)
+    room = local_room(model.sliding_window, interval, prefill_chunk)
+    return min(tokens, max(model.sliding_window - 1, 1) + room)
 
 
-def kv_bytes_for_context(model: ModelConfig, kv_dtype: str, tokens: int, interval: int = CacheConfig.interval) -> int:
+def kv_bytes_for_context(model: ModelConfig, kv_dtype: str, tokens: int, interval: int = CacheConfig.interval,
+                         prefill_chunk: int | None = None) -> int:
     """Bytes of K and V for one sequence of ``tokens``: global layers hold every token, sliding-window layers their
     window's slots (``local_slots``)."""
     per_layer = kv_bytes_per_token(model, kv_dtype) // model.n_layers
     n_local = model.types.count("sliding_attention")
-    return per_layer * ((model.n_layers - n_local) * tokens + n_local * local_slots(model, tokens, interval))
+    return per_layer * ((model.n_layers - n_local) * tokens
+                        + n_local * local_slots(model, tokens, interval, prefill_chunk))
 
 
 def weight_bytes(model: ModelConfig, dtype: str) -> int:
@@ -103,7 +107,7 @@ UNBOUNDED = 2 ** 62  # ``max_context`` of a model whose every layer keeps only i
 
 def max_context(model: ModelConfig, *, batch: int, gpu_mem_bytes: int, devices: int, kv_dtype: str,
                 weight_dtype: str, utilization: float = UTILIZATION, data: int = 1,
-                interval: int = CacheConfig.interval) -> int:
+                interval: int = CacheConfig.interval, prefill_chunk: int | None = None) -> int:
     """The longest context (tokens per sequence) whose full cache fits next to the weights on every device of a
     ``data x (devices / data)`` mesh; 0 when the weights alone do not fit. Sliding-window layers count their
     window's slots (a fixed amount), global layers every token; ``UNBOUNDED`` when no layer is global."""
@@ -113,7 +117,7 @@ def max_context(model: ModelConfig, *, batch: int, gpu_mem_bytes: int, devices: 
     per_layer = kv_bytes_per_token_per_device(model, kv_dtype, model_axis) // model.n_layers * rows
     n_local = model.types.count("sliding_attention")
     every_layer = max(free, 0) // (per_layer * model.n_layers)  # while a sequence is shorter than the local slots
-    cap = local_slots(model, UNBOUNDED, interval)
+    cap = local_slots(model, UNBOUNDED, interval, prefill_chunk)
     if not n_local or every_layer < cap:
         return every_layer
     if n_local == model.n_layers:
@@ -388,8 +392,8 @@ def _numbers(inputs: PlanInputs) -> dict[str, Any]:
     w_total = weight_bytes(model, inputs.weight_dtype)
     w_dev = weight_bytes_per_device(model, inputs.weight_dtype, m, data)
     per_token = kv_bytes_per_token(model, inputs.kv_dtype)
-    interval = (inputs.cache or CacheConfig()).interval
-    kv_of = lambda tokens: kv_bytes_for_context(model, inputs.kv_dtype, tokens, interval)  # noqa: E731
+    interval, chunk = (inputs.cache or CacheConfig()).interval, (inputs.cache or CacheConfig()).prefill_chunk
+    kv_of = lambda tokens: kv_bytes_for_context(model, inputs.kv_dtype, tokens, interval, chunk)  # noqa: E731
     on_device = lambda nbytes: nbytes * kv_heads_per_device(model, m) // model.n_kv_heads  # noqa: E731
     cache_tokens = min(inputs.context, inputs.budget) if inputs.budget is not None else inputs.context
     kv_dev = on_device(kv_of(inputs.context)) * rows
@@ -402,8 +406,9 @@ def _numbers(inputs: PlanInputs) -> dict[str, Any]:
         fits_budget=w_dev + b_kv_dev <= usable,
         max_context=max_context(model, batch=inputs.batch, gpu_mem_bytes=inputs.gpu_mem_bytes,
                                 devices=inputs.devices, kv_dtype=inputs.kv_dtype, weight_dtype=inputs.weight_dtype,
-                                utilization=inputs.utilization, data=data, interval=interval),
-        n_local=model.types.count("sliding_attention"), local_slots=local_slots(model, inputs.context, interval),
+                                utilization=inputs.utilization, data=data, interval=interval, prefill_chunk=chunk),
+        n_local=model.types.count("sliding_attention"),
+        local_slots=local_slots(model, inputs.context, interval, chunk),
     )
 
 

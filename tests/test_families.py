@@ -91,7 +91,8 @@ def test_families_logits_tokens_and_roundtrip_equal_transformers(case, tmp_path)
         small = Generator(config, params, max_new_tokens=n_new,
                           cache=CacheConfig(policy="streaming", budget=16, sinks=2, interval=interval))
         cache = small.decode(small.prefill(prompt)).cache
-        assert cache.glob.k.shape[3] == 16 + interval and cache.loc.k.shape[3] == WINDOW - 1 + interval
+        # (no prefill_chunk given: the local layers' room is a window, so prompts are not prefilled 4 at a time)
+        assert cache.glob.k.shape[3] == 16 + interval and cache.loc.k.shape[3] == WINDOW - 1 + WINDOW
         assert int(np.max(np.asarray(cache.glob.count))) <= 16 + interval
 
     hf.save_hf(config, params, tmp_path / "lcx")
@@ -168,8 +169,9 @@ def test_families_training_gradients_through_windows_and_caps_equal_the_referenc
 
 def test_families_teacher_forcing_through_the_bounded_cache_equals_one_forward_pass():
     """``Generator.score`` (what perplexity runs) on a Gemma-3-shaped model, 50 tokens after a 10-token prompt with
-    the local layers keeping window - 1 + interval slots (evicting as it goes), under the full policy and under
-    StreamingLLM whose budget holds every token: the log-probabilities of one forward pass."""
+    the local layers keeping window - 1 + room slots (evicting as it goes; room: the interval with 4-token prefill
+    chunks, else a window), under the full policy and under StreamingLLM whose budget holds every token: the
+    log-probabilities of one forward pass."""
     from lcx.model.config import ModelConfig, RopeConfig
     from lcx.model.decoder import Decoder, init_params
 
@@ -180,8 +182,8 @@ def test_families_teacher_forcing_through_the_bounded_cache_equals_one_forward_p
     ids = np.random.default_rng(0).integers(0, 64, (2, 60))
     logp = jax.nn.log_softmax(jax.jit(Decoder(cfg).apply)({"params": params}, ids)[:, 9:-1])
     want = np.take_along_axis(np.asarray(logp), ids[:, 10:, None], axis=-1)[..., 0]
-    for cache, local_slots in ((CacheConfig(interval=4), WINDOW - 1 + 4),
-                               (CacheConfig(policy="streaming", budget=100, sinks=2, interval=8), WINDOW - 1 + 8)):
+    for cache, local_slots in ((CacheConfig(interval=4, prefill_chunk=4), WINDOW - 1 + 4),
+                               (CacheConfig(policy="streaming", budget=100, sinks=2, interval=4), WINDOW - 1 + WINDOW)):
         gen = Generator(cfg, params, max_new_tokens=50, cache=cache)
         state, logprobs = gen.score(gen.prefill(ids[:, :10]), ids[:, 10:])
         np.testing.assert_allclose(np.asarray(logprobs), want, atol=2e-5)

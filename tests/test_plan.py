@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lcx import cli
-from lcx.config import ConfigError, ModelConfig, load_dict, load_model_config
+from lcx.config import CacheConfig, ConfigError, ModelConfig, load_dict, load_model_config
 from lcx.plan import (
     Checkpoint,
     PlanInputs,
@@ -208,16 +208,19 @@ def test_max_context_brute_force_on_a_tiny_model():
 
 
 def test_plan_gemma3_counts_the_sliding_layers_at_their_window(capsys):
-    """Gemma-3-4B at 32K: 29 sliding-window layers hold window - 1 + interval = 1,087 slots, 5 global layers every
-    token - about 1/5 of an all-global cache; the longest context is set by the global layers alone; the brute-force
-    boundary of ``fits`` is ``max_context`` on a tiny hybrid model; all-local models are unbounded."""
+    """Gemma-3-4B at 32K: 29 sliding-window layers hold window - 1 + a window's room = 2,047 slots (a prefill chunk
+    of up to one window), 5 global layers every token - about 1/5 of an all-global cache; the longest context is set
+    by the global layers alone; the brute-force boundary of ``fits`` is ``max_context`` on a tiny hybrid model;
+    all-local models are unbounded."""
     plan = plan_for("gemma3-4b", context=32768)
     per_layer = 2 * 4 * 256 * 2  # K and V, 4 KV heads, head_dim 256, bf16
-    assert plan.n_local_layers == 29 and plan.local_slots == 1023 + 64
-    assert plan.kv_bytes_total == per_layer * (5 * 32768 + 29 * 1087)
-    assert 0.17 < plan.kv_bytes_total / (34 * per_layer * 32768) < 0.19
+    assert plan.n_local_layers == 29 and plan.local_slots == 1023 + 1024
+    assert plan.kv_bytes_total == per_layer * (5 * 32768 + 29 * 2047)
+    assert 0.19 < plan.kv_bytes_total / (34 * per_layer * 32768) < 0.21
+    small = plan_for("gemma3-4b", context=32768, cache=CacheConfig(prefill_chunk=64))  # room: the interval
+    assert small.local_slots == 1023 + 64 and small.kv_bytes_total == per_layer * (5 * 32768 + 29 * 1087)
     rc, out, _ = run_cli(capsys, MODELS / "gemma3-4b.yaml", "--context", 32768, "--gpu-mem", "24GiB")
-    assert rc == 0 and "29 sliding-window (window 1024: 1087 slots each for this context) + 5 global" in out
+    assert rc == 0 and "29 sliding-window (window 1024: 2047 slots each for this context) + 5 global" in out
     tiny = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64, family="gemma3",
                        layer_types=("sliding_attention", "sliding_attention", "full_attention"), sliding_window=8)
     boundaries = []

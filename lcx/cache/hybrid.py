@@ -3,11 +3,12 @@
 A sliding-window layer never reads a key ``window`` or more positions before its query, so it need not keep one:
 the local layers get a slot cache of their own (``KVCache`` stacked over the local layers only) under the ``window``
 policy with budget ``window - 1``. Before ``n`` new tokens go into a full one it keeps the ``window - 1`` newest,
-compacted to the front, so it holds ``window - 1 + interval`` slots (or the request, when that is shorter) however
-long the sequence grows. The global layers keep a slot cache under the requested policy (``full``: every token; an
-evicting policy: its budget, with the policy's statistics - the local layers have none).
-A local layer's kept slots are consecutive positions in order, so the kernels' slot-based window is the positional
-one.
+compacted to the front, so it holds ``window - 1 + room`` slots (or the request, when that is shorter) however long
+the sequence grows; ``room`` (``local_room``) is the larger of ``cache.interval`` and a prefill chunk of up to one
+window, so prompts are prefilled in window-sized calls rather than interval-sized ones. The global layers keep a
+slot cache under the requested policy (``full``: every token; an evicting policy: its budget, with the policy's
+statistics - the local layers have none). A local layer's kept slots are consecutive positions in order, so the
+kernels' slot-based window is the positional one.
 
 Layer ``i`` of the model is entry ``where[i]`` of its group. In the unrolled decoder (a Python ``i``) a layer's view
 holds its own group only; in the layer scan (a traced ``i``) it holds one layer of each group and both are written
@@ -28,13 +29,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from lcx import sharding
-from lcx.cache.base import CacheKind, CacheState, register_kind
+from lcx.cache.base import AUTO_PREFILL_CHUNK, CacheKind, CacheState, register_kind
 from lcx.cache.kv_cache import FIELDS, KVCache, SlotCacheKind
 from lcx.cache.policy import make_policy
 from lcx.cache.schema import Field
 from lcx.model.config import ModelConfig
 
 GLOBAL, LOCAL = "glob", "loc"
+
+
+def local_room(window: int, interval: int, prefill_chunk: int | None) -> int:
+    """The slots a sliding-window layer keeps beyond ``window - 1``: the most tokens one call appends before it
+    compacts. At least ``interval`` (decode steps between compactions) and, so that a long prompt is not prefilled
+    in interval-sized calls, a prefill chunk of up to one window (``prefill_chunk``: the requested chunk; None:
+    auto)."""
+    return max(interval, min(window, prefill_chunk or AUTO_PREFILL_CHUNK))
 
 
 @flax.struct.dataclass
@@ -135,7 +144,8 @@ class HybridKind(CacheKind):
         glob = SlotCacheKind.from_config(sub(counts[GLOBAL]), cache, policy) if counts[GLOBAL] else None
         budget = max(max(windows) - 1, 1)  # what the next query still sees besides itself
         loc = SlotCacheKind(model=sub(counts[LOCAL]), policy=make_policy("window"), budgets=(budget,) * counts[LOCAL],
-                            dtype=cache.dtype or model.dtype, interval=cache.interval)
+                            dtype=cache.dtype or model.dtype,
+                            interval=local_room(max(windows), cache.interval, cache.prefill_chunk))
         return cls(model=model, glob=glob, loc=loc, where=tuple(where))
 
     # ------------------------------------------------------------------------------------------- declaration
@@ -242,4 +252,4 @@ class HybridKind(CacheKind):
         return self
 
 
-__all__ = ["HybridCache", "HybridKind"]
+__all__ = ["HybridCache", "HybridKind", "local_room"]

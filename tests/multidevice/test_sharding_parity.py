@@ -88,11 +88,11 @@ def test_sharding_kv6_on_model4_raises_naming_valid_sizes(run_worker):
 
 def test_sharding_sliding_window_model_forward_gradients_and_bounded_cache(run_worker):
     """Gemma-3-shaped (local + global layer) on a 2 x 4 mesh: logits and loss gradients equal one device's, greedy
-    tokens through the bounded cache are identical, and the local layer's slots (window - 1 + interval) split their
+    tokens through the bounded cache are identical, and the local layer's slots (window - 1 + its room) split their
     batch over data and KV heads over model like the global layer's."""
     got = run_worker("hybrid_parity", mesh_shape=[2, 4])[0]
     assert got["forward_max_abs_diff"] <= 1e-5 and got["grad_max_abs_diff"] <= 1e-5
     assert got["tokens"] == got["ref_tokens"]
-    assert got["local_k_shape"] == [1, 8, 4, 3 + 2, 8]  # [local layers, batch, kv heads, window - 1 + interval, d]
-    assert got["local_k_shard_shape"] == [1, 4, 1, 5, 8]
+    assert got["local_k_shape"] == [1, 8, 4, 3 + 4, 8]  # [local layers, batch, kv heads, window - 1 + window, d]
+    assert got["local_k_shard_shape"] == [1, 4, 1, 7, 8]
     assert got["global_k_shape"][3] == 7 + 12  # the longest prompt + new tokens
