@@ -33,7 +33,7 @@ import yaml
 
 from lcx import hf, sharding
 from lcx.cache.config import CacheConfig
-from lcx.cache.hybrid import local_room
+from lcx.cache.hybrid import local_budget, local_room
 from lcx.cache.kv_cache import kv_bytes
 from lcx.config import ConfigError, ModelConfig, apply_model_overrides, load_model_config
 from lcx.config_base import canonical_dtype, dtype_bytes, format_bytes, parse_bytes
@@ -59,8 +59,8 @@ def local_slots(model: ModelConfig, tokens: int, interval: int, prefill_chunk: i
     (``lcx.cache.hybrid.local_room``), or the sequence when shorter; 0 for a model without such layers."""
     if model.sliding_window is None:
         return 0
-    room = local_room(model.sliding_window, interval, prefill_chunk)
-    return min(tokens, max(model.sliding_window - 1, 1) + room)
+    window = model.sliding_window
+    return min(tokens, local_budget(window) + local_room(window, interval, prefill_chunk))
 
 
 def kv_bytes_for_context(model: ModelConfig, kv_dtype: str, tokens: int, interval: int = CacheConfig.interval,

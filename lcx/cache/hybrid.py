@@ -38,6 +38,11 @@ from lcx.model.config import ModelConfig
 GLOBAL, LOCAL = "glob", "loc"
 
 
+def local_budget(window: int) -> int:
+    """The slots a sliding-window layer keeps after a compaction: what the next query sees besides itself."""
+    return max(window - 1, 1)
+
+
 def local_room(window: int, interval: int, prefill_chunk: int | None) -> int:
     """The slots a sliding-window layer keeps beyond ``window - 1``: the most tokens one call appends before it
     compacts. At least ``interval`` (decode steps between compactions) and, so that a long prompt is not prefilled
@@ -82,25 +87,24 @@ class HybridCache(CacheState):
     def stack_layers(self) -> "HybridCache":
         return self.replace(**self._groups(lambda c: c.stack_layers()))
 
-    def layer(self, i) -> "HybridCache":
-        """Layer ``i``'s view: its group's layer (static ``i``), or one layer of each group (traced ``i``)."""
+    def _index(self, i) -> dict[str, Any]:
+        """Model layer ``i`` -> its index in each group it touches: its own group only for a static ``i``, every
+        present group for a traced one (0 in the group it is not in: read and written back unchanged)."""
         where = self.kind.where
         if isinstance(i, int):
             group, j = where[i]
-            return self.replace(lengths=None, **{g: getattr(self, g).layer(j) if g == group else None
-                                                 for g in (GLOBAL, LOCAL)})
-        index = {g: jnp.asarray([j if group == g else 0 for group, j in where], jnp.int32)[i] for g in (GLOBAL, LOCAL)}
-        return self.replace(lengths=None, **{g: None if getattr(self, g) is None else getattr(self, g).layer(index[g])
+            return {group: j}
+        return {g: jnp.asarray([j if group == g else 0 for group, j in where], jnp.int32)[i]
+                for g in (GLOBAL, LOCAL) if getattr(self, g) is not None}
+
+    def layer(self, i) -> "HybridCache":
+        """Layer ``i``'s view: its group's layer (static ``i``), or one layer of each group (traced ``i``)."""
+        index = self._index(i)
+        return self.replace(lengths=None, **{g: getattr(self, g).layer(index[g]) if g in index else None
                                              for g in (GLOBAL, LOCAL)})
 
     def set_layer(self, i, layer: "HybridCache") -> "HybridCache":
-        where = self.kind.where
-        if isinstance(i, int):
-            group, j = where[i]
-            return self.replace(**{group: getattr(self, group).set_layer(j, getattr(layer, group))})
-        index = {g: jnp.asarray([j if group == g else 0 for group, j in where], jnp.int32)[i] for g in (GLOBAL, LOCAL)}
-        return self.replace(**{g: None if getattr(self, g) is None else
-                               getattr(self, g).set_layer(index[g], getattr(layer, g)) for g in (GLOBAL, LOCAL)})
+        return self.replace(**{g: getattr(self, g).set_layer(j, getattr(layer, g)) for g, j in self._index(i).items()})
 
     def buffers(self) -> dict[str, jax.Array]:
         out = {"lengths": self.lengths}
@@ -142,7 +146,7 @@ class HybridKind(CacheKind):
         sub = lambda n: dataclasses.replace(model, n_layers=n, layer_types=None, sliding_window=None,  # noqa: E731
                                             local_rope=None)
         glob = SlotCacheKind.from_config(sub(counts[GLOBAL]), cache, policy) if counts[GLOBAL] else None
-        budget = max(max(windows) - 1, 1)  # what the next query still sees besides itself
+        budget = local_budget(max(windows))
         loc = SlotCacheKind(model=sub(counts[LOCAL]), policy=make_policy("window"), budgets=(budget,) * counts[LOCAL],
                             dtype=cache.dtype or model.dtype,
                             interval=local_room(max(windows), cache.interval, cache.prefill_chunk))
@@ -252,4 +256,4 @@ class HybridKind(CacheKind):
         return self
 
 
-__all__ = ["HybridCache", "HybridKind", "local_room"]
+__all__ = ["HybridCache", "HybridKind", "local_budget", "local_room"]

@@ -20,8 +20,8 @@ probabilities those queries give each slot, summed over queries and the query he
 
 The layer's ``AttentionSpec`` sets the logit scale, the soft-cap (kernels and statistics) and the RoPE of "cache"
 mode; a sliding window hides slots whose position is ``window`` or more before the query's: in the decode mask
-directly, and as the chunk kernels' ``window`` - exact because a cache that never evicts holds a row's tokens in
-consecutive slots (caches that evict refuse windowed models, ``SlotCacheKind.from_config``).
+directly, and as the chunk kernels' ``window`` - exact because a sliding-window layer's cache (the ``window`` policy
+of ``lcx.cache.hybrid``) holds a row's newest tokens in consecutive slots.
 """
 
 from __future__ import annotations

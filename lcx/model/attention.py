@@ -98,8 +98,7 @@ class Attention(nn.Module):
             if isinstance(spec_index, int):
                 out, cache = branches[spec_index](q, key, val, cache, *rest)
             else:
-                out, cache = jax.lax.switch(spec_index, [lambda *a, f=f: f(*a) for f in branches],
-                                            q, key, val, cache, *rest)
+                out, cache = jax.lax.switch(spec_index, branches, q, key, val, cache, *rest)
         if self.merge_out_heads:  # f = (h d): a bitcast of both operands
             out = jnp.einsum("btf,fe->bte", out.astype(dt).reshape(*out.shape[:2], h * d),
                              wo.astype(dt).reshape(h * d, e))  # [b, t, e]

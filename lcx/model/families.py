@@ -179,7 +179,7 @@ def assemble(config: ModelConfig, reader) -> dict:
         _put(params, ("layers", *t.path), stacked)
     for t in global_tensors(config):
         _put(params, t.path, conv(t.from_hf(reader.get(t.hf, t.hf_shape))))
-    return {"embed": params.pop("embed"), **params}
+    return params
 
 
 def to_hf_tensors(config: ModelConfig, params) -> dict[str, np.ndarray]:
