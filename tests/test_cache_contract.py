@@ -76,8 +76,9 @@ class MirrorKind(CacheKind):
         put = lambda buf, x: buf.at[rows, slot].set(x.astype(buf.dtype), mode="drop")  # noqa: E731
         new = layer.replace(k=put(layer.k, key), v=put(layer.v, val), k_mirror=put(layer.k_mirror, key),
                             v_mirror=put(layer.v_mirror, val), count=layer.count + jnp.sum(ok, axis=1))
-        out = kernels.backend(self.model.attention.impl).chunk(
+        res = kernels.backend(self.model.attention.impl).chunk(
             q, new.k_mirror, new.v_mirror, q_offsets=layer.count, kv_lengths=new.count, sm_scale=q.shape[-1] ** -0.5)
+        out = res.out
         return out, new
 
 

@@ -33,10 +33,11 @@ import einops
 import jax
 import jax.numpy as jnp
 
-from lcx import kernels
+from lcx.cache.kv_view import KVView, attend_view
+from lcx.kernels import Attended
 from lcx.model.config import AttentionSpec
 from lcx.model.rope import apply_rope, rope_tables
-from lcx.sharding import BHD, BK, BKS, BKSD, BSKD, BTHD, ROWS, per_shard
+from lcx.sharding import BKS, BSKD, BTHD, ROWS, per_shard
 
 
 def write(layer, k: jax.Array, v: jax.Array, positions: jax.Array, ok: jax.Array):
@@ -112,36 +113,20 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
                                cache_layout=True, rope=spec.rope)
         q = rotate_by_rank(config, q, jnp.maximum(jnp.sum(mask, axis=-1, dtype=jnp.int32) - 1, 0), rope=spec.rope)
 
-    # The kernels' row ints and live masks: per row with one shared keep set, else per row and KV head.
+    # The view's row ints and live masks: per row with one shared keep set, else per row and KV head.
     per_kv = (lambda x: x[:, 0]) if heads == 1 else (  # noqa: E731
         lambda x: einops.repeat(x, "b H ... -> b (H j) ...", j=kv_heads // heads))
-    ints, live = (ROWS, ROWS) if heads == 1 else (BK, BKS)
-    backend = kernels.backend(config.attention.impl)
-    scale, extra = spec.sm_scale, kernels.spec_kwargs(spec)
+    view = KVView(k=k_att, v=layer.v, lengths=per_kv(layer.count), offsets=per_kv(q_offsets),
+                  valid=per_kv(mask[:, :, 0]) if q.shape[1] == 1 else None)
     counted = stat_weights is not None and policy.attention_stat is not None
-    stats = None
-    if q.shape[1] == 1:
-        decode = functools.partial(backend.decode, sm_scale=scale, weights=counted,
-                                   **{k: v for k, v in extra.items() if k != "window"})  # the window is in the mask
-        call = lambda q1, k, v, valid: decode(q1, k, v, valid=valid)  # noqa: E731
-        result = per_shard(call, (BHD, BKSD, BKSD, live), (BHD, BKS) if counted else BHD)(
-            q[:, 0], k_att, layer.v, per_kv(mask[:, :, 0]))
-        out, weights = result if counted else (result, None)
-        out = out[:, None]
-        if counted:
-            stats = _keep_head_sums(weights, heads) * (stat_weights[:, :1, None] > 0)
-    else:  # prefill kernels read [b, C, k, d]: each path transposes what it reads, once per chunk
-        seq = lambda x: x.swapaxes(1, 2)  # noqa: E731
-        offsets, lengths = per_kv(q_offsets), per_kv(layer.count)
-        chunk = lambda q, k, v, off, lens: backend.chunk(q, k, v, q_offsets=off, kv_lengths=lens,  # noqa: E731
-                                                          sm_scale=scale, **extra)
-        out = per_shard(chunk, (BTHD, BSKD, BSKD, ints, ints), BTHD)(q, seq(k_att), seq(layer.v), offsets, lengths)
-        if counted:
-            sums = lambda q, k, off, lens, w: backend.column_sums(q, k, q_offsets=off, kv_lengths=lens,  # noqa: E731
-                                                                  query_weights=w, sm_scale=scale, **extra)
-            weights = per_shard(sums, (BTHD, BSKD, ints, ints, ROWS), BKS)(q, seq(k_att), offsets, lengths,
-                                                                           stat_weights)
-            stats = _keep_head_sums(weights, heads)
+    core = functools.partial(attend_view, config.attention.impl, spec=spec)
+    if counted:
+        res = per_shard(lambda q, view, w: core(q, view, stat_weights=w), (BTHD, view.axes(), ROWS),
+                        Attended(out=BTHD, weights=BKS))(q, view, stat_weights)
+    else:
+        res = per_shard(lambda q, view: core(q, view), (BTHD, view.axes()), Attended(out=BTHD))(q, view)
+    out = res.out
+    stats = _keep_head_sums(res.weights, heads) if counted else None
     if stats is not None:
         if policy.attention_stat == "sum":
             score = layer.score + stats

@@ -5,11 +5,13 @@
   residuals for merging partial attentions.
 - ``attention_column_sums``: attention received by each key from a window of queries (SnapKV), Pallas.
 - ``reference``: the pure-jnp oracles. ``mode``: the one place that picks interpreted vs compiled Pallas.
+- ``Attended``: what the backend's ``chunk`` / ``decode`` return (output, optional weights and residuals).
 - ``merge_partials``: exact log-sum-exp combine of attentions over disjoint key sets.
 """
 
 from __future__ import annotations
 
+from lcx.kernels.attended import Attended
 from lcx.kernels.backends import BACKENDS, IMPLS, Backend, attention, backend, resolve, spec_kwargs
 from lcx.kernels.common import merge_partials
 from lcx.kernels.decode import DecodeBlockSizes, decode_attention
@@ -21,7 +23,7 @@ from lcx.kernels.reference import (attention_column_sums_reference, attention_ma
                                    masked_column_sums_reference)
 from lcx.kernels.window_stats import attention_column_sums
 
-__all__ = ["BACKENDS", "Backend", "DecodeBlockSizes", "FlashBlockSizes", "IMPLS", "attention",
+__all__ = ["Attended", "BACKENDS", "Backend", "DecodeBlockSizes", "FlashBlockSizes", "IMPLS", "attention",
            "attention_column_sums", "attention_column_sums_reference", "attention_mask", "attention_reference",
            "backend", "decode_attention", "decode_attention_reference", "flash_attention", "masked_attention_parts",
            "masked_attention_reference", "masked_column_sums_reference", "merge_partials", "resolve",

@@ -7,11 +7,12 @@ Einsum legend: b batch, t queries, s keys / cache slots, h query heads, k kv hea
                 ``segment_ids [b, t]`` (packed documents): a query sees only keys of its own segment
 ``chunk``       a prefill chunk against a cache whose live slots are packed in position order: query i of row b
                 sits at slot ``q_offsets[b] + i`` and sees slots ``<= q_offsets[b] + i`` and ``< kv_lengths[b]``
-                (``causal=False``: every slot below the length) -> out, or ``(out, m, l)`` with ``residuals``
+                (``causal=False``: every slot below the length) -> ``Attended`` (``out``; ``m, l`` with
+                ``residuals``)
 ``decode``      one query per row against slots with holes: ``q [b, h, d]``, ``k, v [b, k, s, d]`` (the slot
-                cache's own layout, so a decode step reads it without a copy), ``valid [b, s]`` -> out, then
-                ``weights [b, k, s]`` with ``weights`` (probabilities summed over each KV group), then ``(m, l)``
-                with ``residuals``
+                cache's own layout, so a decode step reads it without a copy), ``valid [b, s]`` -> ``Attended``
+                (``out``; ``weights [b, k, s]`` with ``weights``: probabilities summed over each KV group; ``m, l``
+                with ``residuals``)
 ``column_sums`` attention each slot receives from the queries with ``query_weights [b, t] > 0`` of a chunk (masks as
                 ``chunk``), summed over queries and each KV group -> ``[b, k, s]`` float32 (H2O / SnapKV scores)
 =============  =====================================================================================================
@@ -20,6 +21,11 @@ Every op also takes a layer's ``AttentionSpec`` settings (``spec_kwargs``): ``so
 tanh(z / softcap)``, also in the statistics) and, for ``causal`` / ``chunk`` / ``column_sums``, ``window`` (a query
 sees the ``window`` most recent positions, its own included). ``decode`` has no ``window``: its caller folds the
 window into ``valid`` (the cache knows each slot's position).
+
+``chunk`` and ``decode`` return one type whatever their flags, :class:`lcx.kernels.Attended` (fields ``out, weights,
+m, l``, None when not asked for); the flags only choose what is computed. (Until the one-attention-core change they
+returned tuples whose length followed the flags; unpacking an ``Attended`` raises a ``TypeError`` naming its
+fields.) ``causal`` and ``column_sums`` return their one array.
 
 Residuals ``(m, l)`` are each row's logit max and sum of exponentials (natural log base), which
 :func:`lcx.kernels.merge_partials` combines exactly: a cache may attend its parts separately and merge.
@@ -42,6 +48,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from lcx.kernels.attended import Attended, attended
 from lcx.kernels.decode import decode_attention
 from lcx.kernels.flash import flash_attention
 from lcx.kernels.reference import (attention_column_sums_reference, attention_mask, attention_reference,
@@ -172,21 +179,40 @@ def _pallas_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale,
                                  query_weights=query_weights, window=window, softcap=softcap)
 
 
+def _chunk_op(fn: Callable) -> Callable:
+    """``fn`` (returning ``out`` or ``(out, m, l)``) as a ``chunk`` op returning an ``Attended``."""
+    @functools.wraps(fn)
+    def op(q, k, v, *, residuals: bool = False, **kwargs) -> Attended:
+        return attended(fn(q, k, v, residuals=residuals, **kwargs), residuals=residuals)
+    return op
+
+
+def _decode_op(fn: Callable) -> Callable:
+    """``fn`` (returning ``out [, weights] [, m, l]``) as a ``decode`` op returning an ``Attended``."""
+    @functools.wraps(fn)
+    def op(q, k, v, *, weights: bool = False, residuals: bool = False, **kwargs) -> Attended:
+        return attended(fn(q, k, v, weights=weights, residuals=residuals, **kwargs), weights=weights,
+                        residuals=residuals)
+    return op
+
+
 BACKENDS: dict[str, Backend] = {
     "reference": Backend(
         "reference",
         causal=lambda q, k, v, *, sm_scale, segment_ids=None, window=None, softcap=None: attention_reference(
             q, k, v, causal=True, sm_scale=sm_scale, segment_ids=segment_ids, window=window, softcap=softcap),
-        chunk=functools.partial(_jnp_chunk, precision=jax.lax.Precision.HIGHEST),
-        decode=functools.partial(_jnp_decode, precision=jax.lax.Precision.HIGHEST),
+        chunk=_chunk_op(functools.partial(_jnp_chunk, precision=jax.lax.Precision.HIGHEST)),
+        decode=_decode_op(functools.partial(_jnp_decode, precision=jax.lax.Precision.HIGHEST)),
         column_sums=_jnp_column_sums),
     # chunk: only the key tiles a query block can see - its cost follows the filled part of a cache, not its capacity
-    "xla": Backend("xla", causal=_xla_causal, chunk=tiled_attention,
-                   decode=functools.partial(_jnp_decode, precision=_DEFAULT), column_sums=_xla_column_sums),
+    "xla": Backend("xla", causal=_xla_causal, chunk=_chunk_op(tiled_attention),
+                   decode=_decode_op(functools.partial(_jnp_decode, precision=_DEFAULT)),
+                   column_sums=_xla_column_sums),
     "pallas": Backend("pallas", causal=lambda q, k, v, *, sm_scale, segment_ids=None, window=None, softcap=None:
                       flash_attention(q, k, v, causal=True, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
                                       softcap=softcap),
-                      chunk=_pallas_chunk, decode=_pallas_decode, column_sums=_pallas_column_sums),
+                      chunk=_chunk_op(_pallas_chunk), decode=_decode_op(_pallas_decode),
+                      column_sums=_pallas_column_sums),
 }
 IMPLS: tuple[str, ...] = ("auto", *BACKENDS)
 
@@ -214,7 +240,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str = "referenc
         return backend(impl).causal(q, k, v, sm_scale=sm_scale)
     lengths = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
     return backend(impl).chunk(q, k, v, q_offsets=jnp.zeros_like(lengths), kv_lengths=lengths, sm_scale=sm_scale,
-                               causal=False)
+                               causal=False).out
 
 
-__all__ = ["BACKENDS", "Backend", "IMPLS", "attention", "backend", "resolve", "spec_kwargs"]
+__all__ = ["Attended", "BACKENDS", "Backend", "IMPLS", "attention", "backend", "resolve", "spec_kwargs"]

@@ -20,6 +20,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from lcx.kernels.attended import Attended
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 # Finite, so the running max of a row that has seen only masked keys stays finite (no inf - inf = NaN).
@@ -107,15 +109,15 @@ def check_qkv(q, k, v) -> int:
 
 
 # --------------------------------------------------------------------------------------------------- merging
-def merge_partials(a: tuple[jax.Array, jax.Array, jax.Array], b: tuple[jax.Array, jax.Array, jax.Array]
-                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Attention over keys A u B from the parts over A and over B: ``(o, m, l)`` each, ``o [..., d]``, ``m, l [...]``.
+def merge_partials(a, b) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Attention over keys A u B from the parts over A and over B: ``(o, m, l)`` each (or an ``Attended`` with
+    residuals), ``o [..., d]``, ``m, l [...]``.
 
     ``m = max(m_a, m_b)``, ``l = l_a e^(m_a - m) + l_b e^(m_b - m)``, ``o = (o_a l_a e^(m_a - m) + o_b l_b e^(m_b -
     m)) / l``. A part that saw no key has ``l = 0`` (any ``m``, ``-inf`` included) and contributes nothing; when
     neither saw a key the output is 0, never NaN. The result is in float32 with ``m = -inf`` for empty rows.
     """
-    (oa, ma, la), (ob, mb, lb) = a, b
+    (oa, ma, la), (ob, mb, lb) = (x.parts if isinstance(x, Attended) else x for x in (a, b))
     chex.assert_equal_shape([oa, ob])
     chex.assert_equal_shape([ma, la, mb, lb, oa[..., 0]])
     ma, mb = (jnp.where(l > 0, m, -jnp.inf).astype(jnp.float32) for m, l in ((ma, la), (mb, lb)))

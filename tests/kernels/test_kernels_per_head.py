@@ -57,7 +57,7 @@ def test_flash_per_head_offsets_forward_and_gradients():
 @pytest.mark.parametrize("impl", ["reference", "xla"])
 def test_backend_chunk_per_head_offsets(impl):
     q, k, v = _qkv(seed=1)
-    got = BACKENDS[impl].chunk(q, k, v, q_offsets=OFFSETS, kv_lengths=LENGTHS, sm_scale=D ** -0.5)
+    got = BACKENDS[impl].chunk(q, k, v, q_offsets=OFFSETS, kv_lengths=LENGTHS, sm_scale=D ** -0.5).out
     want = _per_head(lambda q, k, v, j: attention_reference(q, k, v, causal=True, kv_lengths=LENGTHS[:, j],
                                                             q_offsets=OFFSETS[:, j]), q, k, v)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)

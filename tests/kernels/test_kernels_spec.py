@@ -62,7 +62,7 @@ def test_backend_chunk_and_column_sums_take_the_spec(impl):
     lengths = offsets + t
     spec = {"window": 16, "softcap": CAP}
     backend = BACKENDS[impl]
-    out = backend.chunk(q, k, v, q_offsets=offsets, kv_lengths=lengths, sm_scale=0.25, **spec)
+    out = backend.chunk(q, k, v, q_offsets=offsets, kv_lengths=lengths, sm_scale=0.25, **spec).out
     ref = attention_reference(q, k, v, q_offsets=offsets, kv_lengths=lengths, sm_scale=0.25, **spec)
     np.testing.assert_allclose(out, ref, atol=2e-5)
     weights = jnp.asarray(np.random.default_rng(0).random((b, t)) > 0.5, jnp.float32)
@@ -91,7 +91,8 @@ def test_decode_softcap_outputs_and_weights(impl):
     if impl == "pallas":
         out, w = decode_attention(q, k, v, valid=valid, sm_scale=0.25, softcap=CAP, return_weights=True)
     else:
-        out, w = BACKENDS["xla"].decode(q, k, v, valid=valid, sm_scale=0.25, softcap=CAP, weights=True)
+        res = BACKENDS["xla"].decode(q, k, v, valid=valid, sm_scale=0.25, softcap=CAP, weights=True)
+        out, w = res.out, res.weights
     ro, rw = decode_attention_reference(q, k, v, valid=valid, sm_scale=0.25, softcap=CAP, return_weights=True)
     np.testing.assert_allclose(out, ro, atol=2e-5)
     np.testing.assert_allclose(w, rw, atol=2e-5)

@@ -32,8 +32,11 @@ import jax
 import jax.numpy as jnp
 
 from lcx import kernels
+from lcx.cache.kv_view import KVView, attend_view, packed_valid
 from lcx.cache.memory.learned import PARAM_NAMES
 from lcx.cache.memory.store import fetch as host_fetch
+from lcx.kernels import Attended
+from lcx.model.config import AttentionSpec
 from lcx.model.rope import apply_rope, rope_tables
 
 
@@ -179,8 +182,10 @@ def rank_blocks(kind, layer, pooled: jax.Array):
     return ids.astype(jnp.int32), gate
 
 
-def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
-    """``MemoryKind.attend``: see the module docstring. ``q [b, t, h, d]``, ``key, val [b, t, k, d]`` unrotated."""
+def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, spec: AttentionSpec):
+    """``MemoryKind.attend``: see the module docstring. ``q [b, t, h, d]``, ``key, val [b, t, k, d]`` unrotated;
+    ``spec``: the layer's attention (scale, soft-cap, RoPE of ``local`` positions; ``MemoryKind`` refuses
+    windows)."""
     p, config = kind.policy, kind.model
     local = p.positions == "local"
     if not local:
@@ -188,58 +193,47 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights):
     q_route = q  # routing compares like with like: rotated (original) or unrotated (local) queries and keys
     q_offsets = layer.count
     layer = _write(layer, key, val, positions, ok)
-    b, t, h, d = q.shape
+    b, t = q.shape[:2]
     k_work = layer.k
     recall_tokens = p.topk * p.block
     if local:
         slots = jnp.broadcast_to(jnp.arange(layer.k.shape[1]), (b, layer.k.shape[1]))
-        k_work = apply_rope(layer.k, *rope_tables(config, _local_positions(slots, p.sinks, recall_tokens)))
+        k_work = apply_rope(layer.k, *rope_tables(config, _local_positions(slots, p.sinks, recall_tokens), spec.rope))
         q_slots = q_offsets[:, None] + jnp.arange(t)[None, :]
-        q = apply_rope(q, *rope_tables(config, _local_positions(q_slots, p.sinks, recall_tokens)))
+        q = apply_rope(q, *rope_tables(config, _local_positions(q_slots, p.sinks, recall_tokens), spec.rope))
 
-    backend = kernels.backend(config.attention.impl)
-    scale = d ** -0.5
     counted = stat_weights is not None and layer.received is not None
-    # Working memory: causal in slot order (the slots are packed in position order).
-    # decode reads [b, k, s, d] (the slot cache's layout); the working window is stored [b, W, k, d]
-    to_heads_first = lambda x: x.swapaxes(1, 2)  # noqa: E731
-    if t == 1:
-        result = backend.decode(q[:, 0], to_heads_first(k_work), to_heads_first(layer.v), valid=layer.valid,
-                                sm_scale=scale, weights=counted, residuals=True)
-        if counted:
-            o_w, received, m_w, l_w = result
-            received = received * (stat_weights[:, :1, None] > 0)
-        else:
-            o_w, m_w, l_w = result
-        o_w, m_w, l_w = o_w[:, None], m_w[:, None], l_w[:, None]  # [b, 1, h, ...]
-    else:
-        o_w, m_w, l_w = backend.chunk(q, k_work, layer.v, q_offsets=q_offsets, kv_lengths=layer.count,
-                                      sm_scale=scale, residuals=True)
-        if counted:
-            received = backend.column_sums(q, k_work, q_offsets=q_offsets, kv_lengths=layer.count,
-                                           query_weights=stat_weights, sm_scale=scale)
+    # Working memory: causal in slot order (the slots are packed in position order), stored [b, W, k, d]
+    work = KVView(k=k_work.swapaxes(1, 2), v=layer.v.swapaxes(1, 2), lengths=layer.count, offsets=q_offsets,
+                  valid=layer.valid)
+    res = attend_view(config.attention.impl, q, work, spec, stat_weights=stat_weights if counted else None,
+                      residuals=True)
     if counted:
-        layer = layer.replace(received=jnp.where(layer.valid[:, None, :], layer.received + received, 0.0))
+        layer = layer.replace(received=jnp.where(layer.valid[:, None, :], layer.received + res.weights, 0.0))
 
     # Long-term memory: route, recall, attend; no causal mask (every block is older than every query).
     if kind.route_each_query and t > 1:
-        o_r, m_r, l_r, layer = _recall_each_query(kind, layer, q, q_route, ok)
+        recalled, layer = _recall_each_query(kind, layer, q, q_route, ok, spec)
     else:
-        o_r, m_r, l_r, layer = _recall_pooled(kind, layer, q, q_route, ok)
-    out, _, _ = kernels.merge_partials((o_w, m_w, l_w), (o_r, m_r, l_r))
+        recalled, layer = _recall_pooled(kind, layer, q, q_route, ok, spec)
+    out, _, _ = kernels.merge_partials(res, recalled)
     return out.astype(q.dtype), layer
 
 
-def _recalled_keys(kind, layer, ids, dtype):
-    """Recalled keys and values ``[b, K * j, k, d]`` of ``ids [b, k, K]`` (rotated to their local positions in
-    ``local`` mode) and the number of recalled tokens per row ``[b]`` (the same for every head)."""
+def _recalled_keys(kind, layer, ids, dtype, spec):
+    """The recalled tokens of ``ids [b, k, K]`` as a view (not causal: every block is older than every query;
+    rotated to their local positions in ``local`` mode) and their number per row ``[b]`` (the same for every
+    head)."""
     p = kind.policy
     k_rec, v_rec = _recall(kind, layer, ids, dtype)
     if p.positions == "local":
         recall_tokens = p.topk * p.block
         before_window = jnp.broadcast_to(p.sinks + jnp.arange(recall_tokens), (ids.shape[0], recall_tokens))
-        k_rec = apply_rope(k_rec, *rope_tables(kind.model, before_window))
-    return k_rec, v_rec, jnp.sum(ids[:, 0] >= 0, axis=-1, dtype=jnp.int32) * p.block
+        k_rec = apply_rope(k_rec, *rope_tables(kind.model, before_window, spec.rope))
+    n_tokens = jnp.sum(ids[:, 0] >= 0, axis=-1, dtype=jnp.int32) * p.block
+    view = KVView(k=k_rec.swapaxes(1, 2), v=v_rec.swapaxes(1, 2), lengths=n_tokens,
+                  offsets=jnp.zeros_like(n_tokens), valid=packed_valid(n_tokens, k_rec.shape[1]), causal=False)
+    return view, n_tokens
 
 
 def _gated(l_r, gate, recalled):
@@ -252,44 +246,32 @@ def _gated(l_r, gate, recalled):
             recalled & jnp.any(gate, axis=1))
 
 
-def _recall_pooled(kind, layer, q, q_route, ok):
-    """One recall for the whole call, routed by its pooled last queries: ``(o, m, l)`` of the recalled tokens."""
-    backend = kernels.backend(kind.model.attention.impl)
+def _recall_pooled(kind, layer, q, q_route, ok, spec):
+    """One recall for the whole call, routed by its pooled last queries: the ``Attended`` (with residuals) of the
+    recalled tokens."""
     ids, gate, layer = route(kind, layer, q_route, ok)
-    k_rec, v_rec, n_tokens = _recalled_keys(kind, layer, ids, q.dtype)
-    scale = q.shape[-1] ** -0.5
-    if q.shape[1] == 1:
-        valid = jnp.arange(k_rec.shape[1])[None, :] < n_tokens[:, None]
-        o_r, m_r, l_r = backend.decode(q[:, 0], k_rec.swapaxes(1, 2), v_rec.swapaxes(1, 2), valid=valid,
-                                       sm_scale=scale, residuals=True)
-        o_r, m_r, l_r = o_r[:, None], m_r[:, None], l_r[:, None]
-    else:
-        o_r, m_r, l_r = backend.chunk(q, k_rec, v_rec, q_offsets=jnp.zeros_like(n_tokens), kv_lengths=n_tokens,
-                                      sm_scale=scale, causal=False, residuals=True)
-    l_r, skipped, recalled = _gated(l_r, gate, n_tokens > 0)
+    view, n_tokens = _recalled_keys(kind, layer, ids, q.dtype, spec)
+    res = attend_view(kind.model.attention.impl, q, view, spec, residuals=True)
+    l_r, skipped, recalled = _gated(res.l, gate, n_tokens > 0)
     layer = layer.replace(recalled=ids, recalls=layer.recalls + recalled.astype(jnp.int32),
                           skips=layer.skips + skipped.astype(jnp.int32))
-    return o_r, m_r, l_r, layer
+    return res.replace(l=l_r), layer
 
 
-def _recall_each_query(kind, layer, q, q_route, ok):
+def _recall_each_query(kind, layer, q, q_route, ok, spec):
     """Teacher forcing: every query routes and recalls on its own - the pooled queries a decode step at it would
     use - and attends to its own recalled tokens, so a chunk equals one-token steps. Counters count real queries;
     ``recalled`` keeps the last real query's blocks."""
-    backend = kernels.backend(kind.model.attention.impl)
     pooled = pooled_per_query(layer, q_route, ok, kind.policy.route_queries)  # [b, t, h, d]
     _, recent, recent_n = recent_queries(layer, q_route, ok, kind.policy.route_queries)
     layer = layer.replace(recent_q=recent, recent_n=recent_n)
-    scale = q.shape[-1] ** -0.5
 
     def one(pooled_i, q_i):  # one query: [b, h, d] each
         ids, gate = rank_blocks(kind, layer, pooled_i)
-        k_rec, v_rec, n_tokens = _recalled_keys(kind, layer, ids, q.dtype)
-        valid = jnp.arange(k_rec.shape[1])[None, :] < n_tokens[:, None]
-        o_r, m_r, l_r = backend.decode(q_i, k_rec.swapaxes(1, 2), v_rec.swapaxes(1, 2), valid=valid,
-                                       sm_scale=scale, residuals=True)
-        l_r, skipped, recalled = _gated(l_r[:, None], gate, n_tokens > 0)
-        return o_r, m_r, l_r[:, 0], ids, skipped, recalled
+        view, n_tokens = _recalled_keys(kind, layer, ids, q.dtype, spec)
+        res = attend_view(kind.model.attention.impl, q_i[:, None], view, spec, residuals=True)
+        l_r, skipped, recalled = _gated(res.l, gate, n_tokens > 0)
+        return res.out[:, 0], res.m[:, 0], l_r[:, 0], ids, skipped, recalled
 
     o_r, m_r, l_r, ids, skipped, recalled = jax.vmap(one, in_axes=(1, 1), out_axes=1)(pooled, q)
     last = jnp.maximum(jnp.sum(ok, axis=1) - 1, 0)  # [b] the last real query
@@ -297,7 +279,7 @@ def _recall_each_query(kind, layer, q, q_route, ok):
         recalled=jnp.take_along_axis(ids, last[:, None, None, None], axis=1)[:, 0],
         recalls=layer.recalls + jnp.sum(recalled & ok, axis=1, dtype=jnp.int32),
         skips=layer.skips + jnp.sum(skipped & ok, axis=1, dtype=jnp.int32))
-    return o_r, m_r, l_r, layer
+    return Attended(out=o_r, m=m_r, l=l_r), layer
 
 
 __all__ = ["attend", "pooled_per_query", "rank_blocks", "route"]

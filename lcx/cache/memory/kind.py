@@ -115,10 +115,10 @@ class MemoryKind(CacheKind):
     def from_config(cls, model, cache, policy) -> "MemoryKind":
         if isinstance(cache.budget, tuple):
             raise ConfigError("cache.budget for cache.policy='memory' is one number (the device budget per layer)")
-        if not model.plain_attention:
-            raise ConfigError(f"cache.policy='memory' needs plain attention in every layer; model.family="
-                              f"{model.family!r} has sliding windows, soft-capping or a query scale "
-                              "(the memory tier does not implement them yet)")
+        if any(spec.window is not None for spec in model.attention_specs()):
+            raise ConfigError(f"cache.policy='memory' needs global attention in every layer; model.family="
+                              f"{model.family!r} has sliding-window layers (layer_types), which the memory tier "
+                              "does not serve yet: use a slot policy (its sliding layers keep only their window)")
         window = policy.resolve_window(cache.budget)
         if policy.router == "learned":
             learned.check(policy.router_path, model, policy.positions)
@@ -226,9 +226,8 @@ class MemoryKind(CacheKind):
 
     # ------------------------------------------------------------------------------------------- attention
     def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None):
-        # from_config refuses models whose attention is not plain: every spec equals the one attend computes
         return memory_attend.attend(self, layer, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
-                                    stat_weights=stat_weights)
+                                    stat_weights=stat_weights, spec=spec or self.model.attention_specs()[0])
 
     # ------------------------------------------------------------------------------------------- tiers
     def evict(self, state: MemoryCache):
