@@ -104,7 +104,7 @@ def main() -> None:
     import numpy as np
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("gguf", type=Path, help="a llama / mistral / qwen2 .gguf file")
+    parser.add_argument("gguf", type=Path, help="a llama / mistral / qwen2 / qwen3 / gemma2 / gemma3 .gguf file")
     parser.add_argument("--tokens", type=int, default=300, help="prompt length in tokens")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens to generate")
     args = parser.parse_args()
@@ -112,7 +112,7 @@ def main() -> None:
 
     from lcx.data.tokenizer import HFTokenizer
 
-    text = prose()
+    text = prose(max(6000, 6 * args.tokens))  # enough prose for the prompt (a token is ~4 characters)
     ids = HFTokenizer(path).encode(text, bos=False)[:args.tokens]
     config, ours, our_tokens, our_load = lcx_side(path, ids, args.new_tokens)
     theirs, their_tokens, their_load = transformers_side(path, ids, args.new_tokens)

@@ -5,8 +5,16 @@ Supported:
 
 - ``general.architecture`` llama, mistral, qwen2 and qwen3: the dense, full-attention SwiGLU blocks lcx runs (qwen2
   with q/k/v biases; qwen3 with QK-norm; llama/mistral/qwen3 with all four attention biases or none). Tied embeddings
-  = no ``output.weight``. (Gemma 2 / 3 files are not read yet: llama.cpp leaves their query scale, local RoPE base
-  and layer pattern out of the metadata.)
+  = no ``output.weight``.
+- gemma2 and gemma3 (text): llama.cpp's file leaves part of the model out of the metadata and its loader fills it
+  in by rule; lcx applies the same rules (``GEMMA_RULES``): the layer pattern (Gemma 2: every 2nd layer global,
+  the first local; Gemma 3: every 6th, or ``{arch}.attention.sliding_window_pattern`` when a file states it), the
+  query scale (``query_pre_attn_scalar``: hidden / heads for the 27B models - 46 and 62 layers - else the head
+  dim), Gemma 3's local RoPE base (10,000, unscaled; the global layers take ``rope.freq_base`` and its scaling),
+  and Gemma 2's soft-caps (``attn_logit_softcapping`` / ``final_logit_softcapping``, 50 and 30 when absent). The
+  converter stores every Gemma RMSNorm weight as ``1 + w`` (the scale the model multiplies by); the reader
+  subtracts the 1. Their ``ffn_norm`` is the pre-MLP norm (``pre_feedforward_layernorm``), ``post_attention_norm``
+  and ``post_ffw_norm`` the sandwich norms.
 - RoPE: default, linear and YaRN (``{arch}.rope.scaling.*``), and Llama 3.x scaling, which llama.cpp stores as a
   ``rope_freqs.weight`` tensor of per-frequency factors: lcx recovers the llama3 parameters from it and refuses
   factors of any other form.
@@ -16,8 +24,8 @@ Supported:
   ``tokenizer.ggml.pre``, see ``PRE_TOKENIZERS``) and ``llama`` (SentencePiece BPE with byte fallback from tokens +
   scores), built with the ``tokenizers`` package.
 
-Anything else - another architecture, sliding-window attention, experts, logit soft-capping, partial rotary, an
-i-quant, an unknown tensor - is refused by name rather than loaded wrong.
+Anything else - another architecture, sliding-window attention or soft-capping outside Gemma, experts, partial
+rotary, an i-quant, an unknown tensor - is refused by name rather than loaded wrong.
 
 How: the metadata becomes a Hugging Face ``config.json`` dict, so ``lcx.hf.config_from_hf`` builds and validates
 the ``ModelConfig`` exactly as for a HF directory, and ``GGUFTensorReader`` serves the tensors under their HF names
@@ -44,7 +52,13 @@ from lcx.model.families import hf_names
 
 # GGUF general.architecture -> the transformers class whose config.json lcx builds
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# What llama.cpp's loader assumes for Gemma files (src/llama-model.cpp): per architecture the period of global
+# layers, the layer count of the 27B model (whose query scale is hidden / heads, not the head dim), the local RoPE
+# base (None: the global one) and the soft-caps used when the file has none.
+GEMMA_RULES = {"gemma2": {"pattern": 2, "layers_27b": 46, "local_theta": None,
+                          "softcaps": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}},
+               "gemma3": {"pattern": 6, "layers_27b": 62, "local_theta": 10000.0, "softcaps": {}}}
 _PERMUTED = ("llama", "mistral")  # q/k rows interleaved by llama.cpp's converter
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
@@ -55,6 +69,9 @@ _BLOCK = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": 
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
           "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # the last two: qwen3
+# Gemma names its norms after their place in the sandwich block (llama's ffn_norm is the pre-MLP norm in both)
+_GEMMA_BLOCK = _BLOCK | {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                         "post_ffw_norm": "post_feedforward_layernorm"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE factors: read into the config, not a parameter
 
@@ -147,10 +164,11 @@ def hf_config(gf: GGUFFile) -> dict[str, Any]:
         raise ConfigError(f"{where}: {arch}.rope.dimension_count={rotary} with head dim {head_dim}: partial rotary "
                           "embeddings are not supported for GGUF files (allowed: rope.dimension_count = head dim)")
     context = need("context_length")
-    _refuse_sliding_window(meta, arch, context, where)
+    if arch not in GEMMA_RULES:
+        _refuse_sliding_window(meta, arch, context, where)
     hf = {
         "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": "gemma3_text" if arch == "gemma3" else arch,
         "vocab_size": _vocab_size(gf, arch),
         "hidden_size": hidden,
         "num_hidden_layers": need("block_count"),
@@ -167,6 +185,8 @@ def hf_config(gf: GGUFFile) -> dict[str, Any]:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    if arch in GEMMA_RULES:
+        return hf | _gemma_config(meta, arch, hf, where)
     if arch == "qwen2":
         hf["use_sliding_window"] = False
     else:
@@ -177,6 +197,36 @@ def hf_config(gf: GGUFFile) -> dict[str, Any]:
     if arch == "mistral":
         hf["sliding_window"] = None
     return hf
+
+
+def _gemma_config(meta: dict, arch: str, hf: dict, where: str) -> dict[str, Any]:
+    """The Gemma keys of the HF config: what the file states, and llama.cpp's rules (``GEMMA_RULES``) for the rest."""
+    rules, n_layers = GEMMA_RULES[arch], hf["num_hidden_layers"]
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if not isinstance(window, int) or window <= 0:
+        raise ConfigError(f"{where}: {arch}.attention.sliding_window={window!r}; every {arch} GGUF states its "
+                          "sliding window (a positive integer)")
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", rules["pattern"])
+    if isinstance(pattern, list):  # newer files: one flag per layer, true for a sliding-window layer
+        if len(pattern) != n_layers:
+            raise ConfigError(f"{where}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries for "
+                              f"{n_layers} layers")
+        local = [bool(x) for x in pattern]
+    elif isinstance(pattern, int) and pattern > 0:  # every pattern-th layer is global (llama.cpp's set_swa_pattern)
+        local = [i % pattern < pattern - 1 for i in range(n_layers)]
+    else:
+        raise ConfigError(f"{where}: {arch}.attention.sliding_window_pattern={pattern!r}; allowed: a positive "
+                          "period or one flag per layer")
+    out = {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": window, "attention_bias": False,
+           "layer_types": ["sliding_attention" if x else "full_attention" for x in local],
+           "query_pre_attn_scalar": (hf["hidden_size"] // hf["num_attention_heads"]
+                                     if n_layers == rules["layers_27b"] else hf["head_dim"])}
+    for name, default in rules["softcaps"].items():
+        out[name] = float(meta.get(f"{arch}.{name}", default))
+    if rules["local_theta"] is not None:
+        out["rope_parameters"] = {"full_attention": hf["rope_parameters"],
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": rules["local_theta"]}}
+    return out
 
 
 def _uniform(value, key: str, where: str):
@@ -190,8 +240,11 @@ def _uniform(value, key: str, where: str):
 
 
 def _refuse_unsupported(meta: dict, arch: str, where: str) -> None:
+    read = set(GEMMA_RULES[arch]["softcaps"]) | {"attention.sliding_window_pattern"} if arch in GEMMA_RULES else set()
     for name, (what, neutral) in _UNSUPPORTED.items():
         key = f"{arch}.{name}"
+        if name in read:
+            continue
         if key in meta and meta[key] not in neutral:
             raise ConfigError(f"{where}: {key}={meta[key]!r} means {what}, which lcx does not implement"
                               + (f" (allowed: {list(neutral)})" if neutral else ""))
@@ -293,19 +346,24 @@ def _llama3_parameters(freqs: np.ndarray, theta: float, dim: int, where: str) ->
 
 
 # --------------------------------------------------------------------------------------------------- tensors
-def _to_hf(name: str) -> str | None:
+def _block_names(arch: str) -> dict[str, str]:
+    return _GEMMA_BLOCK if arch in GEMMA_RULES else _BLOCK
+
+
+def _to_hf(name: str, arch: str) -> str | None:
     """The HF name of GGUF tensor ``name``; None for a name lcx does not know."""
     if name in _GLOBAL:
         return _GLOBAL[name]
-    m = _BLOCK_RE.fullmatch(name)
-    if m is None or m.group(2) not in _BLOCK:
+    m, block = _BLOCK_RE.fullmatch(name), _block_names(arch)
+    if m is None or m.group(2) not in block:
         return None
-    return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
 
 
 class GGUFTensorReader:
     """The tensors of a GGUF file under their Hugging Face names, dequantized to float32 in HF layout (``[out, in]``
-    linear weights; llama/mistral q and k rows un-permuted) - the interface of ``lcx.hf._TensorReader``."""
+    linear weights; llama/mistral q and k rows un-permuted; Gemma norms back to ``w`` from ``1 + w``) - the interface of
+    ``lcx.hf._TensorReader``."""
 
     def __init__(self, gf: GGUFFile, config: ModelConfig, arch: str):
         self.gf, self.config, self.arch = gf, config, arch
@@ -316,7 +374,7 @@ class GGUFTensorReader:
         """HF name -> GGUF name for every tensor; refuses a file whose tensors differ from what the config needs."""
         names, unknown = {}, []
         for name in self.gf.tensors:
-            hf_name = _to_hf(name)
+            hf_name = _to_hf(name, self.arch)
             if hf_name is not None:
                 names[hf_name] = name
             elif name != _ROPE_FREQS:  # rope_freqs went into the config
@@ -342,7 +400,7 @@ class GGUFTensorReader:
             return inverse[hf_name]
         i, rest = hf_name.removeprefix("model.layers.").split(".", 1)
         module, suffix = rest.rsplit(".", 1)
-        part = next(k for k, v in _BLOCK.items() if v == module)
+        part = next(k for k, v in _block_names(self.arch).items() if v == module)
         return f"blk.{i}.{part}.{suffix}"
 
     def has(self, name: str) -> bool:
@@ -359,6 +417,8 @@ class GGUFTensorReader:
         if self.arch in _PERMUTED and (".q_proj." in name or ".k_proj." in name):
             heads = self.config.n_heads if ".q_proj." in name else self.config.n_kv_heads
             array = _unpermute(array, heads)
+        if self.arch in GEMMA_RULES and "norm." in name:  # stored as the scale 1 + w (llama.cpp's converter)
+            array = array - 1.0
         return array
 
 
@@ -383,7 +443,7 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], GGUFTensorReader, GGUFT
     gf = GGUFFile(path)
     hf = hf_config(gf)
     config = config_from_hf(hf, where=str(gf.path))
-    reader = GGUFTensorReader(gf, config, hf["model_type"])
+    reader = GGUFTensorReader(gf, config, gf.meta["general.architecture"])
     tokenizer = tokenizer_from_metadata(gf.meta, str(gf.path)) if "tokenizer.ggml.tokens" in gf.meta else None
     return hf, reader, tokenizer
 
@@ -399,7 +459,8 @@ def read_gguf_params(path: str | Path, dtype: str | None = None) -> tuple[ModelC
     """``load_gguf`` on the host: ``(ModelConfig, params)`` with NumPy arrays (float32 unless ``dtype``)."""
     gf = GGUFFile(path)
     hf = hf_config(gf)
-    return assemble(GGUFTensorReader(gf, config_from_hf(hf, where=str(gf.path)), hf["model_type"]), dtype)
+    return assemble(GGUFTensorReader(gf, config_from_hf(hf, where=str(gf.path)), gf.meta["general.architecture"]),
+                    dtype)
 
 
 def assemble(reader: GGUFTensorReader, dtype: str | None = None) -> tuple[ModelConfig, dict]:

@@ -170,8 +170,8 @@ def test_families_training_gradients_through_windows_and_caps_equal_the_referenc
 def test_families_teacher_forcing_through_the_bounded_cache_equals_one_forward_pass():
     """``Generator.score`` (what perplexity runs) on a Gemma-3-shaped model, 50 tokens after a 10-token prompt with
     the local layers keeping window - 1 + room slots (evicting as it goes; room: the interval with 4-token prefill
-    chunks, else a window), under the full policy and under StreamingLLM whose budget holds every token: the
-    log-probabilities of one forward pass."""
+    chunks, else a window), under the full policy, under StreamingLLM whose budget holds every token and under the
+    memory tier recalling every block (on the global layer): the log-probabilities of one forward pass."""
     from lcx.model.config import ModelConfig, RopeConfig
     from lcx.model.decoder import Decoder, init_params
 
@@ -182,9 +182,13 @@ def test_families_teacher_forcing_through_the_bounded_cache_equals_one_forward_p
     ids = np.random.default_rng(0).integers(0, 64, (2, 60))
     logp = jax.nn.log_softmax(jax.jit(Decoder(cfg).apply)({"params": params}, ids)[:, 9:-1])
     want = np.take_along_axis(np.asarray(logp), ids[:, 10:, None], axis=-1)[..., 0]
+    memory = CacheConfig(policy="memory", sinks=2, window=8, block=4, topk=64, interval=4)  # recalls every block
     for cache, local_slots in ((CacheConfig(interval=4, prefill_chunk=4), WINDOW - 1 + 4),
-                               (CacheConfig(policy="streaming", budget=100, sinks=2, interval=4), WINDOW - 1 + WINDOW)):
+                               (CacheConfig(policy="streaming", budget=100, sinks=2, interval=4), WINDOW - 1 + WINDOW),
+                               (memory, WINDOW - 1 + WINDOW)):
         gen = Generator(cfg, params, max_new_tokens=50, cache=cache)
         state, logprobs = gen.score(gen.prefill(ids[:, :10]), ids[:, 10:])
         np.testing.assert_allclose(np.asarray(logprobs), want, atol=2e-5)
         assert state.cache.loc.k.shape[3] == local_slots
+    # the memory tier served the global layer: most of the context went to its long-term blocks
+    assert int(state.cache.glob.n_blocks.max()) * 4 >= 40

@@ -102,12 +102,22 @@ _HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
                "self_attn.k_norm": "attn_k_norm"}
 
 
+# Gemma's sandwich norms (llama.cpp's converter maps pre_feedforward_layernorm to ffn_norm)
+_GEMMA_TO_GGUF = _HF_TO_GGUF | {"post_attention_layernorm": "post_attention_norm",
+                                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
 def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
-    """The model's weights under GGUF names, q/k permuted as llama.cpp does for llama (not for qwen2)."""
+    """The model's weights under GGUF names, q/k permuted as llama.cpp does for llama (not for qwen2 / qwen3 /
+    gemma), Gemma's norm weights stored as the scale ``1 + w`` as its converter does."""
     cfg = model.config
+    gemma = arch.startswith("gemma")
+    names = _GEMMA_TO_GGUF if gemma else _HF_TO_GGUF
     out = {}
     for name, p in model.state_dict().items():
         w = p.detach().float().numpy()
+        if gemma and name.endswith("norm.weight"):
+            w = w + 1.0
         if name == "model.embed_tokens.weight":
             out["token_embd.weight"] = w
         elif name == "model.norm.weight":
@@ -118,10 +128,10 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
         else:
             _, _, i, rest = name.split(".", 3)
             module, suffix = rest.rsplit(".", 1)
-            if arch not in ("qwen2", "qwen3") and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in ("llama", "mistral") and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads
                 w = llama_cpp_permute(w, heads)
-            out[f"blk.{i}.{_HF_TO_GGUF[module]}.{suffix}"] = w
+            out[f"blk.{i}.{names[module]}.{suffix}"] = w
     return out
 
 
@@ -174,7 +184,8 @@ def write_gguf(path, model, arch: str, *, types: dict | None = None, pre: str = 
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters  # Gemma 3: one entry per layer type, the file states the global layers' base
+    w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -299,6 +310,16 @@ SOURCES = {  # case -> (family, HF config overrides, GGUFWriter calls)
              {"add_rope_scaling_type": gguf.RopeScalingType.YARN, "add_rope_scaling_factor": 4.0,
               "add_rope_scaling_orig_ctx_len": 256, "add_rope_scaling_yarn_beta_fast": 8.0,
               "add_rope_scaling_yarn_attn_factor": 0.9}),
+    # llama.cpp's rules fill in what Gemma files leave out: the layer pattern (every 2nd / 6th layer global), the
+    # query scale (the head dim below 27B) and Gemma 3's local RoPE base (10k); norms stored as 1 + w
+    "gemma2": ("gemma2", {"tie_word_embeddings": True, "attn_logit_softcapping": 4.0, "final_logit_softcapping": 3.0},
+               {"add_sliding_window": 8, "add_attn_logit_softcapping": 4.0, "add_final_logit_softcapping": 3.0}),
+    "gemma3": ("gemma3", {"tie_word_embeddings": True, "num_hidden_layers": 6,
+                          "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                              "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                 "rope_theta": 1e6}}},
+               {"add_sliding_window": 8, "add_rope_scaling_type": gguf.RopeScalingType.LINEAR,
+                "add_rope_scaling_factor": 8.0}),
     "llama3": ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0,
                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                              "original_max_position_embeddings": 64}}, {}),
@@ -336,8 +357,12 @@ def test_f32_gguf_equals_the_source_model(case, tmp_path):
                       extra=extra, extra_tensors=extra_tensors)
     ids = _ids(VOCAB, seq=48)
     config, ours = lcx_logits(path, ids)
-    assert config.rope.type == (case if case in ("linear", "yarn", "llama3") else "default")
+    assert config.rope.type == (case if case in ("linear", "yarn", "llama3") else
+                                "linear" if case == "gemma3" else "default")
     assert config.o_bias == (case == "llama_bias")
+    if family.startswith("gemma"):  # the rules gave the source model's layer pattern, window and query scale
+        assert config.types == tuple(model.config.layer_types) and config.sliding_window == 8
+        assert config.query_scale == 16 and config.tie_embeddings
     assert_logits_close(ours, hf_logits(model, ids))
 
 
@@ -499,9 +524,9 @@ def test_convert_writes_a_directory_transformers_loads(tmp_path, capsys):
 # --------------------------------------------------------------------------------------------------- (d) refusals
 def test_refuses_unsupported_architecture(tmp_path):
     model = random_hf_model("llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1)
-    path = write_gguf(tmp_path / "g.gguf", model, "gemma2")
-    with pytest.raises(ConfigError, match=r"general.architecture='gemma2' is not supported; allowed: \['llama', "
-                                          r"'mistral', 'qwen2', 'qwen3'\]"):
+    path = write_gguf(tmp_path / "g.gguf", model, "gemma")  # Gemma 1: no llama.cpp rules in lcx
+    with pytest.raises(ConfigError, match=r"general.architecture='gemma' is not supported; allowed: \['gemma2', "
+                                          r"'gemma3', 'llama', 'mistral', 'qwen2', 'qwen3'\]"):
         lcx_gguf.load_gguf(path)
 
 

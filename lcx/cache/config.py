@@ -16,6 +16,10 @@ from lcx.cache.base import CacheKind, kind_class
 from lcx.cache.policy import CachePolicy, make_policy
 from lcx.config_base import ConfigError, canonical_dtype, check, coerce
 
+# The cache types that serve the global layers of a model with sliding-window layers (lcx.cache.hybrid); any other
+# type is built as it is and must handle every layer's spec itself.
+HYBRID_GLOBAL = ("slots", "memory")
+
 if TYPE_CHECKING:
     from lcx.model.config import ModelConfig
 
@@ -93,7 +97,7 @@ class CacheConfig:
         """The cache type that implements this policy, for ``model`` (the KV heads the cache stores)."""
         policy = self.make_policy()
         name = policy.cache_type
-        if name == "slots" and any(s.window is not None for s in model.attention_specs()):
+        if name in HYBRID_GLOBAL and any(s.window is not None for s in model.attention_specs()):
             name = "hybrid"  # sliding-window layers keep only their window (lcx.cache.hybrid)
         return kind_class(name).from_config(model, self, policy)
 

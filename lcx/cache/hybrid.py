@@ -1,5 +1,9 @@
 """The cache of a model with sliding-window layers: a bounded cache for its local layers, the request's for the rest.
 
+The global layers' cache is the requested policy's own cache type: the slot cache, or the memory tier (working
+memory + long-term blocks, ``policy: memory``); host-side work (a host store's ``open`` / ``sync`` / ``close``,
+saving and restoring it) is that cache's.
+
 A sliding-window layer never reads a key ``window`` or more positions before its query, so it need not keep one:
 the local layers get a slot cache of their own (``KVCache`` stacked over the local layers only) under the ``window``
 policy with budget ``window - 1``. Before ``n`` new tokens go into a full one it keeps the ``window - 1`` newest,
@@ -29,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lcx import sharding
-from lcx.cache.base import AUTO_PREFILL_CHUNK, CacheKind, CacheState, register_kind
+from lcx.cache.base import AUTO_PREFILL_CHUNK, CacheKind, CacheState, kind_class, register_kind
 from lcx.cache.kv_cache import FIELDS, KVCache, SlotCacheKind
 from lcx.cache.policy import make_policy
 from lcx.cache.schema import Field
@@ -53,10 +57,10 @@ def local_room(window: int, interval: int, prefill_chunk: int | None) -> int:
 
 @flax.struct.dataclass
 class HybridCache(CacheState):
-    """``glob``: the global layers' slot cache (None when every layer is local), ``loc``: the local layers' bounded
-    one; ``planned``: the capacity the request was planned for (the global layers' slots)."""
+    """``glob``: the global layers' cache (a slot cache or the memory tier; None when every layer is local), ``loc``:
+    the local layers' bounded slot cache; ``planned``: the capacity the request was planned for."""
 
-    glob: KVCache | None
+    glob: CacheState | None
     loc: KVCache | None
     lengths: jax.Array | None  # [b] int32 (None in the per-layer view)
     kind: "HybridKind" = flax.struct.field(pytree_node=False, default=None)
@@ -123,14 +127,14 @@ class HybridCache(CacheState):
 @register_kind
 @dataclasses.dataclass(frozen=True)
 class HybridKind(CacheKind):
-    """What ``CacheConfig.kind`` builds for a slot-cache policy on a model with sliding-window layers (see the module
-    docstring): the policy runs on the global layers, the local ones keep their window."""
+    """What ``CacheConfig.kind`` builds for a slot-cache or memory policy on a model with sliding-window layers (see
+    the module docstring): the policy runs on the global layers, the local ones keep their window."""
 
     name: ClassVar[str] = "hybrid"
     state_type: ClassVar[type] = HybridCache
 
     model: ModelConfig
-    glob: SlotCacheKind | None
+    glob: CacheKind | None  # the policy's own cache type over the global layers (slots or memory)
     loc: SlotCacheKind
     where: tuple[tuple[str, int], ...]  # per model layer: (group, index in the group)
 
@@ -145,7 +149,8 @@ class HybridKind(CacheKind):
         windows = {s.window for s in specs if s.window is not None}
         sub = lambda n: dataclasses.replace(model, n_layers=n, layer_types=None, sliding_window=None,  # noqa: E731
                                             local_rope=None)
-        glob = SlotCacheKind.from_config(sub(counts[GLOBAL]), cache, policy) if counts[GLOBAL] else None
+        glob = (kind_class(policy.cache_type).from_config(sub(counts[GLOBAL]), cache, policy) if counts[GLOBAL]
+                else None)
         budget = local_budget(max(windows))
         loc = SlotCacheKind(model=sub(counts[LOCAL]), policy=make_policy("window"), budgets=(budget,) * counts[LOCAL],
                             dtype=cache.dtype or model.dtype,
@@ -167,8 +172,13 @@ class HybridKind(CacheKind):
         """The local layers' slots for a request planned at ``capacity``: the window's share, or the request when it
         is shorter (known only when the global layers keep everything: then ``capacity`` is the request)."""
         share = max(self.loc.head_budgets) + self.loc.interval
-        evicting = self.glob is not None and self.glob.budgets is not None
-        return share if evicting else min(capacity, share)
+        # a slot cache with a budget plans its budget, not the request; the memory tier plans the request
+        bounded = isinstance(self.glob, SlotCacheKind) and self.glob.budgets is not None
+        return share if bounded else min(capacity, share)
+
+    @property
+    def decode_segment(self) -> int | None:
+        return None if self.glob is None else self.glob.decode_segment
 
     # ------------------------------------------------------------------------------------------- planning
     def plan(self, batch: int, max_prompt: int, max_new_tokens: int) -> int:
@@ -243,8 +253,10 @@ class HybridKind(CacheKind):
                                 for g in (GLOBAL, LOCAL)})
 
     def evict(self, state: HybridCache):
-        left = None if self.glob is None else self.glob.evict(state.glob)[1]
-        return self._each(state, lambda k, s: k.evict(s)[0]), left
+        if self.glob is None:
+            return state.replace(loc=self.loc.evict(state.loc)[0]), None
+        glob, left = self.glob.evict(state.glob)  # what the global layers removed (a store takes it)
+        return state.replace(glob=glob, loc=self.loc.evict(state.loc)[0]), left
 
     def make_room(self, state: HybridCache, n) -> HybridCache:
         return self._each(state, lambda k, s: k.make_room(s, n))
@@ -253,7 +265,38 @@ class HybridKind(CacheKind):
         return self._each(state, lambda k, s: k.end_prefill(s))
 
     def scoring(self) -> "HybridKind":
-        return self
+        return self if self.glob is None else dataclasses.replace(self, glob=self.glob.scoring())
+
+    # ------------------------------------------------------------------------------------------- host resources
+    # The local layers' slot cache has none: these are the global cache's (a memory tier's host or disk store).
+    def sync(self, state: HybridCache) -> HybridCache:
+        return state if self.glob is None else state.replace(glob=self.glob.sync(state.glob))
+
+    def open(self, state: HybridCache):
+        if self.glob is None:
+            return state, None
+        glob, handle = self.glob.open(state.glob)
+        return state.replace(glob=glob), handle
+
+    def close(self, handle) -> None:
+        if self.glob is not None:
+            self.glob.close(handle)
+
+    def store_bytes(self, state: HybridCache) -> int:
+        return 0 if self.glob is None else self.glob.store_bytes(state.glob)
+
+    def store_nbytes(self, batch: int, capacity: int) -> int:
+        return 0 if self.glob is None else self.glob.store_nbytes(batch, capacity)
+
+    def save_host(self, state: HybridCache, path) -> None:
+        if self.glob is not None:
+            self.glob.save_host(state.glob, path)
+
+    def restore_host(self, state: HybridCache, path):
+        if self.glob is None:
+            return state, None
+        glob, handle = self.glob.restore_host(state.glob, path)
+        return state.replace(glob=glob), handle
 
 
 __all__ = ["HybridCache", "HybridKind", "local_budget", "local_room"]
