@@ -44,6 +44,9 @@ def trace_recall(config: ModelConfig, params, cache: CacheConfig, prompt_ids) ->
     """Prefill ``prompt_ids`` through the memory cache ``cache``; what each layer recalled for the last query."""
     if cache.make_policy().cache_type != "memory":
         raise ConfigError(f"cache.policy={cache.policy!r} has no long-term memory to trace; use policy='memory'")
+    if any(spec.window is not None for spec in config.attention_specs()):
+        raise ConfigError(f"model.layer_types={list(config.types)} has sliding-window layers: the recall trace "
+                          "compares every layer with the memory's, so it needs global attention in every layer")
     gen = Generator(config, params, max_new_tokens=1, cache=cache)
     state = gen.prefill(prompt_ids)
     c = state.cache
