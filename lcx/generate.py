@@ -253,7 +253,7 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
 
     def prefill_chunk(params, cache, ids, ok, last_index, last_logits, stat_weights):
         # last_index [b]: index of the row's last prompt token within this chunk, or -1
-        cache = kind.make_room(cache, jnp.max(jnp.sum(ok, axis=1)))  # room for this chunk's real tokens
+        cache = kind.make_room(cache, jnp.sum(ok, axis=1, dtype=jnp.int32))  # room for each row's real tokens
         logits, cache = model.apply({"params": params}, ids, cache=cache, ok=ok,
                                     logits_index=jnp.maximum(last_index, 0), stat_weights=stat_weights)
         last_logits = jnp.where((last_index >= 0)[:, None], logits[:, 0], last_logits)
@@ -401,9 +401,13 @@ class Generator:
 
     # ----------------------------------------------------------------------------------------------- prefill
 
-    def prefill(self, prompt_ids, progress: bool = False) -> DecodeState:
+    def prefill(self, prompt_ids, progress: bool = False, state: DecodeState | None = None) -> DecodeState:
         """Run the prompts through the model in chunks; returns the state before the first sampled token.
         ``progress``: show a progress bar (tokens per second, ETA) over the chunks - for long prompts.
+
+        ``state``: append the prompts to a state's cache instead of a new one, one prompt per row (e.g. a different
+        question to each row of ``fork(state, n)``); generation then starts afresh after them. The state's capacity
+        must hold its tokens, the longest prompt and ``max_new_tokens`` (create the Generator with ``capacity``).
 
         Evicting policies see the whole prompt with full attention and compress once at the end, unless the prompt
         exceeds the capacity: then chunks of at most ``interval`` tokens are compressed between (the cache type
@@ -414,14 +418,17 @@ class Generator:
             bad = int(ids[(ids < 0) | (ids >= self.config.vocab_size)][0])
             raise ConfigError(f"prompt token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
         batch, max_len = ids.shape
-        check_positions(self.config, self.cache_config, max_len, self.max_new_tokens, self.strict)
-        capacity = plan_capacity(self.config, self.cache_config, batch, max_len, self.max_new_tokens, self.mesh)
-        if self.capacity is not None:
-            if self.capacity < capacity:
-                raise CacheCapacityError(f"capacity={self.capacity} is too small: this request needs {capacity} "
-                                         f"cache slots (prompt {max_len} + max_new_tokens {self.max_new_tokens})")
-            capacity = self.capacity
-        cache = self._new_cache(batch, capacity)
+        if state is None:
+            check_positions(self.config, self.cache_config, max_len, self.max_new_tokens, self.strict)
+            capacity = plan_capacity(self.config, self.cache_config, batch, max_len, self.max_new_tokens, self.mesh)
+            if self.capacity is not None:
+                if self.capacity < capacity:
+                    raise CacheCapacityError(f"capacity={self.capacity} is too small: this request needs {capacity} "
+                                             f"cache slots (prompt {max_len} + max_new_tokens {self.max_new_tokens})")
+                capacity = self.capacity
+            cache = self._new_cache(batch, capacity)
+        else:
+            cache, capacity = self._continued(state, batch, max_len)
         # One compiled chunk shape for every chunk of the prompt.
         requested = self.cache_config.prefill_chunk or auto_prefill_chunk(self.config, batch, max_len)
         chunk = self.kind.prefill_chunk(requested, max_len, capacity)
@@ -453,6 +460,37 @@ class Generator:
             n_generated=self._put(np.zeros((batch,), np.int32)), done=self._put(np.zeros((batch,), bool)),
             step=self._put(np.int32(0), False),
             key=self._put(jax.random.key_data(jax.random.key(self.seed)), False))
+
+    def _continued(self, state: DecodeState, batch: int, max_len: int) -> tuple[CacheState, int]:
+        """The cache of ``state`` to append ``batch`` prompts of up to ``max_len`` tokens to, and its capacity."""
+        cache = state.cache
+        rows = int(cache.lengths.shape[0])
+        if batch != rows:
+            raise ConfigError(f"prefill got {batch} prompts for a state of {rows} rows: one prompt per row (fork the "
+                              f"state into more rows first: Generator.fork(state, n))")
+        done = int(np.max(sharding.to_host(cache.lengths)))
+        check_positions(self.config, self.cache_config, done + max_len, self.max_new_tokens, self.strict)
+        need = self.kind.plan(batch, done + max_len, self.max_new_tokens)
+        if need > cache.capacity:
+            raise CacheCapacityError(
+                f"appending prompts of up to {max_len} tokens to a state holding {done} needs {need} cache slots "
+                f"(+ max_new_tokens {self.max_new_tokens}) but the state was planned for {cache.capacity}: create the "
+                f"Generator with capacity >= {need}")
+        return cache, cache.capacity
+
+    def fork(self, state: DecodeState, n: int) -> DecodeState:
+        """Each row of ``state`` as ``n`` consecutive rows that continue independently: a prefilled (and possibly
+        compressed) context asked ``n`` different questions with ``prefill(questions, state=...)``. With
+        ``CacheConfig(layout="paged")`` the rows share the context's full pages (stored once, ``lcx.cache.paged``);
+        other caches copy the rows. The sampler state is copied too."""
+        if not _is_int(n) or n < 1:
+            raise ConfigError(f"fork n={n!r} is invalid: must be a positive integer (rows per row of the state)")
+        if self.mesh is not None:
+            raise ConfigError("Generator.fork on a device mesh is not supported yet: fork on one device")
+        repeat = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
+        return state.replace(cache=self.kind.fork(state.cache, n), logits=repeat(state.logits),
+                             tokens=repeat(state.tokens), n_generated=repeat(state.n_generated),
+                             done=repeat(state.done))
 
     # ----------------------------------------------------------------------------------------------- decode
     def decode(self, state: DecodeState, steps: int | None = None) -> DecodeState:

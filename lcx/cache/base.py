@@ -258,7 +258,8 @@ class CacheKind(abc.ABC):
         return state, None
 
     def make_room(self, state: CacheState, n: jax.Array) -> CacheState:
-        """Called (jitted) before ``n`` more tokens per row are appended; evicting caches compact here."""
+        """Called (jitted) before ``n`` more tokens per row are appended (a scalar for every row, or ``[b]``);
+        evicting caches compact here, a paged cache allocates pages."""
         return state
 
     def end_prefill(self, state: CacheState) -> CacheState:
@@ -268,6 +269,10 @@ class CacheKind(abc.ABC):
     def sync(self, state: CacheState) -> CacheState:
         """Host-side work between jitted calls (e.g. moving evicted blocks to a host store)."""
         return state
+
+    def fork(self, state: CacheState, n: int) -> CacheState:
+        """Each row of ``state`` as ``n`` consecutive rows that continue independently (``Generator.fork``)."""
+        raise ConfigError(f"cache type {self.name!r} cannot fork a state (slots, hybrid and paged caches can)")
 
     # ------------------------------------------------------------------------------------------- host resources
     def open(self, state: CacheState) -> tuple[CacheState, Any]:

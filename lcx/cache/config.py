@@ -19,6 +19,7 @@ from lcx.config_base import ConfigError, canonical_dtype, check, coerce
 # The cache types that serve the global layers of a model with sliding-window layers (lcx.cache.hybrid); any other
 # type is built as it is and must handle every layer's spec itself.
 HYBRID_GLOBAL = ("slots", "memory")
+LAYOUTS = ("contiguous", "paged")  # cache.layout: one run of slots per sequence, or pages (lcx.cache.paged)
 
 if TYPE_CHECKING:
     from lcx.model.config import ModelConfig
@@ -29,12 +30,13 @@ class CacheConfig:
     """The KV cache of generation: eviction policy, budget and memory.
 
     ``CacheConfig(policy="full", budget=None, dtype=None, prefill_chunk=None, interval=64, max_bytes=None,
-    **policy_params)``. ``budget`` is the number of tokens per sequence and layer the cache keeps (with ``full``:
-    the most it may hold); ``prefill_chunk`` the most prompt tokens per compiled prefill call (None: chosen from
-    the prompt and the memory plan, see ``lcx.generate.auto_prefill_chunk``); ``interval`` extra slots let decode
-    compact every ``interval`` steps instead of every step; ``max_bytes`` caps the KV memory, checked before
-    anything runs. Policy parameters (``sinks``, ``span``, ...) go to the policy named by ``policy`` and are
-    validated by it.
+    layout="contiguous", page_size=16, **policy_params)``. ``budget`` is the number of tokens per sequence and layer
+    the cache keeps (with ``full``: the most it may hold); ``prefill_chunk`` the most prompt tokens per compiled
+    prefill call (None: chosen from the prompt and the memory plan, see ``lcx.generate.auto_prefill_chunk``);
+    ``interval`` extra slots let decode compact every ``interval`` steps instead of every step; ``max_bytes`` caps
+    the KV memory, checked before anything runs. Policy parameters (``sinks``, ``span``, ...) go to the policy named
+    by ``policy`` and are validated by it. ``layout``: ``contiguous`` (each sequence its own slots) or ``paged`` (a
+    pool of ``page_size``-token pages; sequences that share a prefix share its pages, ``lcx.cache.paged``).
     """
 
     policy: str = "full"
@@ -44,16 +46,19 @@ class CacheConfig:
     prefill_chunk: int | None = None
     interval: int = 64
     max_bytes: int | None = None
+    layout: str = "contiguous"
+    page_size: int = 16
     policy_params: tuple[tuple[str, Any], ...] = ()
 
     def __init__(self, policy: str = "full", budget: int | Sequence[int] | None = None,
                  budget_schedule: str = "uniform", dtype: str | None = None, prefill_chunk: int | None = None,
-                 interval: int = 64, max_bytes: int | None = None, **policy_params):
+                 interval: int = 64, max_bytes: int | None = None, layout: str = "contiguous", page_size: int = 16,
+                 **policy_params):
         if isinstance(budget, Sequence) and not isinstance(budget, str):
             budget = tuple(budget)
         values = dict(policy=policy, budget=budget, budget_schedule=budget_schedule, dtype=dtype,
-                      prefill_chunk=prefill_chunk, interval=interval, max_bytes=max_bytes,
-                      policy_params=tuple(sorted(policy_params.items())))
+                      prefill_chunk=prefill_chunk, interval=interval, max_bytes=max_bytes, layout=layout,
+                      page_size=page_size, policy_params=tuple(sorted(policy_params.items())))
         for key, value in values.items():
             object.__setattr__(self, key, value)
         self.__post_init__()
@@ -71,6 +76,9 @@ class CacheConfig:
               "must be a positive integer")
         check(self.prefill_chunk is None or (isinstance(self.prefill_chunk, int) and self.prefill_chunk > 0),
               "cache.prefill_chunk", self.prefill_chunk, "must be a positive integer or null (auto)")
+        check(self.layout in LAYOUTS, "cache.layout", self.layout, f"must be one of {list(LAYOUTS)}")
+        check(isinstance(self.page_size, int) and not isinstance(self.page_size, bool) and self.page_size > 0,
+              "cache.page_size", self.page_size, "must be a positive integer (tokens per page)")
         if self.dtype is not None:
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "cache.dtype"))
         policy = self.make_policy()  # validates the name and the policy's parameters
@@ -97,7 +105,9 @@ class CacheConfig:
         """The cache type that implements this policy, for ``model`` (the KV heads the cache stores)."""
         policy = self.make_policy()
         name = policy.cache_type
-        if name in HYBRID_GLOBAL and any(s.window is not None for s in model.attention_specs()):
+        if self.layout == "paged":
+            name = "paged"  # checks the policy and the model itself (lcx.cache.paged)
+        elif name in HYBRID_GLOBAL and any(s.window is not None for s in model.attention_specs()):
             name = "hybrid"  # sliding-window layers keep only their window (lcx.cache.hybrid)
         return kind_class(name).from_config(model, self, policy)
 
@@ -107,7 +117,7 @@ class CacheConfig:
         data = dict(data)
         data.pop("policy_params", None)
         hints = {"dtype": str | None, "prefill_chunk": int | None, "interval": int, "max_bytes": int | None,
-                 "policy": str, "budget_schedule": str}
+                 "policy": str, "budget_schedule": str, "layout": str, "page_size": int}
         kwargs = {k: coerce(v, hints[k], f"{prefix}.{k}") if k in hints else v for k, v in data.items()}
         return cls(**kwargs)
 

@@ -264,6 +264,11 @@ class HybridKind(CacheKind):
     def end_prefill(self, state: HybridCache) -> HybridCache:
         return self._each(state, lambda k, s: k.end_prefill(s))
 
+    def fork(self, state: HybridCache, n: int) -> HybridCache:
+        return state.replace(lengths=jnp.repeat(state.lengths, n), **{
+            g: None if getattr(state, g) is None else getattr(self, g).fork(getattr(state, g), n)
+            for g in (GLOBAL, LOCAL)})
+
     def scoring(self) -> "HybridKind":
         return self if self.glob is None else dataclasses.replace(self, glob=self.glob.scoring())
 

@@ -201,11 +201,25 @@ class SlotCacheKind(CacheKind):
         if self.budgets is None:
             return state
         count = jnp.stack(state.count) if state.split else state.count  # [L, b, H]
-        full = jnp.any(count + n > state.capacity)
+        n = jnp.asarray(n)
+        full = jnp.any(count + (n[None, :, None] if n.ndim == 1 else n) > state.capacity)
         return jax.lax.cond(full, lambda c: c.stacked(lambda s: self.evict(s)[0]), lambda c: c, state)
 
     def end_prefill(self, state: KVCache) -> KVCache:
         return self.evict(state)[0]
+
+    def fork(self, state: KVCache, n: int) -> KVCache:
+        """Each row copied ``n`` times (its slots, positions and statistics): the rows continue independently."""
+        return repeat_rows(state, n)
+
+
+def repeat_rows(state: CacheState, n: int) -> CacheState:
+    """``state`` with every buffer that has a ``batch`` axis repeated ``n`` times along it (row i -> rows i*n ..
+    i*n + n - 1), from the fields' declarations."""
+    fields = state.kind.fields()
+    stacked = state.stack_layers()
+    return stacked.replace(**{name: jnp.repeat(getattr(stacked, name), n, axis=field.axes.index("batch"))
+                              for name, field in fields.items() if "batch" in field.axes})
 
 
 def full_kind(config: ModelConfig, dtype: str | None = None) -> SlotCacheKind:
@@ -235,4 +249,5 @@ def full_overflow(config: ModelConfig, needed: int, budget: int, batch: int, max
         f"CacheConfig(policy='streaming', budget={budget}, sinks=4), or shorten the request")
 
 
-__all__ = ["FIELDS", "KVCache", "SlotCacheKind", "full_kind", "full_overflow", "init_cache", "kv_bytes"]
+__all__ = ["FIELDS", "KVCache", "SlotCacheKind", "full_kind", "full_overflow", "init_cache", "kv_bytes",
+           "repeat_rows"]

@@ -1,0 +1,94 @@
+"""Several questions about one long context: prefill it once and fork, against one sequence per question.
+
+The issue's scenario: ``--questions`` questions (8) of ``--question`` tokens each about one context of ``--context``
+tokens (8K), greedy answers of ``--new`` tokens, a small random-weight Llama-style model, ``cache.policy: full``.
+Three ways through the public API:
+
+- ``separate``: a batch of ``context + question_i`` prompts (what lcx did before fork): every row prefills and stores
+  the context;
+- ``fork, contiguous``: ``prefill([context])``, ``Generator.fork(state, n)``, ``prefill(questions, state=...)``,
+  ``decode``: the context is prefilled once, but each row keeps its own copy of its cache;
+- ``fork, paged``: the same with ``CacheConfig(layout="paged", page_size=16)``: the rows share the context's pages.
+
+Printed per way (one Markdown row): prompt tokens through the model (prefill work), device KV
+(``GenerateResult.cache_bytes``: for the paged cache the peak bytes of the pages in use; for the contiguous one the
+arrays), its ratio to one sequence's KV (context + one question + answer, contiguous), wall seconds of the whole
+request after a warm-up run of the same shapes, and whether every row's tokens equal ``separate``'s.
+
+    python experiments/bench/prefix_sharing.py                    # 8 x 8K
+    python experiments/bench/prefix_sharing.py --context 2048     # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
+
+import lcx  # noqa: E402
+from lcx.config_base import format_bytes  # noqa: E402
+from lcx.generate import Generator  # noqa: E402
+
+
+def separate(config, params, context, questions, new: int):
+    gen = Generator(config, params, max_new_tokens=new)
+    result = gen.result(gen.decode(gen.prefill([context + q for q in questions])))
+    return result, len(questions) * len(context) + sum(map(len, questions))
+
+
+def forked(config, params, context, questions, new: int, layout: str):
+    capacity = len(context) + max(map(len, questions)) + new
+    gen = Generator(config, params, max_new_tokens=new, capacity=capacity,
+                    cache=lcx.CacheConfig(layout=layout, page_size=16))
+    state = gen.fork(gen.prefill([context]), len(questions))
+    result = gen.result(gen.decode(gen.prefill(questions, state=state)))
+    return result, len(context) + sum(map(len, questions))
+
+
+def timed(fn):
+    fn()  # compile every shape
+    start = time.perf_counter()
+    result, work = fn()
+    jax.block_until_ready(result.tokens)
+    return result, work, time.perf_counter() - start
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--questions", type=int, default=8)
+    p.add_argument("--question", type=int, default=32)
+    p.add_argument("--new", type=int, default=16)
+    args = p.parse_args(argv)
+    config = lcx.ModelConfig(vocab_size=512, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=256,
+                             max_position_embeddings=args.context + args.question + args.new)
+    params = lcx.init_params(config, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    context = rng.integers(0, 512, args.context).tolist()
+    questions = [rng.integers(0, 512, args.question - i % 3).tolist() for i in range(args.questions)]  # ragged
+    one = Generator(config, params, max_new_tokens=args.new)
+    one_kv = one.result(one.decode(one.prefill([context + questions[0]]))).cache_bytes
+    print(f"{jax.devices()[0].device_kind}, {config.n_layers} layers, {config.n_kv_heads} KV heads x "
+          f"{config.head_dim}, {args.questions} questions of ~{args.question} tokens about one {args.context}-token "
+          f"context, {args.new} new tokens; one sequence's KV: {format_bytes(one_kv)}\n")
+    print("| way | prompt tokens prefilled | device KV (cache_bytes) | x one sequence | seconds | tokens = separate |")
+    print("|---|---|---|---|---|---|")
+    want = None
+    for name, fn in (("separate", lambda: separate(config, params, context, questions, args.new)),
+                     ("fork, contiguous", lambda: forked(config, params, context, questions, args.new, "contiguous")),
+                     ("fork, paged", lambda: forked(config, params, context, questions, args.new, "paged"))):
+        result, work, seconds = timed(fn)
+        want = result.tokens if want is None else want
+        same = bool(np.array_equal(result.tokens, want))
+        print(f"| {name} | {work} | {format_bytes(result.cache_bytes)} | {result.cache_bytes / one_kv:.2f} | "
+              f"{seconds:.1f} | {same} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""The paged KV cache (``CacheConfig(layout="paged", page_size=16)``): a pool of fixed-size pages shared by the rows.
+
+Per layer the keys and values live in one pool ``[P, k, page, d]`` (each page in the slot cache's ``[kv_head, slot,
+head_dim]`` layout); a row's ``table [T]`` lists its pages in position order (-1: none yet), so position ``p`` of row
+``b`` is slot ``p % page`` of page ``table[b, p // page]``. ``refs [P]`` counts the rows holding each page (0: free).
+``make_room`` (jitted, before every model call) gives each row the pages its next tokens need, taking free pages in
+index order; a request the pool cannot serve sets ``overflow``, which ``sync`` (on the host, after the call) raises
+as a ``CacheCapacityError`` - the planner sizes the pool so that it never happens.
+
+Rows that share a prefix share its pages: ``fork`` (``Generator.fork``) turns each row of a prefilled state into
+``n`` rows whose tables point at the same full pages (their ``refs`` counting every holder); the last, partly filled
+page is copied per row (copy-on-write at the fork: a row only ever writes into its own pages). The pool of a forked
+state holds the pages in use plus what every row may still write, so eight questions of one long context store the
+context once.
+
+Attention gathers a row's pages into the slot cache's view (``[b, k, T * page, d]``, packed in position order) and
+runs the one attention core (``lcx.cache.kv_view``): the gather path, on every backend. Positions are the original
+ones (keys rotated before they are stored). This cache keeps every token (the ``full`` policy); eviction policies do
+not run on it yet.
+
+``GenerateResult.cache_bytes`` of a paged state is the peak bytes of the pages in use (``peak`` pages x the bytes of
+one page in every layer, keys and values), not the pool's size.
+
+Shape letters: L layers, P pool pages, b batch, T pages per row, g slots per page, k kv heads, d head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import ClassVar
+
+import einops
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lcx.cache.base import CacheCapacityError, CacheKind, CacheState, register_kind
+from lcx.cache.kv_cache import full_overflow
+from lcx.cache.kv_view import KVView, attend_view
+from lcx.cache.schema import Field
+from lcx.config_base import ConfigError
+from lcx.model.config import AttentionSpec, ModelConfig
+from lcx.model.rope import apply_rope
+
+POOL = ("layers", "pages", "kv_heads", "page", "head_dim")
+FIELDS: Mapping[str, Field] = {
+    "k": Field(POOL, "kv", 0, role="kv"),
+    "v": Field(POOL, "kv", 0, role="kv"),
+    "table": Field(("batch", "row_pages"), "int32", -1),  # page ids in position order; -1: none yet
+    "refs": Field(("pages",), "int32", 0),  # rows holding each page; 0: free
+    "peak": Field((), "int32", 0),  # the most pages in use at once
+    "overflow": Field((), "bool", False),  # a make_room found too few free pages (raised by sync)
+    "lengths": Field(("batch",), "int32", 0),  # tokens consumed per row (its next position)
+}
+
+
+@flax.struct.dataclass
+class PagedCache(CacheState):
+    """The buffers of :data:`FIELDS` (in the per-layer view ``k, v`` are one layer's pool; the table and lengths
+    stay, read-only, so each layer can write and gather its pages)."""
+
+    k: jax.Array  # [L, P, k, g, d]
+    v: jax.Array
+    table: jax.Array  # [b, T] int32
+    refs: jax.Array | None  # [P] int32
+    peak: jax.Array | None  # [] int32
+    overflow: jax.Array | None  # [] bool
+    lengths: jax.Array | None  # [b] int32
+    kind: "PagedKind" = flax.struct.field(pytree_node=False, default=None)
+
+    @property
+    def capacity(self) -> int:
+        return self.table.shape[1] * self.shape_of("k")[3]
+
+    @property
+    def n_pages(self) -> int:
+        return self.shape_of("k")[1]
+
+    def layers(self) -> "PagedCache":
+        # the layer scan's carry keeps the table and the lengths before the call: every layer writes at them
+        return super().layers().replace(table=self.table, lengths=self.lengths)
+
+    def page_bytes(self) -> int:
+        """Bytes of one page in every layer, keys and values."""
+        layers, _, kv, page, dim = self.shape_of("k")
+        return 2 * layers * kv * page * dim * jnp.dtype(self.k[0].dtype if self.split else self.k.dtype).itemsize
+
+    def kv_bytes(self) -> int:
+        """Peak bytes of the pages in use (the contract of ``GenerateResult.cache_bytes`` for a paged cache)."""
+        return int(self.peak) * self.page_bytes()
+
+    def pool_bytes(self) -> int:
+        """Bytes of the whole pool (what the device holds, in use or free)."""
+        return super().kv_bytes()
+
+
+@register_kind
+@dataclasses.dataclass(frozen=True)
+class PagedKind(CacheKind):
+    """A paged cache that keeps every token. ``page``: slots per page; ``limit``: the most tokens per row
+    (``cache.budget``), None for no limit."""
+
+    name: ClassVar[str] = "paged"
+    state_type: ClassVar[type] = PagedCache
+
+    model: ModelConfig
+    page: int = 16
+    dtype: str = "float32"
+    limit: int | None = None
+
+    @classmethod
+    def from_config(cls, model, cache, policy) -> "PagedKind":
+        if policy.evicts:
+            raise ConfigError(f"cache.layout='paged' with cache.policy={cache.policy!r}: the paged cache keeps every "
+                              "token for now; allowed: policy 'full' (or layout 'contiguous' for eviction)")
+        windowed = [i for i, s in enumerate(model.attention_specs()) if s.window is not None]
+        if windowed:
+            raise ConfigError(f"cache.layout='paged' on a model with sliding-window layers {windowed[:8]}: not "
+                              "supported yet; allowed: layout 'contiguous' (its sliding layers keep their window)")
+        return cls(model=model, page=cache.page_size, dtype=cache.dtype or model.dtype, limit=cache.max_budget)
+
+    # ------------------------------------------------------------------------------------------- declaration
+    def fields(self) -> Mapping[str, Field]:
+        return FIELDS
+
+    def sizes(self, batch: int, capacity: int) -> dict[str, int]:
+        m, row_pages = self.model, -(-capacity // self.page)
+        return {"layers": m.n_layers, "pages": batch * row_pages, "kv_heads": m.n_kv_heads, "page": self.page,
+                "head_dim": m.head_dim, "batch": batch, "row_pages": row_pages}
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.dtype
+
+    # ------------------------------------------------------------------------------------------- planning
+    def plan(self, batch: int, max_prompt: int, max_new_tokens: int) -> int:
+        needed = max_prompt + max_new_tokens
+        if self.limit is not None and needed > self.limit:
+            raise full_overflow(self.model, needed, self.limit, batch, max_prompt, max_new_tokens, self.dtype)
+        return -(-needed // self.page) * self.page
+
+    # ------------------------------------------------------------------------------------------- attention
+    def attend(self, layer: PagedCache, q, key, val, *, cos, sin, positions, ok, stat_weights,
+               spec: AttentionSpec | None = None):
+        spec = spec or self.model.attention_specs()[0]
+        q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+        pages, page = layer.k.shape[0], self.page
+        # write: position p of row b -> slot p % g of page table[b, p // g]; padding goes out of range (dropped)
+        ids = jnp.take_along_axis(layer.table, jnp.clip(positions // page, 0, layer.table.shape[1] - 1), axis=1)
+        ids = jnp.where(ok & (ids >= 0), ids, pages)  # [b, t]
+        slot = positions % page
+        put = lambda pool, x: pool.at[ids, :, slot, :].set(x.astype(pool.dtype), mode="drop")  # noqa: E731
+        k_pool, v_pool = put(layer.k, key), put(layer.v, val)
+        # read: each row's pages gathered in position order, the slot cache's [b, k, T * g, d] view
+        table = jnp.maximum(layer.table, 0)
+        gather = lambda pool: einops.rearrange(pool[table], "b T k g d -> b k (T g) d")  # noqa: E731
+        before = layer.lengths
+        after = before + jnp.sum(ok, axis=1, dtype=jnp.int32)
+        slots = table.shape[1] * page
+        view = KVView(k=gather(k_pool), v=gather(v_pool), lengths=after, offsets=before,
+                      valid=jnp.arange(slots)[None, :] < after[:, None])
+        out = attend_view(self.model.attention.impl, q, view, spec).out
+        return out, layer.replace(k=k_pool, v=v_pool)
+
+    # ------------------------------------------------------------------------------------------- between calls
+    def make_room(self, state: PagedCache, n) -> PagedCache:
+        """Give every row the pages its next ``n`` tokens need (free pages in index order)."""
+        table, refs = state.table, state.refs
+        row_pages, pages = table.shape[1], refs.shape[0]
+        have = jnp.sum(table >= 0, axis=1)
+        want = jnp.minimum(-(-(state.lengths + n) // self.page), row_pages)
+        new = jnp.maximum(want - have, 0)
+        start = jnp.cumsum(new) - new  # [b] each row's first free page among the free ones
+        index = jnp.arange(pages)
+        free_first = jnp.argsort(jnp.where(refs == 0, index, pages + index))  # free pages first, in index order
+        j = jnp.arange(row_pages)[None, :]
+        fill = (j >= have[:, None]) & (j < want[:, None])
+        pick = free_first[jnp.clip(start[:, None] + j - have[:, None], 0, pages - 1)]
+        table = jnp.where(fill, pick, table)
+        refs = refs.at[jnp.where(fill, table, pages)].add(1, mode="drop")
+        overflow = state.overflow | (jnp.sum(new) > jnp.sum(state.refs == 0))
+        return state.replace(table=table, refs=refs, peak=jnp.maximum(state.peak, jnp.sum(refs > 0)),
+                             overflow=overflow)
+
+    def sync(self, state: PagedCache) -> PagedCache:
+        if bool(state.overflow):
+            raise CacheCapacityError(
+                f"the paged cache ran out of pages: its pool holds {state.n_pages} pages of {self.page} tokens and "
+                f"{int(jnp.sum(state.refs > 0))} are in use; plan the request with more pages (fork plans the "
+                "pool from the tokens each row may still write)")
+        return state
+
+    # ------------------------------------------------------------------------------------------- sharing
+    def fork(self, state: PagedCache, n: int) -> PagedCache:
+        """Each row of ``state`` as ``n`` consecutive rows sharing its full pages; see the module docstring. The
+        new pool holds the pages in use and every page the rows may still fill (up to the table's width)."""
+        table = np.asarray(state.table)
+        lengths = np.asarray(state.lengths)
+        rows, row_pages = table.shape
+        page = self.page
+        full = lengths // page  # pages every copy shares
+        partial = lengths % page > 0  # a last page each copy gets its own copy of
+        used = sorted({int(p) for r in range(rows) for p in table[r, :full[r]]})
+        shared_pages = len(used)
+        # new pool: the shared pages first, then per new row its copy of the partial page and its future pages
+        per_row = row_pages - full  # [rows] pages each copy may still hold (its partial copy included)
+        total = shared_pages + int(n * per_row.sum())
+        remap = np.full(state.n_pages + 1, -1, np.int64)
+        remap[used] = np.arange(shared_pages)
+        new_table = np.full((rows * n, row_pages), -1, np.int32)
+        copies_src, copies_dst = [], []
+        refs = np.zeros(total, np.int32)
+        next_free = shared_pages
+        for r in range(rows):
+            for c in range(n):
+                row = r * n + c
+                new_table[row, :full[r]] = remap[table[r, :full[r]]]
+                if partial[r]:
+                    copies_src.append(int(table[r, full[r]]))
+                    copies_dst.append(next_free)
+                    new_table[row, full[r]] = next_free
+                    next_free += 1
+        for row in range(rows * n):
+            refs[new_table[row][new_table[row] >= 0]] += 1
+        gather = np.concatenate([np.asarray(used, np.int64), np.asarray(copies_src, np.int64)]).astype(np.int32)
+
+        def pool(x):  # [L, P, ...] -> the shared pages, the partial copies, then zeroed free pages
+            kept = jnp.take(x, jnp.asarray(gather), axis=1)
+            pad = jnp.zeros((x.shape[0], total - kept.shape[1], *x.shape[2:]), x.dtype)
+            return jnp.concatenate([kept, pad], axis=1)
+
+        stacked = state.stack_layers()
+        return stacked.replace(k=pool(stacked.k), v=pool(stacked.v), table=jnp.asarray(new_table),
+                               refs=jnp.asarray(refs), lengths=jnp.asarray(np.repeat(lengths, n).astype(np.int32)),
+                               peak=jnp.asarray(np.int32((refs > 0).sum())), overflow=jnp.asarray(False))
+
+
+__all__ = ["FIELDS", "PagedCache", "PagedKind"]

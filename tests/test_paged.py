@@ -1,0 +1,85 @@
+"""The paged KV cache and prefix sharing: tokens equal the contiguous cache's, a forked context is stored once and
+continues like unshared generation, page accounting, and the errors of bad settings and an exhausted pool."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lcx
+from lcx.cache.base import CacheCapacityError
+from lcx.config import ConfigError
+
+CFG = lcx.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
+                      max_position_embeddings=512)
+PAGED = lcx.CacheConfig(layout="paged", page_size=8)
+CONTEXT = np.random.default_rng(0).integers(0, 61, 45).tolist()  # 5 full pages of 8 and a partial one
+QUESTIONS = [np.random.default_rng(i).integers(0, 61, n).tolist() for i, n in ((1, 5), (2, 11), (3, 3))]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return lcx.init_params(CFG, jax.random.key(3))
+
+
+def test_paged_generation_equals_the_contiguous_cache(params):
+    prompts = [CONTEXT[:37], CONTEXT[:20]]
+    want = lcx.generate(CFG, params, prompts, max_new_tokens=12)
+    got = lcx.generate(CFG, params, prompts, max_new_tokens=12, cache=PAGED)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    # pages in use at the peak: ceil((37 + 12) / 8) + ceil((20 + 12) / 8) = 7 + 4, each 2 layers x K and V
+    page_bytes = 2 * CFG.n_layers * CFG.n_kv_heads * 8 * CFG.head_dim * 4
+    assert got.cache_bytes == 11 * page_bytes
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_fork_continues_each_question_like_unshared_generation(params, layout):
+    """One prefilled context forked into three rows, a different question appended to each: the greedy tokens of
+    generating context + question per row from scratch. The paged cache stores the context's full pages once."""
+    cache = lcx.CacheConfig(layout=layout, page_size=8)
+    new = 8
+    gen = lcx.Generator(CFG, params, max_new_tokens=new, cache=cache, capacity=72)
+    state = gen.fork(gen.prefill([CONTEXT]), len(QUESTIONS))
+    assert state.cache.lengths.tolist() == [45] * 3
+    result = gen.result(gen.decode(gen.prefill(QUESTIONS, state=state)))
+    for row, question in enumerate(QUESTIONS):
+        alone = lcx.generate(CFG, params, [CONTEXT + question], max_new_tokens=new)
+        np.testing.assert_array_equal(result.tokens[row], alone.tokens[0], err_msg=f"question {row}")
+    one = lcx.generate(CFG, params, [CONTEXT + QUESTIONS[1]], max_new_tokens=new, cache=cache).cache_bytes
+    if layout == "paged":  # 5 shared pages + per row its partial-page copy and the pages its question and answer fill
+        assert result.cache_bytes < 2 * one
+    else:  # three copies of the context
+        assert result.cache_bytes >= 3 * lcx.generate(CFG, params, [CONTEXT], max_new_tokens=new).cache_bytes
+
+
+def test_fork_shares_full_pages_and_copies_the_partial_one(params):
+    gen = lcx.Generator(CFG, params, max_new_tokens=4, cache=PAGED, capacity=64)
+    state = gen.fork(gen.prefill([CONTEXT]), 4)
+    table, refs = np.asarray(state.cache.table), np.asarray(state.cache.refs)
+    np.testing.assert_array_equal(table[:, :5], np.broadcast_to(table[0, :5], (4, 5)))  # the same 5 full pages
+    assert np.all(refs[table[0, :5]] == 4)
+    assert len(set(table[:, 5].tolist())) == 4 and np.all(refs[table[:, 5]] == 1)  # 4 private partial pages
+    # the pool: 5 shared pages + per row the 8 - 5 pages its table may still hold
+    assert state.cache.n_pages == 5 + 4 * 3
+    k = np.asarray(state.cache.k)
+    np.testing.assert_array_equal(k[:, table[1, 5]], k[:, table[3, 5]])  # copies of one page
+
+
+def test_paged_settings_and_exhausted_pool_fail_clearly(params):
+    with pytest.raises(ConfigError, match=r"cache.layout='pages' is invalid: must be one of \['contiguous', "
+                                          r"'paged'\]"):
+        lcx.CacheConfig(layout="pages")
+    with pytest.raises(ConfigError, match=r"cache.page_size=0 is invalid"):
+        lcx.CacheConfig(layout="paged", page_size=0)
+    with pytest.raises(ConfigError, match=r"layout='paged' with cache.policy='snapkv'.*allowed: policy 'full'"):
+        lcx.CacheConfig(layout="paged", policy="snapkv", budget=16).kind(CFG)
+    kind = PAGED.kind(CFG)
+    state = kind.create(2, 16)  # 2 rows x 2 pages
+    state = kind.make_room(state.replace(refs=state.refs.at[:3].set(1)), jnp.int32(9))  # 1 free page, 4 wanted
+    with pytest.raises(CacheCapacityError, match="ran out of pages: its pool holds 4 pages of 8 tokens"):
+        kind.sync(state)
+    gen = lcx.Generator(CFG, params, max_new_tokens=4, cache=PAGED)
+    with pytest.raises(CacheCapacityError, match=r"needs 72 cache slots .* capacity >= 72"):
+        gen.prefill([list(range(20))], state=gen.prefill([CONTEXT]))
