@@ -125,6 +125,8 @@ class CacheConfig:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "policy_params"}
         if isinstance(out["budget"], tuple):
             out["budget"] = list(out["budget"])
+        if self.layout == "contiguous":  # page_size means nothing there; configs written before layouts stay equal
+            del out["layout"], out["page_size"]
         out.update(self.params)
         return out
 
