@@ -412,6 +412,9 @@ class Generator:
         Evicting policies see the whole prompt with full attention and compress once at the end, unless the prompt
         exceeds the capacity: then chunks of at most ``interval`` tokens are compressed between (the cache type
         decides, ``kind.prefill_chunk`` / ``kind.make_room`` / ``kind.end_prefill``).
+
+        With a paged cache the whole pages every prompt starts with (a shared system prompt) are prefilled once and
+        stored once: one row is prefilled, forked (``kind.fork``), and every row continues with its own tokens.
         """
         ids, lengths = pad_prompts(prompt_ids, pad_id=0)
         if np.any(ids < 0) or np.any(ids >= self.config.vocab_size):
@@ -426,10 +429,40 @@ class Generator:
                     raise CacheCapacityError(f"capacity={self.capacity} is too small: this request needs {capacity} "
                                              f"cache slots (prompt {max_len} + max_new_tokens {self.max_new_tokens})")
                 capacity = self.capacity
-            cache = self._new_cache(batch, capacity)
+            shared = self._shared_prefix(ids, lengths)
+            if shared:  # a prefix every row starts with, in whole pages: prefilled once, its pages shared
+                cache, _ = self._chunks(ids[:1, :shared], np.array([shared]), self._new_cache(1, capacity), capacity,
+                                        progress)
+                cache = self.kind.fork(cache, batch)
+                ids, lengths = ids[:, shared:], lengths - shared
+            else:
+                cache = self._new_cache(batch, capacity)
         else:
             cache, capacity = self._continued(state, batch, max_len)
-        # One compiled chunk shape for every chunk of the prompt.
+        cache, last_logits = self._chunks(ids, lengths, cache, capacity, progress)
+        with sharding.use_mesh(self.mesh):
+            cache = self.kind.sync(self._end_prefill(cache))
+        return DecodeState(
+            cache=cache, logits=last_logits,
+            tokens=self._put(np.full((batch, self.max_new_tokens), self.pad_id, np.int32)),
+            n_generated=self._put(np.zeros((batch,), np.int32)), done=self._put(np.zeros((batch,), bool)),
+            step=self._put(np.int32(0), False),
+            key=self._put(jax.random.key_data(jax.random.key(self.seed)), False))
+
+    def _shared_prefix(self, ids: np.ndarray, lengths: np.ndarray) -> int:
+        """Tokens every prompt starts with, in whole pages of a paged cache (0: none, or not a paged cache); every
+        row keeps at least one token of its own, whose logits start its generation."""
+        if self.kind.name != "paged" or ids.shape[0] < 2:
+            return 0
+        same = np.all(ids == ids[:1], axis=0)  # columns where every row has row 0's token
+        common = int(np.argmin(same)) if not np.all(same) else ids.shape[1]
+        return min(common, int(lengths.min()) - 1) // self.kind.page * self.kind.page
+
+    def _chunks(self, ids: np.ndarray, lengths: np.ndarray, cache: CacheState, capacity: int,
+                progress: bool) -> tuple[CacheState, jax.Array]:
+        """Prompts ``ids [b, n]`` (real tokens ``lengths [b]``) through the model into ``cache`` in chunks of one
+        compiled shape: ``(cache, logits of each row's last token)``."""
+        batch, max_len = ids.shape
         requested = self.cache_config.prefill_chunk or auto_prefill_chunk(self.config, batch, max_len)
         chunk = self.kind.prefill_chunk(requested, max_len, capacity)
         n_chunks = -(-max_len // chunk)
@@ -452,14 +485,7 @@ class Generator:
             cache = self.kind.sync(cache)
             bar.update(chunk * batch)
         bar.close()
-        with sharding.use_mesh(self.mesh):
-            cache = self.kind.sync(self._end_prefill(cache))
-        return DecodeState(
-            cache=cache, logits=last_logits,
-            tokens=self._put(np.full((batch, self.max_new_tokens), self.pad_id, np.int32)),
-            n_generated=self._put(np.zeros((batch,), np.int32)), done=self._put(np.zeros((batch,), bool)),
-            step=self._put(np.int32(0), False),
-            key=self._put(jax.random.key_data(jax.random.key(self.seed)), False))
+        return cache, last_logits
 
     def _continued(self, state: DecodeState, batch: int, max_len: int) -> tuple[CacheState, int]:
         """The cache of ``state`` to append ``batch`` prompts of up to ``max_len`` tokens to, and its capacity."""

@@ -25,7 +25,7 @@ def params():
 
 
 def test_paged_generation_equals_the_contiguous_cache(params):
-    prompts = [CONTEXT[:37], CONTEXT[:20]]
+    prompts = [CONTEXT[:37], CONTEXT[25:]]  # no common prefix: nothing shared
     want = lcx.generate(CFG, params, prompts, max_new_tokens=12)
     got = lcx.generate(CFG, params, prompts, max_new_tokens=12, cache=PAGED)
     np.testing.assert_array_equal(got.tokens, want.tokens)
@@ -56,6 +56,20 @@ def test_fork_continues_each_question_like_unshared_generation(params, unshared,
         assert result.cache_bytes == (5 + 3 + 3 + 2) * 8 * slot_bytes
     else:  # three rows of 72 slots: three copies of the context
         assert result.cache_bytes == 3 * 72 * slot_bytes
+
+
+def test_a_prompt_prefix_every_row_shares_is_prefilled_and_stored_once(params, unshared):
+    """A batch whose prompts start with the same 45 tokens (a system prompt): its 5 whole pages are prefilled for one
+    row and shared; the rest of each prompt (from position 40) goes through as usual. Tokens: unshared generation's."""
+    gen = lcx.Generator(CFG, params, max_new_tokens=8, cache=PAGED)
+    state = gen.prefill([CONTEXT + q for q in QUESTIONS])
+    table = np.asarray(state.cache.table)
+    np.testing.assert_array_equal(table[:, :5], np.broadcast_to(table[0, :5], (3, 5)))
+    assert len(set(table[:, 5].tolist())) == 3  # from position 40 on, each row its own pages
+    result = gen.result(gen.decode(state))
+    np.testing.assert_array_equal(result.tokens, unshared)
+    slot_bytes = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4
+    assert result.cache_bytes == (5 + 3 + 3 + 2) * 8 * slot_bytes  # 24 pages without sharing
 
 
 def test_fork_shares_full_pages_and_copies_the_partial_one(params):
