@@ -13,10 +13,11 @@ page is copied per row (copy-on-write at the fork: a row only ever writes into i
 state holds the pages in use plus what every row may still write, so eight questions of one long context store the
 context once.
 
-Attention gathers a row's pages into the slot cache's view (``[b, k, T * page, d]``, packed in position order) and
-runs the one attention core (``lcx.cache.kv_view``): the gather path, on every backend. Positions are the original
-ones (keys rotated before they are stored). This cache keeps every token (the ``full`` policy); eviction policies do
-not run on it yet.
+A decode step reads the pages through the backend's ``paged_decode`` (the Pallas kernel reads them in place from
+the pool; XLA and the reference gather them); a prefill chunk gathers a row's pages into the slot cache's view
+(``[b, k, T * page, d]``, packed in position order) and runs the one attention core (``lcx.cache.kv_view``).
+Positions are the original ones (keys rotated before they are stored). This cache keeps every token (the ``full``
+policy); eviction policies do not run on it yet.
 
 ``GenerateResult.cache_bytes`` of a paged state is the peak bytes of the pages in use (``peak`` pages x the bytes of
 one page in every layer, keys and values), not the pool's size.
@@ -30,17 +31,18 @@ import dataclasses
 from collections.abc import Mapping
 from typing import ClassVar
 
-import einops
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lcx import kernels
 from lcx.cache.base import CacheCapacityError, CacheKind, CacheState, register_kind
 from lcx.cache.kv_cache import full_overflow
 from lcx.cache.kv_view import KVView, attend_view
 from lcx.cache.schema import Field
 from lcx.config_base import ConfigError
+from lcx.kernels.paged_decode import gather_pages
 from lcx.model.config import AttentionSpec, ModelConfig
 from lcx.model.rope import apply_rope
 
@@ -154,14 +156,17 @@ class PagedKind(CacheKind):
         put = lambda pool, x: pool.at[ids, :, slot, :].set(x.astype(pool.dtype), mode="drop")  # noqa: E731
         k_pool, v_pool = put(layer.k, key), put(layer.v, val)
         # read: each row's pages gathered in position order, the slot cache's [b, k, T * g, d] view
-        table = jnp.maximum(layer.table, 0)
-        gather = lambda pool: einops.rearrange(pool[table], "b T k g d -> b k (T g) d")  # noqa: E731
+        gather = lambda pool: gather_pages(pool, layer.table)  # noqa: E731
         before = layer.lengths
         after = before + jnp.sum(ok, axis=1, dtype=jnp.int32)
-        slots = table.shape[1] * page
-        view = KVView(k=gather(k_pool), v=gather(v_pool), lengths=after, offsets=before,
-                      valid=jnp.arange(slots)[None, :] < after[:, None])
-        out = attend_view(self.model.attention.impl, q, view, spec).out
+        impl = self.model.attention.impl
+        if q.shape[1] == 1:  # decode: the backend reads the pages (Pallas: in place; others: gathered)
+            extra = {n: x for n, x in kernels.spec_kwargs(spec).items() if n != "window"}
+            out = kernels.backend(impl).paged_decode(q[:, 0], k_pool, v_pool, table=layer.table, lengths=after,
+                                                     sm_scale=spec.sm_scale, **extra).out[:, None]
+        else:  # a prefill chunk: the gathered view through the attention core
+            view = KVView(k=gather(k_pool), v=gather(v_pool), lengths=after, offsets=before)
+            out = attend_view(impl, q, view, spec).out
         return out, layer.replace(k=k_pool, v=v_pool)
 
     # ------------------------------------------------------------------------------------------- between calls

@@ -15,6 +15,10 @@ Einsum legend: b batch, t queries, s keys / cache slots, h query heads, k kv hea
                 with ``residuals``)
 ``column_sums`` attention each slot receives from the queries with ``query_weights [b, t] > 0`` of a chunk (masks as
                 ``chunk``), summed over queries and each KV group -> ``[b, k, s]`` float32 (H2O / SnapKV scores)
+``paged_decode`` one query per row against its pages of a paged cache: ``q [b, h, d]``, the pool ``k, v [P, k, c, d]``,
+                ``table [b, T]`` page ids in position order, ``lengths [b]`` -> ``Attended`` (``out``; ``m, l``
+                with ``residuals``). Pallas reads the pages in place; the others gather them into the ``decode``
+                layout (a row that omits it gets that gather path)
 =============  =====================================================================================================
 
 Every op also takes a layer's ``AttentionSpec`` settings (``spec_kwargs``): ``softcap`` (logits ``z`` -> ``softcap *
@@ -51,6 +55,7 @@ import jax.numpy as jnp
 from lcx.kernels.attended import Attended, attended
 from lcx.kernels.decode import decode_attention
 from lcx.kernels.flash import flash_attention
+from lcx.kernels.paged_decode import gather_pages, paged_decode_attention
 from lcx.kernels.reference import (attention_column_sums_reference, attention_mask, attention_reference,
                                    decode_attention_reference, masked_attention_parts)
 from lcx.kernels.tiled import tiled_attention, tiled_column_sums
@@ -61,13 +66,18 @@ _DEFAULT = jax.lax.Precision.DEFAULT
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """One attention implementation (see the module docstring for the four signatures)."""
+    """One attention implementation (see the module docstring for the signatures)."""
 
     name: str
     causal: Callable
     chunk: Callable
     decode: Callable
     column_sums: Callable
+    paged_decode: Callable | None = None  # None: gather the pages and call ``decode``
+
+    def __post_init__(self):
+        if self.paged_decode is None:
+            object.__setattr__(self, "paged_decode", _gathered_paged_decode(self.decode))
 
 
 def _compute_dtype(*xs):
@@ -179,6 +189,21 @@ def _pallas_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale,
                                  query_weights=query_weights, window=window, softcap=softcap)
 
 
+def _gathered_paged_decode(decode: Callable) -> Callable:
+    """``paged_decode`` through ``decode``: each row's pages gathered into the contiguous ``[b, k, T * c, d]``."""
+    def op(q, k_pages, v_pages, *, table, lengths, sm_scale, residuals: bool = False, **kwargs) -> Attended:
+        k, v = gather_pages(k_pages, table), gather_pages(v_pages, table)
+        valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]
+        return decode(q, k, v, valid=valid, sm_scale=sm_scale, residuals=residuals, **kwargs)
+    return op
+
+
+def _pallas_paged_decode(q, k_pages, v_pages, *, table, lengths, sm_scale, residuals: bool = False,
+                         softcap=None) -> Attended:
+    return attended(paged_decode_attention(q, k_pages, v_pages, table=table, lengths=lengths, sm_scale=sm_scale,
+                                           softcap=softcap, return_residuals=residuals), residuals=residuals)
+
+
 def _chunk_op(fn: Callable) -> Callable:
     """``fn`` (returning ``out`` or ``(out, m, l)``) as a ``chunk`` op returning an ``Attended``."""
     @functools.wraps(fn)
@@ -212,7 +237,7 @@ BACKENDS: dict[str, Backend] = {
                       flash_attention(q, k, v, causal=True, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
                                       softcap=softcap),
                       chunk=_chunk_op(_pallas_chunk), decode=_decode_op(_pallas_decode),
-                      column_sums=_pallas_column_sums),
+                      column_sums=_pallas_column_sums, paged_decode=_pallas_paged_decode),
 }
 IMPLS: tuple[str, ...] = ("auto", *BACKENDS)
 

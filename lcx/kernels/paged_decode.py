@@ -1,0 +1,158 @@
+"""Split-K decode attention over a paged KV cache, in Pallas: one query per row against the pages its table lists.
+
+Einsum legend: b batch, P pool pages, T pages per row, c slots per page, h query heads, k kv heads, g query heads per
+kv head, n splits of a row's pages, r rows of one program (g zero-padded to >= 16 for the Triton dot), d head dim.
+
+The pool ``k, v [P, k, c, d]`` is read in place (never gathered into a per-row copy): program (split, b, kv head)
+walks the pages ``table[b, split * T_n : (split + 1) * T_n]`` that hold tokens (``< lengths[b]``), reading page
+``table[b, j]`` directly from the pool with an online softmax over all g heads of the group, and writes its partial
+``(acc, m, l)``; XLA merges the splits as in ``lcx.kernels.decode``. Slots at or past the row's length are masked,
+so a page table may list pages beyond it (or -1, never read).
+
+The reference is the gather path: the row's pages gathered into the contiguous ``[b, k, T * c, d]`` view and
+``decode_attention_reference`` over it (``paged_decode_reference``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import einops
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from lcx.kernels.common import LN2, LOG2E, MASK_VALUE, dot_nn, dot_nt, pad_axis, padded_head_dim
+from lcx.kernels.mode import pallas_call_kwargs
+from lcx.kernels.reference import decode_attention_reference
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    page: int
+    pages_per_split: int
+    sm_scale: float
+    softcap: float | None
+
+
+def gather_pages(pool: jax.Array, table: jax.Array) -> jax.Array:
+    """Row ``b``'s pages ``table [b, T]`` of ``pool [P, k, c, d]`` in order: ``[b, k, T * c, d]`` (-1: page 0, to be
+    masked by the row's length)."""
+    return einops.rearrange(pool[jnp.maximum(table, 0)], "b T k c d -> b k (T c) d")
+
+
+def paged_decode_reference(q, k_pages, v_pages, *, table, lengths, sm_scale=None, softcap=None,
+                           return_residuals=False, precision=jax.lax.Precision.HIGHEST):
+    """The oracle: the gathered view and ``decode_attention_reference`` (slots below ``lengths [b]`` live)."""
+    k, v = gather_pages(k_pages, table), gather_pages(v_pages, table)
+    valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]
+    return decode_attention_reference(q, k, v, valid=valid, sm_scale=sm_scale, softcap=softcap,
+                                      return_residuals=return_residuals, precision=precision)
+
+
+def _kernel(len_ref, table_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, st: _Static):
+    """Refs: lens [] of this row, table [T_n] of this split, q [r, d], the whole pools k, v [P, k, c, d]
+    -> acc [r, d], m [r], l [r]."""
+    c, tn = st.page, st.pages_per_split
+    kv_head = pl.program_id(2)
+    first = pl.program_id(0) * tn  # this split's first page of the row
+    length = len_ref[()]
+    q = q_ref[...]
+    pages = table_ref[...]  # [T_n]: loaded once; element i picked by a masked sum (no scalar load from a ref)
+    hi = jnp.clip(lax.div(jnp.maximum(length - first * c, 0) + c - 1, c), 0, tn)  # pages holding tokens
+
+    def body(i, carry):
+        acc, m, l = carry
+        page = jnp.maximum(jnp.sum(jnp.where(jnp.arange(tn) == i, pages, 0)), 0)
+        live = (first + i) * c + jnp.arange(c) < length  # [c]
+        s = dot_nt(q, k_ref[page, kv_head, :, :])  # [r, c]
+        if st.softcap is None:
+            s = s * (st.sm_scale * LOG2E)
+        else:
+            s = jnp.tanh(s * (st.sm_scale / st.softcap)) * (st.softcap * LOG2E)
+        s = jnp.where(live[None, :], s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(live[None, :], jnp.exp2(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp2(m - m_new)
+        v = v_ref[page, kv_head, :, :]
+        return acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v), m_new, l * alpha + jnp.sum(p, axis=1)
+
+    r = q.shape[0]
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((r,), MASK_VALUE, jnp.float32), jnp.zeros((r,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, hi, body, init)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *, table: jax.Array,
+                           lengths: jax.Array, sm_scale: float | None = None, softcap: float | None = None,
+                           pages_per_split: int | None = None, interpret: bool | None = None,
+                           return_residuals: bool = False, num_warps: int = 4, num_stages: int = 2):
+    """Attention of one new token per row over its pages.
+
+    Args:
+      q: ``[batch, q_heads, head_dim]``.
+      k_pages, v_pages: ``[pages, kv_heads, page, head_dim]``, the pool (``lcx.cache.paged``); ``page`` a power of
+        two >= 16 for the Triton dot (any size in interpret mode).
+      table: ``[batch, row_pages]`` int32 page ids in position order (entries past the row's length are not read).
+      lengths: ``[batch]`` tokens per row; slot ``p`` of the row is live when ``p < lengths``.
+      pages_per_split: pages one program walks (None: a power of two giving ~4 splits per row).
+      softcap, sm_scale, interpret, return_residuals: as :func:`lcx.kernels.decode_attention`.
+
+    Returns ``out [batch, q_heads, head_dim]`` in ``q.dtype``; with ``return_residuals`` also ``(m, l)``.
+    """
+    if q.ndim != 3 or k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"q must be [batch, heads, head_dim], k_pages and v_pages equal [pages, kv_heads, page, "
+                         f"head_dim]; got {q.shape=}, {k_pages.shape=}, {v_pages.shape=}")
+    b, h, d = q.shape
+    _, kvh, c, _ = k_pages.shape
+    if k_pages.shape[3] != d or h % kvh:
+        raise ValueError(f"{q.shape=} and {k_pages.shape=} must agree on head_dim, with q_heads a multiple of kv_heads")
+    if table.ndim != 2 or table.shape[0] != b or lengths.shape != (b,):
+        raise ValueError(f"table must be [{b}, row_pages] and lengths [{b}]; got {table.shape=}, {lengths.shape=}")
+    n_pages = table.shape[1]
+    tn = pages_per_split or pl.next_power_of_2(max(1, -(-n_pages // 4)))
+    n_splits = -(-n_pages // tn)
+    g = h // kvh
+    dp = padded_head_dim(d)
+    rows = max(16, pl.next_power_of_2(g))
+    st = _Static(page=c, pages_per_split=tn, sm_scale=float(d ** -0.5 if sm_scale is None else sm_scale),
+                 softcap=None if softcap is None else float(softcap))
+    table = jnp.pad(table.astype(jnp.int32), ((0, 0), (0, n_splits * tn - n_pages)), constant_values=-1)
+    qg = einops.rearrange(q.astype(k_pages.dtype), "b (k g) d -> b k g d", k=kvh)
+    qg = pad_axis(pad_axis(qg, 3, dp), 2, rows)  # [b, k, r, dp]
+    kp, vp = pad_axis(k_pages, 3, dp), pad_axis(v_pages.astype(k_pages.dtype), 3, dp)
+    whole = pl.BlockSpec(kp.shape, lambda n, bi, ki: (0, 0, 0, 0))  # the pool stays in place; pages read by id
+    in_specs = [pl.BlockSpec((None,), lambda n, bi, ki: (bi,)),
+                pl.BlockSpec((None, tn), lambda n, bi, ki: (bi, n)),
+                pl.BlockSpec((None, None, rows, dp), lambda n, bi, ki: (bi, ki, 0, 0)),
+                whole, whole]
+    out_specs = [pl.BlockSpec((None, None, None, rows, dp), lambda n, bi, ki: (bi, ki, n, 0, 0)),
+                 pl.BlockSpec((None, None, None, rows), lambda n, bi, ki: (bi, ki, n, 0)),
+                 pl.BlockSpec((None, None, None, rows), lambda n, bi, ki: (bi, ki, n, 0))]
+    out_shape = [jax.ShapeDtypeStruct((b, kvh, n_splits, rows, dp), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kvh, n_splits, rows), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kvh, n_splits, rows), jnp.float32)]
+    with jax.named_scope("lcx_paged_decode"):
+        acc, m, l = pl.pallas_call(
+            functools.partial(_kernel, st=st), grid=(n_splits, b, kvh), in_specs=in_specs, out_specs=out_specs,
+            out_shape=out_shape, name="lcx_paged_decode",
+            **pallas_call_kwargs(interpret, num_warps=num_warps, num_stages=num_stages),
+        )(lengths.astype(jnp.int32), table, qg, kp, vp)
+        m_all = lax.optimization_barrier(jnp.max(m, axis=2))  # [b, k, r] (see lcx.kernels.decode)
+        w = jnp.exp2(m - m_all[:, :, None])
+        l_all = jnp.sum(w * l, axis=2)
+        empty = l_all == 0.0
+        o = jnp.sum(w[..., None] * acc, axis=2) / jnp.where(empty, 1.0, l_all)[..., None]
+        merge_heads = functools.partial(einops.rearrange, pattern="b k g ... -> b (k g) ...")
+        out = merge_heads(o[:, :, :g, :d]).astype(q.dtype)
+        if not return_residuals:
+            return out
+        m_nat = jnp.where(empty, -jnp.inf, m_all * LN2)[:, :, :g]
+        return out, merge_heads(m_nat), merge_heads(l_all[:, :, :g])
+
+
+__all__ = ["gather_pages", "paged_decode_attention", "paged_decode_reference"]
