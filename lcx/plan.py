@@ -149,6 +149,7 @@ class PlanInputs:
     utilization: float = UTILIZATION
     data: int = 1
     cache: Any = None  # a CacheConfig whose tiers to plan (e.g. policy memory): device vs host / disk bytes
+    shared_prefix: int = 0  # tokens every sequence starts with (a paged cache stores their whole pages once)
 
     def __post_init__(self):
         if not isinstance(self.model, ModelConfig):
@@ -167,6 +168,13 @@ class PlanInputs:
                                                       and 0 < self.utilization <= 1):
             raise ConfigError(f"utilization={self.utilization!r} is invalid: must be a fraction in (0, 1] "
                               f"(--utilization)")
+        if isinstance(self.shared_prefix, bool) or not isinstance(self.shared_prefix, int) or not (
+                0 <= self.shared_prefix <= self.context):
+            raise ConfigError(f"shared_prefix={self.shared_prefix!r} is invalid: must be an integer in [0, "
+                              f"{self.context}] (tokens of --context every sequence shares; --shared-prefix)")
+        if self.shared_prefix and getattr(self.cache, "layout", None) != "paged":
+            raise ConfigError(f"shared_prefix={self.shared_prefix} needs a paged cache to share pages: pass "
+                              "--page-size N (or --cache-param layout=paged)")
         object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype or self.model.dtype, "--kv-dtype"))
         object.__setattr__(self, "weight_dtype",
                            canonical_dtype(self.weight_dtype or self.model.param_dtype, "--weight-dtype"))
@@ -238,6 +246,9 @@ class Plan:
     cache_store_bytes: int | None = None  # keys / values off the device (host memory or disk)
     cache_slots: int | None = None  # slots per sequence and layer (and KV head, for per-head keep sets)
     cache_keep_sets: str | None = None  # "per KV head" or "per layer" (slot caches)
+    cache_page_size: int | None = None  # paged cache: tokens per page
+    cache_pages: int | None = None  # pages the batch holds at the full context (shared prefix pages once)
+    cache_shared_tokens: int = 0  # the shared prefix the pages were counted with
 
     @property
     def model_axis(self) -> int:
@@ -450,6 +461,12 @@ def _tier_numbers(inputs: PlanInputs) -> dict[str, Any]:
         return {}
     kind = inputs.cache.kind(dataclasses.replace(inputs.model, dtype=inputs.kv_dtype))
     capacity = kind.plan(inputs.batch, inputs.context, 0)
+    if kind.name == "paged":  # pages in use, the shared prefix's whole pages counted once
+        pages = kind.pages_for(inputs.batch, inputs.context, inputs.shared_prefix)
+        return {"cache_policy": inputs.cache.policy, "cache_device_kv_bytes": pages * kind.page_nbytes(),
+                "cache_device_meta_bytes": kind.nbytes(inputs.batch, capacity, role="meta"),
+                "cache_store_bytes": 0, "cache_slots": capacity, "cache_page_size": kind.page, "cache_pages": pages,
+                "cache_shared_tokens": inputs.shared_prefix}
     return {"cache_policy": inputs.cache.policy, "cache_device_kv_bytes": kind.nbytes(inputs.batch, capacity),
             "cache_device_meta_bytes": kind.nbytes(inputs.batch, capacity, role="meta"),
             "cache_store_bytes": kind.store_nbytes(inputs.batch, capacity), "cache_slots": capacity,
@@ -524,6 +541,11 @@ def render(plan: Plan) -> str:
         lines.append(f"cache {plan.cache_policy:<6} device {fb(plan.cache_device_kv_bytes)} KV + "
                      f"{fb(plan.cache_device_meta_bytes)} positions / masks / routing summaries; off the device "
                      f"{fb(plan.cache_store_bytes)} (all sequences, one device)")
+        if plan.cache_pages is not None:
+            unshared = -(-plan.context // plan.cache_page_size) * plan.batch
+            lines.append(f"             {plan.cache_pages} pages of {plan.cache_page_size} tokens in use at the full "
+                         f"context ({plan.cache_shared_tokens} shared prefix tokens stored once; "
+                         f"{plan.cache_pages / unshared:.2f}x of {unshared} pages unshared)")
         if plan.cache_keep_sets is not None:
             lines.append(f"             {plan.cache_slots} slots per sequence and layer; kept positions "
                          f"{plan.cache_keep_sets} (each KV head has its own slots)")
@@ -586,6 +608,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="also plan this cache policy's tiers, e.g. memory: device vs host / disk bytes")
     p.add_argument("--cache-param", action="append", default=[], metavar="KEY=VALUE",
                    help="a parameter of --cache-policy (repeatable), e.g. window=1024")
+    p.add_argument("--page-size", type=int, default=None, metavar="TOKENS",
+                   help="plan a paged cache (layout paged, policy full unless --cache-policy) with pages this long")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                   help="tokens of --context every sequence starts with, stored once by a paged cache")
     p.add_argument("--utilization", type=float, default=UTILIZATION,
                    help=f"usable fraction of device memory (default {UTILIZATION})")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -601,14 +627,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _cache_section(policy: str | None, budget: int | None, params: Sequence[str]):
-    if policy is None:
+def _cache_section(policy: str | None, budget: int | None, params: Sequence[str], page_size: int | None = None):
+    if policy is None and page_size is None:
         if params:
             raise ConfigError("--cache-param needs --cache-policy (the policy the parameters belong to)")
         return None
     from lcx.cache.config import CacheConfig
 
-    spec = {"policy": policy, "budget": budget}
+    spec = {"policy": policy or "full", "budget": budget}
+    if page_size is not None:
+        spec |= {"layout": "paged", "page_size": page_size}
     for item in params:
         key, sep, value = item.partition("=")
         if not sep:
@@ -634,7 +662,8 @@ def run(args: argparse.Namespace) -> int:
     inputs = PlanInputs(model=model, context=args.context, batch=args.batch, gpu_mem_bytes=gpu_mem,
                         devices=args.devices, data=args.data, kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype,
                         budget=args.budget, utilization=args.utilization,
-                        cache=_cache_section(args.cache_policy, args.budget, args.cache_param))
+                        cache=_cache_section(args.cache_policy, args.budget, args.cache_param, args.page_size),
+                        shared_prefix=args.shared_prefix)
     plan = make_plan(inputs, source=str(args.config))
     print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan))
     return 0

@@ -382,6 +382,20 @@ def test_cli_budget_shows_full_and_budgeted(capsys):
     assert "warn  (a) context vs memory" in out
 
 
+def test_cli_paged_cache_counts_a_shared_prefix_once(capsys):
+    """8 sequences of 8192 tokens that share their first 8000: 500 pages once + 12 per sequence, 128 KiB per token
+    (Llama-3-8B, bf16) -> 596 x 16 x 128 KiB = 1.16 GiB instead of 8 GiB."""
+    rc, out, _ = run_cli(capsys, MODELS / "llama3-8b.yaml", "--context", 8192, "--batch", 8, "--gpu-mem", "80GiB",
+                         "--page-size", 16, "--shared-prefix", 8000, "--json")
+    data = json.loads(out)
+    assert rc == 0 and data["cache_pages"] == 500 + 8 * 12 and data["cache_page_size"] == 16
+    assert data["cache_device_kv_bytes"] == 596 * 16 * 128 * KiB
+    with pytest.raises(ConfigError, match=r"shared_prefix=100 needs a paged cache to share pages: pass --page-size"):
+        plan_for("llama3-8b", context=1024, shared_prefix=100)
+    with pytest.raises(ConfigError, match=r"shared_prefix=2048 is invalid: must be an integer in \[0, 1024\]"):
+        plan_for("llama3-8b", context=1024, shared_prefix=2048)
+
+
 def test_cli_json(capsys):
     rc, out, _ = run_cli(capsys, MODELS / "llama3-70b.yaml", "--context", 8192, "--gpu-mem", "80GiB",
                          "--devices", 6, "--json")

@@ -143,6 +143,16 @@ class PagedKind(CacheKind):
             raise full_overflow(self.model, needed, self.limit, batch, max_prompt, max_new_tokens, self.dtype)
         return -(-needed // self.page) * self.page
 
+    def pages_for(self, batch: int, tokens: int, shared: int = 0) -> int:
+        """Pages ``batch`` sequences of ``tokens`` tokens hold when their first ``shared`` tokens are one prefix:
+        its whole pages once, the rest per sequence (the planner's figure)."""
+        common = shared // self.page
+        return common + batch * (-(-tokens // self.page) - common)
+
+    def page_nbytes(self) -> int:
+        """Bytes of one page in every layer, keys and values."""
+        return self.nbytes(1, self.page)
+
     # ------------------------------------------------------------------------------------------- attention
     def attend(self, layer: PagedCache, q, key, val, *, cos, sin, positions, ok, stat_weights,
                spec: AttentionSpec | None = None):
