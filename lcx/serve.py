@@ -1,0 +1,318 @@
+"""Serving many requests: continuous batching over a paged cache, prefix pages kept across requests, streaming.
+
+    server = Server(config, params, max_num_seqs=8, max_len=4096)
+    ids = [server.submit(prompt, max_new_tokens=64) for prompt in prompts]
+    outputs = server.run(on_token=lambda request, token: ...)   # {request id: generated tokens}
+
+The server holds ``max_num_seqs`` rows of one paged cache (``lcx.cache.paged``: a pool of ``pages`` pages of
+``cache.page_size`` tokens). A request waits in a FIFO queue until a row is free and the pool can hold everything it
+may write (its prompt and ``max_new_tokens``, beyond the pages it shares): admission is refused or deferred, never
+an out-of-memory error, and a request no empty pool could hold is refused at ``submit``. Between jitted calls the
+host admits requests, prefills the admitted rows' prompts together (the other rows' caches untouched: their tokens
+are masked out), then decodes every active row ``segment`` steps at a time; a row that emits EOS or its last token is
+released at once (its pages back to the pool) and the next request takes it. Greedy decoding: a request's tokens
+equal ``lcx.generate`` of its prompt alone.
+
+Prefix pages: after its prefill, the whole pages of a request's prompt are kept (an extra reference) keyed by their
+tokens; a later request whose prompt starts with the same whole pages (a shared system prompt) gets them without
+prefilling them (a request that shares more with a prompt admitted in the same round waits one round for its
+pages). Kept prefixes are released least recently used first when a request needs their pages, and at most
+``prefix_entries`` are kept.
+
+Shape letters: b rows (``max_num_seqs``), T pages per row, S decode steps per segment.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lcx.cache.base import CacheCapacityError
+from lcx.cache.config import CacheConfig
+from lcx.cache.paged import PagedCache
+from lcx.config_base import ConfigError
+from lcx.generate import Generator
+from lcx.model import Decoder
+from lcx.model.config import ModelConfig
+
+
+@dataclasses.dataclass
+class _Request:
+    id: int
+    prompt: np.ndarray
+    max_new_tokens: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    row: int | None = None
+    private: int = 0  # pages this request may own (not shared), counted against the pool while it runs
+    prefix: tuple | None = None  # the kept prefix it reads (key), if any
+    uses: list = dataclasses.field(default_factory=list)  # kept prefixes that must outlive it (read or made)
+
+
+@dataclasses.dataclass
+class _Prefix:
+    pages: list[int]
+    users: int = 0  # running requests that read these pages
+
+
+class Server:
+    """Continuous batching of greedy generation over a paged cache; see the module docstring.
+
+    ``max_len``: the most tokens (prompt + new) of one request; ``pages``: the pool size (default: every row at
+    ``max_len``, i.e. no admission ever waits for pages); ``segment``: decode steps per jitted call (rows admitted
+    between segments); ``prefill_chunk``: prompt tokens per prefill call; ``prefix_entries``: prefixes kept across
+    requests (0: none)."""
+
+    def __init__(self, config: ModelConfig, params, *, max_num_seqs: int = 8, max_len: int = 4096,
+                 pages: int | None = None, cache: CacheConfig | None = None, eos_id: int | None = None,
+                 segment: int = 16, prefill_chunk: int = 256, prefix_entries: int = 4):
+        cache = cache or CacheConfig(layout="paged")
+        if cache.layout != "paged":
+            raise ConfigError(f"cache.layout={cache.layout!r} is invalid for Server: it batches over a paged cache; "
+                              "allowed: 'paged'")
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_len", max_len), ("segment", segment),
+                            ("prefill_chunk", prefill_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"Server {name}={value!r} is invalid: must be a positive integer")
+        cache = CacheConfig(**(cache.to_dict() | {"prefill_chunk": prefill_chunk}))
+        self.gen = Generator(config, params, max_new_tokens=1, cache=cache, eos_id=eos_id)
+        self.kind, self.config, self.eos_id = self.gen.kind, config, eos_id
+        self.page = self.kind.page
+        self.row_pages = -(-max_len // self.page)
+        self.pages = pages or max_num_seqs * self.row_pages
+        if self.pages < self.row_pages:
+            raise ConfigError(f"Server pages={self.pages} is invalid: one request of max_len={max_len} needs "
+                              f"{self.row_pages} pages of {self.page} tokens")
+        self.rows, self.segment, self.chunk = max_num_seqs, segment, prefill_chunk
+        self.prefix_entries = prefix_entries
+        self.state = self._empty()
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._running: dict[int, _Request] = {}  # row -> request
+        self._prefixes: collections.OrderedDict[tuple, _Prefix] = collections.OrderedDict()  # LRU order
+        self._next_id = 0
+        self.committed = 0  # pages the running requests may own
+        self.prefill_tokens = 0  # prompt tokens run through the model (shared prefixes not counted twice)
+        self._decode = jax.jit(functools.partial(_decode_segment, Decoder(config, unrolled=self.gen.unrolled),
+                                                 self.kind, eos_id), static_argnums=(5,), donate_argnums=(1,))
+        self._assign, self._release, self._hold = (jax.jit(f, donate_argnums=(0,))
+                                                   for f in (_assign, _release, _hold))
+
+    def _empty(self) -> PagedCache:
+        state = self.kind.create(self.rows, self.row_pages * self.page)
+        pool = lambda: jnp.zeros((state.k.shape[0], self.pages, *state.k.shape[2:]), state.k.dtype)  # noqa: E731
+        return state.replace(k=pool(), v=pool(), refs=jnp.zeros((self.pages,), jnp.int32))
+
+    # ----------------------------------------------------------------------------------------------- requests
+    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> int:
+        """Queue a request; returns its id. Refused (``CacheCapacityError``) if it exceeds ``max_len``."""
+        prompt = np.asarray(prompt, np.int32)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise ConfigError("Server.submit: prompt must be a non-empty list of token ids")
+        if np.any(prompt < 0) or np.any(prompt >= self.config.vocab_size):
+            raise ConfigError(f"Server.submit: prompt token ids must lie in [0, {self.config.vocab_size})")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive integer")
+        if prompt.size + max_new_tokens > self.row_pages * self.page:
+            raise CacheCapacityError(f"request of {prompt.size} prompt + {max_new_tokens} new tokens exceeds the "
+                                     f"server's max_len={self.row_pages * self.page}")
+        request = _Request(self._next_id, prompt, max_new_tokens)
+        self._next_id += 1
+        self._queue.append(request)
+        return request.id
+
+    def run(self, on_token: Callable[[int, int], None] | None = None) -> dict[int, list[int]]:
+        """Serve every queued request; ``on_token(request_id, token)`` as tokens are generated (streaming).
+        Returns each request's generated tokens (EOS included when emitted)."""
+        done: dict[int, list[int]] = {}
+        emit = on_token or (lambda request, token: None)
+        while self._queue or self._running:
+            admitted = self._admit()
+            if not admitted and not self._running:  # unreachable: submit refuses what an empty pool cannot hold
+                raise CacheCapacityError(f"the pool of {self.pages} pages cannot hold the next request")
+            if admitted:
+                self._prefill(admitted, emit, done)
+            if self._running:
+                self._decode_rows(emit, done)
+        return done
+
+    # ----------------------------------------------------------------------------------------------- admission
+    def _shared(self, prompt: np.ndarray) -> tuple[tuple | None, int]:
+        """The kept prefix sharing the most whole pages with ``prompt`` (leaving it one token): ``(key, pages)``."""
+        best, best_pages = None, 0
+        for key in self._prefixes:
+            pages = self._common_pages(prompt, np.asarray(key, np.int32))
+            if pages > best_pages:
+                best, best_pages = key, pages
+        return best, best_pages
+
+    def _common_pages(self, prompt: np.ndarray, other: np.ndarray) -> int:
+        """Whole pages ``prompt`` shares with ``other`` (leaving ``prompt`` one token of its own)."""
+        n = min(prompt.size - 1, other.size)
+        same = prompt[:n] == other[:n]
+        return (n if same.all() else int(np.argmin(same))) // self.page
+
+    def _free_pages(self) -> int:
+        kept = len(set().union(*(p.pages for p in self._prefixes.values())))  # entries overlap on shared pages
+        return self.pages - kept - self.committed
+
+    def _admit(self) -> list[_Request]:
+        admitted = []
+        free_rows = [r for r in range(self.rows) if r not in self._running]
+        while self._queue and free_rows:
+            request = self._queue[0]
+            key, shared = self._shared(request.prompt)
+            if any(self._common_pages(request.prompt, other.prompt) > shared for other in admitted):
+                break  # it shares more with a prompt of this round: wait one round and read that prompt's pages
+            private = -(-(request.prompt.size + request.max_new_tokens) // self.page) - shared
+            while private > self._free_pages() and self._drop_lru(keep=key):
+                pass
+            if private > self._free_pages():
+                break  # waits for running requests to finish
+            self._queue.popleft()
+            row = free_rows.pop(0)
+            pages = self._prefixes[key].pages[:shared] if key is not None else []
+            if key is not None:
+                self._prefixes.move_to_end(key)
+                self._prefixes[key].users += 1
+            request.row, request.private, request.prefix = row, private, key
+            request.uses = [] if key is None else [key]
+            self.committed += private
+            table = np.full(self.row_pages, -1, np.int32)
+            table[:shared] = pages
+            self.state = self._assign(self.state, jnp.int32(row), jnp.asarray(table), jnp.int32(shared * self.page))
+            self._running[row] = request
+            admitted.append(request)
+        return admitted
+
+    def _drop_lru(self, keep) -> bool:
+        """Release the least recently used kept prefix no running request reads (not ``keep``); False if none."""
+        for key, prefix in self._prefixes.items():
+            if prefix.users == 0 and key != keep:
+                self.state = self._hold(self.state, jnp.asarray(prefix.pages, jnp.int32), jnp.int32(-1))
+                del self._prefixes[key]
+                return True
+        return False
+
+    def _keep_prefix(self, request: _Request) -> None:
+        """Keep the whole pages of ``request``'s prompt for later requests (one more reference each)."""
+        n_pages = (request.prompt.size - 1) // self.page
+        key = tuple(int(t) for t in request.prompt[:n_pages * self.page])
+        if self.prefix_entries == 0 or n_pages == 0 or any(k[:len(key)] == key for k in self._prefixes):
+            return
+        table = np.asarray(self.state.table[request.row])
+        pages = [int(p) for p in table[:n_pages]]
+        self.state = self._hold(self.state, jnp.asarray(pages, jnp.int32), jnp.int32(1))
+        # the pages are no longer the request's alone: the kept prefix owns them from now on
+        shared_before = 0 if request.prefix is None else min(len(request.prefix) // self.page, n_pages)
+        moved = n_pages - shared_before
+        request.private -= moved
+        self.committed -= moved
+        self._prefixes[key] = _Prefix(pages, users=1)  # its maker reads it: kept until the maker ends
+        request.uses.append(key)
+        while len(self._prefixes) > self.prefix_entries and self._drop_lru(keep=key):
+            pass
+
+    # ----------------------------------------------------------------------------------------------- steps
+    def _prefill(self, admitted: list[_Request], emit, done) -> None:
+        start = {r.row: int(self.state.lengths[r.row]) for r in admitted}
+        rest = {r.row: r.prompt[start[r.row]:] for r in admitted}
+        longest = max(x.size for x in rest.values())
+        width = -(-longest // self.chunk) * self.chunk
+        ids = np.zeros((self.rows, width), np.int32)
+        lengths = np.zeros(self.rows, np.int64)
+        for row, x in rest.items():
+            ids[row, :x.size] = x
+            lengths[row] = x.size
+            self.prefill_tokens += x.size
+        ok = np.arange(width)[None, :] < lengths[:, None]
+        logits = jnp.zeros((self.rows, self.config.vocab_size), jnp.float32)
+        cache = self.state
+        for lo in range(0, width, self.chunk):
+            last = lengths - 1 - lo
+            last_index = np.where((lengths > 0) & (last >= 0) & (last < self.chunk), last, -1).astype(np.int32)
+            cache, logits = self.gen._prefill_chunk(self.gen.params, cache, jnp.asarray(ids[:, lo:lo + self.chunk]),
+                                                    jnp.asarray(ok[:, lo:lo + self.chunk]), jnp.asarray(last_index),
+                                                    logits, None)
+            cache = self.kind.sync(cache)
+        self.state = cache
+        first = np.asarray(jnp.argmax(logits, axis=-1))
+        for request in admitted:
+            self._keep_prefix(request)
+            self._emit(request, int(first[request.row]), emit, done)
+
+    def _emit(self, request: _Request, token: int, emit, done) -> None:
+        request.tokens.append(token)
+        emit(request.id, token)
+        if token == self.eos_id or len(request.tokens) >= request.max_new_tokens:
+            self._finish(request, done)
+
+    def _finish(self, request: _Request, done) -> None:
+        self.state = self._release(self.state, jnp.int32(request.row))
+        self.committed -= request.private
+        for key in request.uses:
+            if key in self._prefixes:
+                self._prefixes[key].users -= 1
+        del self._running[request.row]
+        done[request.id] = request.tokens
+
+    def _decode_rows(self, emit, done) -> None:
+        token = np.zeros(self.rows, np.int32)
+        active = np.zeros(self.rows, bool)
+        left = np.zeros(self.rows, np.int32)
+        for row, request in self._running.items():
+            token[row], active[row] = request.tokens[-1], True
+            left[row] = request.max_new_tokens - len(request.tokens)
+        self.state, tokens, emitted = self._decode(self.gen.params, self.state, jnp.asarray(token),
+                                                   jnp.asarray(active), jnp.asarray(left), self.segment)
+        self.state = self.kind.sync(self.state)
+        tokens, emitted = np.asarray(tokens), np.asarray(emitted)  # [S, b]
+        for step in range(tokens.shape[0]):
+            for row in np.flatnonzero(emitted[step]):
+                request = self._running.get(int(row))
+                if request is not None:
+                    self._emit(request, int(tokens[step, row]), emit, done)
+
+
+# --------------------------------------------------------------------------------------------------- jitted
+def _decode_segment(model: Decoder, kind, eos_id, params, cache: PagedCache, token, active, left, steps: int):
+    """``steps`` greedy steps of the active rows: append ``token [b]``, emit the argmax, stop a row at EOS or when
+    ``left [b]`` tokens are emitted. Returns ``(cache, tokens [S, b], emitted [S, b])``."""
+    def body(carry, _):
+        cache, token, active, left = carry
+        cache = kind.make_room(cache, active.astype(jnp.int32))
+        logits, cache = model.apply({"params": params}, token[:, None], cache=cache, ok=active[:, None])
+        nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        left = left - active
+        stop = (left <= 0) | ((nxt == eos_id) if eos_id is not None else False)
+        return (cache, jnp.where(active, nxt, token), active & ~stop, left), (nxt, active)
+
+    carry = (cache.split_layers() if model.unrolled else cache, token, active, left)
+    (cache, _, _, _), (tokens, emitted) = jax.lax.scan(body, carry, None, length=steps)
+    return cache.stack_layers(), tokens, emitted
+
+
+def _assign(state: PagedCache, row, table, length) -> PagedCache:
+    """Row ``row`` starts with the pages ``table [T]`` (-1: none) holding ``length`` tokens."""
+    refs = state.refs.at[jnp.where(table >= 0, table, state.refs.shape[0])].add(1, mode="drop")
+    return state.replace(table=state.table.at[row].set(table), refs=refs, lengths=state.lengths.at[row].set(length),
+                         peak=jnp.maximum(state.peak, jnp.sum(refs > 0)))
+
+
+def _release(state: PagedCache, row) -> PagedCache:
+    """Row ``row`` ends: its pages lose a reference, the row is empty."""
+    table = state.table[row]
+    refs = state.refs.at[jnp.where(table >= 0, table, state.refs.shape[0])].add(-1, mode="drop")
+    return state.replace(table=state.table.at[row].set(-1), refs=refs, lengths=state.lengths.at[row].set(0))
+
+
+def _hold(state: PagedCache, pages, delta) -> PagedCache:
+    """``delta`` more references to ``pages`` (a kept prefix taking or releasing them)."""
+    return state.replace(refs=state.refs.at[pages].add(delta))
+
+
+__all__ = ["Server"]
