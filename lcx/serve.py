@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lcx.cache.base import CacheCapacityError
+from lcx.cache.base import CacheCapacityError, round_chunk
 from lcx.cache.config import CacheConfig
 from lcx.cache.paged import PagedCache
 from lcx.config_base import ConfigError
@@ -97,10 +97,7 @@ class Server:
         self._next_id = 0
         self.committed = 0  # pages the running requests may own
         self.prefill_tokens = 0  # prompt tokens run through the model (shared prefixes not counted twice)
-        self._decode = jax.jit(functools.partial(_decode_segment, Decoder(config, unrolled=self.gen.unrolled),
-                                                 self.kind, eos_id), static_argnums=(5,), donate_argnums=(1,))
-        self._assign, self._release, self._hold = (jax.jit(f, donate_argnums=(0,))
-                                                   for f in (_assign, _release, _hold))
+        self._decode = _compiled_decode(config, self.kind, eos_id, self.gen.unrolled)
 
     def _empty(self) -> PagedCache:
         state = self.kind.create(self.rows, self.row_pages * self.page)
@@ -184,7 +181,7 @@ class Server:
             self.committed += private
             table = np.full(self.row_pages, -1, np.int32)
             table[:shared] = pages
-            self.state = self._assign(self.state, jnp.int32(row), jnp.asarray(table), jnp.int32(shared * self.page))
+            self.state = _assign(self.state, jnp.int32(row), jnp.asarray(table), jnp.int32(shared * self.page))
             self._running[row] = request
             admitted.append(request)
         return admitted
@@ -193,7 +190,7 @@ class Server:
         """Release the least recently used kept prefix no running request reads (not ``keep``); False if none."""
         for key, prefix in self._prefixes.items():
             if prefix.users == 0 and key != keep:
-                self.state = self._hold(self.state, jnp.asarray(prefix.pages, jnp.int32), jnp.int32(-1))
+                self.state = _hold(self.state, jnp.asarray(prefix.pages, jnp.int32), jnp.int32(-1))
                 del self._prefixes[key]
                 return True
         return False
@@ -206,7 +203,7 @@ class Server:
             return
         table = np.asarray(self.state.table[request.row])
         pages = [int(p) for p in table[:n_pages]]
-        self.state = self._hold(self.state, jnp.asarray(pages, jnp.int32), jnp.int32(1))
+        self.state = _hold(self.state, jnp.asarray(pages, jnp.int32), jnp.int32(1))
         # the pages are no longer the request's alone: the kept prefix owns them from now on
         shared_before = 0 if request.prefix is None else min(len(request.prefix) // self.page, n_pages)
         moved = n_pages - shared_before
@@ -222,7 +219,8 @@ class Server:
         start = {r.row: int(self.state.lengths[r.row]) for r in admitted}
         rest = {r.row: r.prompt[start[r.row]:] for r in admitted}
         longest = max(x.size for x in rest.values())
-        width = -(-longest // self.chunk) * self.chunk
+        chunk = min(self.chunk, round_chunk(longest))  # a few compiled widths, not always the largest
+        width = -(-longest // chunk) * chunk
         ids = np.zeros((self.rows, width), np.int32)
         lengths = np.zeros(self.rows, np.int64)
         for row, x in rest.items():
@@ -232,11 +230,11 @@ class Server:
         ok = np.arange(width)[None, :] < lengths[:, None]
         logits = jnp.zeros((self.rows, self.config.vocab_size), jnp.float32)
         cache = self.state
-        for lo in range(0, width, self.chunk):
+        for lo in range(0, width, chunk):
             last = lengths - 1 - lo
-            last_index = np.where((lengths > 0) & (last >= 0) & (last < self.chunk), last, -1).astype(np.int32)
-            cache, logits = self.gen._prefill_chunk(self.gen.params, cache, jnp.asarray(ids[:, lo:lo + self.chunk]),
-                                                    jnp.asarray(ok[:, lo:lo + self.chunk]), jnp.asarray(last_index),
+            last_index = np.where((lengths > 0) & (last >= 0) & (last < chunk), last, -1).astype(np.int32)
+            cache, logits = self.gen._prefill_chunk(self.gen.params, cache, jnp.asarray(ids[:, lo:lo + chunk]),
+                                                    jnp.asarray(ok[:, lo:lo + chunk]), jnp.asarray(last_index),
                                                     logits, None)
             cache = self.kind.sync(cache)
         self.state = cache
@@ -252,7 +250,7 @@ class Server:
             self._finish(request, done)
 
     def _finish(self, request: _Request, done) -> None:
-        self.state = self._release(self.state, jnp.int32(request.row))
+        self.state = _release(self.state, jnp.int32(request.row))
         self.committed -= request.private
         for key in request.uses:
             if key in self._prefixes:
@@ -279,6 +277,13 @@ class Server:
 
 
 # --------------------------------------------------------------------------------------------------- jitted
+@functools.lru_cache(maxsize=32)
+def _compiled_decode(config: ModelConfig, kind, eos_id: int | None, unrolled: bool):
+    """The jitted decode segment of one configuration, shared by every server of it (compiled once)."""
+    return jax.jit(functools.partial(_decode_segment, Decoder(config, unrolled=unrolled), kind, eos_id),
+                   static_argnums=(5,), donate_argnums=(1,))
+
+
 def _decode_segment(model: Decoder, kind, eos_id, params, cache: PagedCache, token, active, left, steps: int):
     """``steps`` greedy steps of the active rows: append ``token [b]``, emit the argmax, stop a row at EOS or when
     ``left [b]`` tokens are emitted. Returns ``(cache, tokens [S, b], emitted [S, b])``."""
@@ -296,6 +301,7 @@ def _decode_segment(model: Decoder, kind, eos_id, params, cache: PagedCache, tok
     return cache.stack_layers(), tokens, emitted
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
 def _assign(state: PagedCache, row, table, length) -> PagedCache:
     """Row ``row`` starts with the pages ``table [T]`` (-1: none) holding ``length`` tokens."""
     refs = state.refs.at[jnp.where(table >= 0, table, state.refs.shape[0])].add(1, mode="drop")
@@ -303,6 +309,7 @@ def _assign(state: PagedCache, row, table, length) -> PagedCache:
                          peak=jnp.maximum(state.peak, jnp.sum(refs > 0)))
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
 def _release(state: PagedCache, row) -> PagedCache:
     """Row ``row`` ends: its pages lose a reference, the row is empty."""
     table = state.table[row]
@@ -310,6 +317,7 @@ def _release(state: PagedCache, row) -> PagedCache:
     return state.replace(table=state.table.at[row].set(-1), refs=refs, lengths=state.lengths.at[row].set(0))
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
 def _hold(state: PagedCache, pages, delta) -> PagedCache:
     """``delta`` more references to ``pages`` (a kept prefix taking or releasing them)."""
     return state.replace(refs=state.refs.at[pages].add(delta))
