@@ -216,20 +216,29 @@ class Server:
 
     # ----------------------------------------------------------------------------------------------- steps
     def _prefill(self, admitted: list[_Request], emit, done) -> None:
-        start = {r.row: int(self.state.lengths[r.row]) for r in admitted}
-        rest = {r.row: r.prompt[start[r.row]:] for r in admitted}
-        longest = max(x.size for x in rest.values())
+        """Prefill the admitted rows' prompts (past their shared pages) as a batch of those rows only: the pool is
+        shared, so a sub-batch is their table rows and lengths (padded to a power of two with rows whose tokens are
+        all masked), written back after."""
+        rows = [r.row for r in admitted]
+        batch = min(self.rows, pl2(len(rows)))
+        idle = [r for r in range(self.rows) if r not in self._running]
+        pad = (idle + rows * batch)[:batch - len(rows)]  # rows that take no token: idle ones first
+        index = jnp.asarray(rows + pad, jnp.int32)
+        starts = np.asarray(self.state.lengths)[rows]
+        rest = [r.prompt[start:] for r, start in zip(admitted, starts)]
+        longest = max(x.size for x in rest)
         chunk = min(self.chunk, round_chunk(longest))  # a few compiled widths, not always the largest
         width = -(-longest // chunk) * chunk
-        ids = np.zeros((self.rows, width), np.int32)
-        lengths = np.zeros(self.rows, np.int64)
-        for row, x in rest.items():
-            ids[row, :x.size] = x
-            lengths[row] = x.size
+        ids = np.zeros((batch, width), np.int32)
+        lengths = np.zeros(batch, np.int64)
+        for i, x in enumerate(rest):
+            ids[i, :x.size] = x
+            lengths[i] = x.size
             self.prefill_tokens += x.size
         ok = np.arange(width)[None, :] < lengths[:, None]
-        logits = jnp.zeros((self.rows, self.config.vocab_size), jnp.float32)
-        cache = self.state
+        logits = jnp.zeros((batch, self.config.vocab_size), jnp.float32)
+        full = self.state
+        cache = full.replace(table=full.table[index], lengths=full.lengths[index])
         for lo in range(0, width, chunk):
             last = lengths - 1 - lo
             last_index = np.where((lengths > 0) & (last >= 0) & (last < chunk), last, -1).astype(np.int32)
@@ -237,11 +246,13 @@ class Server:
                                                     jnp.asarray(ok[:, lo:lo + chunk]), jnp.asarray(last_index),
                                                     logits, None)
             cache = self.kind.sync(cache)
-        self.state = cache
+        n = len(rows)
+        self.state = cache.replace(table=full.table.at[index[:n]].set(cache.table[:n]),
+                                   lengths=full.lengths.at[index[:n]].set(cache.lengths[:n]))
         first = np.asarray(jnp.argmax(logits, axis=-1))
-        for request in admitted:
+        for i, request in enumerate(admitted):
             self._keep_prefix(request)
-            self._emit(request, int(first[request.row]), emit, done)
+            self._emit(request, int(first[i]), emit, done)
 
     def _emit(self, request: _Request, token: int, emit, done) -> None:
         request.tokens.append(token)
@@ -274,6 +285,11 @@ class Server:
                 request = self._running.get(int(row))
                 if request is not None:
                     self._emit(request, int(tokens[step, row]), emit, done)
+
+
+def pl2(n: int) -> int:
+    """The power of two at or above ``n`` (the sub-batch sizes a prefill compiles for)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 # --------------------------------------------------------------------------------------------------- jitted
