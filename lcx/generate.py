@@ -55,6 +55,8 @@ class DecodeState:
     done: jax.Array  # [b] bool
     step: jax.Array  # int32 scalar: tokens sampled so far
     key: jax.Array  # uint32 [2]: the sampler's base key (raw key data, checkpointable)
+    rows: int | None = flax.struct.field(pytree_node=False, default=None)  # the requested rows (None: all): on a
+    # mesh a batch is padded to a multiple of the data axis with copies of its last prompt, dropped from results
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,8 +282,8 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
             n_generated = s.n_generated + (~s.done).astype(jnp.int32)
             done = s.done | (token == eos_id) if eos_id is not None else s.done
             cache, logits = step(params, s.cache, token)
-            return DecodeState(cache=cache, logits=logits, tokens=tokens, n_generated=n_generated, done=done,
-                               step=s.step + 1, key=s.key)
+            return s.replace(cache=cache, logits=logits, tokens=tokens, n_generated=n_generated, done=done,
+                             step=s.step + 1)
 
         state = jax.lax.while_loop(cond, body, state.replace(cache=split(state.cache)))
         return state.replace(cache=state.cache.stack_layers())
@@ -328,8 +330,9 @@ class Generator:
     >>> result = gen.result(gen.decode(state))
 
     ``mesh`` (``lcx.sharding.make_mesh``): params are placed by the sharding rules, the cache is split with the
-    batch over "data" and KV heads over "model", and the steps run under the mesh (kernels once per shard). The
-    batch must be a multiple of the data axis.
+    batch over "data" and KV heads over "model", and the steps run under the mesh (kernels once per shard). A batch
+    that the data axis does not divide is padded with copies of its last prompt (``DecodeState.rows``), which
+    ``result`` drops.
     """
 
     def __init__(self, config: ModelConfig, params, *, max_new_tokens: int, cache: CacheConfig | None = None,
@@ -392,10 +395,6 @@ class Generator:
             cache, handle = self.kind.open(make())
             self._open.append(handle)
             return cache
-        data = sharding.axis_size(self.mesh, "data")
-        if batch % data:
-            raise ConfigError(f"batch={batch} is invalid on a mesh with data={data}: the batch must be a multiple "
-                              f"of the data axis; pass {-(-batch // data) * data} prompts or a smaller data axis")
         # Created sharded: the whole cache never sits on one device.
         return jax.jit(make, out_shardings=self.kind.shardings(self.kind.abstract(batch, capacity), self.mesh))()
 
@@ -420,6 +419,11 @@ class Generator:
         if np.any(ids < 0) or np.any(ids >= self.config.vocab_size):
             bad = int(ids[(ids < 0) | (ids >= self.config.vocab_size)][0])
             raise ConfigError(f"prompt token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+        rows = ids.shape[0]
+        if self.mesh is not None:  # rows the data axis does not divide: copies of the last prompt, dropped later
+            extra = -rows % sharding.axis_size(self.mesh, "data")
+            ids, lengths = np.concatenate([ids, ids[-1:].repeat(extra, 0)]), np.concatenate(
+                [lengths, lengths[-1:].repeat(extra)])
         batch, max_len = ids.shape
         if state is None:
             check_positions(self.config, self.cache_config, max_len, self.max_new_tokens, self.strict)
@@ -447,7 +451,7 @@ class Generator:
             tokens=self._put(np.full((batch, self.max_new_tokens), self.pad_id, np.int32)),
             n_generated=self._put(np.zeros((batch,), np.int32)), done=self._put(np.zeros((batch,), bool)),
             step=self._put(np.int32(0), False),
-            key=self._put(jax.random.key_data(jax.random.key(self.seed)), False))
+            key=self._put(jax.random.key_data(jax.random.key(self.seed)), False), rows=rows if rows < batch else None)
 
     def _shared_prefix(self, ids: np.ndarray, lengths: np.ndarray) -> int:
         """Tokens every prompt starts with, in whole pages of a paged cache (0: none, or not a paged cache); every
@@ -546,6 +550,9 @@ class Generator:
         cannot chunk go one token per step.
         """
         tokens = np.asarray(tokens, np.int32)
+        rows = tokens.shape[0]
+        if state.rows is not None and rows == state.rows:  # a mesh's padding rows score copies of the last row
+            tokens = np.concatenate([tokens, tokens[-1:].repeat(int(state.cache.lengths.shape[0]) - rows, 0)])
         # The cache was planned for prompt + max_new_tokens: a full cache (or an evicting one planned below its
         # budget + interval, for a short generation) cannot take more; its writes would fall off the end.
         done = int(jnp.max(state.cache.lengths))
@@ -582,11 +589,13 @@ class Generator:
             bar.update(n * batch)
             lo += n
         bar.close()
-        return state, np.concatenate(logprobs, axis=1)
+        return state, np.concatenate(logprobs, axis=1)[:rows]
 
     def result(self, state: DecodeState) -> GenerateResult:
-        return GenerateResult(tokens=sharding.to_host(state.tokens), lengths=sharding.to_host(state.n_generated),
-                              cache_bytes=state.cache.kv_bytes(), store_bytes=self.kind.store_bytes(state.cache))
+        rows = slice(state.rows)  # the requested rows (a mesh's padding dropped)
+        return GenerateResult(tokens=sharding.to_host(state.tokens)[rows],
+                              lengths=sharding.to_host(state.n_generated)[rows], cache_bytes=state.cache.kv_bytes(),
+                              store_bytes=self.kind.store_bytes(state.cache))
 
     def close(self) -> None:
         """Release host resources (e.g. a long-term store) of the requests this generator served."""

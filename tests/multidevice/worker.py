@@ -89,6 +89,8 @@ def parity(impl: str, n_kv_heads: int, meshes: list[list[int]], new_tokens: int 
             "cache_k_shard_shape": list(cache_k.addressable_shards[0].data.shape),
             "cache_pos_shape": list(state.cache.pos.shape),
             "cache_pos_shard_shape": list(state.cache.pos.addressable_shards[0].data.shape),
+            # 7 prompts: padded to the data axis with a copy of the last, the copy dropped (same compiled shapes)
+            "ragged_tokens": gen.result(gen.decode(gen.prefill(prompts()[:7]))).tokens.tolist(),
         }
     out["lcx_warnings"] = logs.messages
     return out
