@@ -623,8 +623,9 @@ class Generator:
         checkpointer.save(path / "state", state, force=True)
         checkpointer.wait_until_finished()
         self.kind.save_host(state.cache, path)
+        # the buffers' shapes too: a forked paged state's pool is sized by its pages in use, not by batch x capacity
         meta = dict(self._settings(), batch=int(state.tokens.shape[0]), capacity=state.cache.capacity,
-                    step=int(state.step))
+                    step=int(state.step), rows=state.rows, shapes=[list(x.shape) for x in jax.tree.leaves(state)])
         (path / "meta.json").write_text(json.dumps(meta, indent=2))
 
     def restore(self, path: str | Path) -> DecodeState:
@@ -644,13 +645,16 @@ class Generator:
                               f"{k}={mine[k]!r}: restore it with the same settings")
         b, capacity = meta["batch"], meta["capacity"]
         abstract = jax.eval_shape(lambda: self._empty_state(b, capacity))
+        leaves, tree = jax.tree.flatten(abstract)
+        if len(meta.get("shapes", ())) == len(leaves):  # the saved shapes (e.g. a forked pool's) over the empty ones
+            abstract = tree.unflatten([jax.ShapeDtypeStruct(tuple(s), a.dtype) for s, a in zip(meta["shapes"], leaves)])
         # Restored straight onto this generator's mesh (or one device), whatever mesh saved it.
         abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
                                 self._state_shardings(abstract))
         state = ocp.StandardCheckpointer().restore(path / "state", abstract)
         cache, handle = self.kind.restore_host(state.cache, path)
         self._open.append(handle)
-        return state.replace(cache=cache)
+        return state.replace(cache=cache, rows=meta.get("rows"))
 
     def _state_shardings(self, state: DecodeState) -> DecodeState:
         if self.mesh is None:

@@ -72,7 +72,7 @@ def test_a_prompt_prefix_every_row_shares_is_prefilled_and_stored_once(params, u
     assert result.cache_bytes == (5 + 3 + 3 + 2) * 8 * slot_bytes  # 24 pages without sharing
 
 
-def test_fork_shares_full_pages_and_copies_the_partial_one(params):
+def test_fork_shares_full_pages_and_copies_the_partial_one(params, tmp_path):
     gen = lcx.Generator(CFG, params, max_new_tokens=4, cache=PAGED, capacity=64)
     state = gen.fork(gen.prefill([CONTEXT]), 4)
     table, refs = np.asarray(state.cache.table), np.asarray(state.cache.refs)
@@ -83,6 +83,9 @@ def test_fork_shares_full_pages_and_copies_the_partial_one(params):
     assert state.cache.n_pages == 5 + 4 * 3
     k = np.asarray(state.cache.k)
     np.testing.assert_array_equal(k[:, table[1, 5]], k[:, table[3, 5]])  # copies of one page
+    gen.save(state, tmp_path / "forked")  # a pool sized by its pages, not batch x capacity: restored as saved
+    np.testing.assert_array_equal(gen.result(gen.decode(gen.restore(tmp_path / "forked"))).tokens,
+                                  gen.result(gen.decode(state)).tokens)
 
 
 def test_paged_settings_and_exhausted_pool_fail_clearly(params):
