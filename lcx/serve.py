@@ -40,6 +40,7 @@ from lcx.config_base import ConfigError
 from lcx.generate import Generator
 from lcx.model import Decoder
 from lcx.model.config import ModelConfig
+from lcx.sampling import greedy
 
 
 @dataclasses.dataclass
@@ -249,7 +250,7 @@ class Server:
         n = len(rows)
         self.state = cache.replace(table=full.table.at[index[:n]].set(cache.table[:n]),
                                    lengths=full.lengths.at[index[:n]].set(cache.lengths[:n]))
-        first = np.asarray(jnp.argmax(logits, axis=-1))
+        first = np.asarray(greedy(logits))
         for i, request in enumerate(admitted):
             self._keep_prefix(request)
             self._emit(request, int(first[i]), emit, done)
@@ -307,7 +308,7 @@ def _decode_segment(model: Decoder, kind, eos_id, params, cache: PagedCache, tok
         cache, token, active, left = carry
         cache = kind.make_room(cache, active.astype(jnp.int32))
         logits, cache = model.apply({"params": params}, token[:, None], cache=cache, ok=active[:, None])
-        nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        nxt = greedy(logits[:, 0])  # the generator's greedy pick (first maximum)
         left = left - active
         stop = (left <= 0) | ((nxt == eos_id) if eos_id is not None else False)
         return (cache, jnp.where(active, nxt, token), active & ~stop, left), (nxt, active)

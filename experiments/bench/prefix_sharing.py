@@ -8,7 +8,11 @@ Three ways through the public API:
   the context;
 - ``fork, contiguous``: ``prefill([context])``, ``Generator.fork(state, n)``, ``prefill(questions, state=...)``,
   ``decode``: the context is prefilled once, but each row keeps its own copy of its cache;
-- ``fork, paged``: the same with ``CacheConfig(layout="paged", page_size=16)``: the rows share the context's pages.
+- ``fork, paged``: the same with ``CacheConfig(layout="paged", page_size=16)``: the rows share the context's pages;
+- ``fork, SnapKV 1024``: the context compressed once to 1,024 tokens per layer (SnapKV, its last 32 tokens as the
+  observation window), then forked (rows copied) and each question appended - and compressed again with the
+  question as the window: kvpress users' "compress a document once, ask many questions" (tokens differ from the
+  full cache's by design).
 
 Printed per way (one Markdown row): prompt tokens through the model (prefill work), device KV
 (``GenerateResult.cache_bytes``: for the paged cache the peak bytes of the pages in use; for the contiguous one the
@@ -42,10 +46,10 @@ def separate(config, params, context, questions, new: int):
     return result, len(questions) * len(context) + sum(map(len, questions))
 
 
-def forked(config, params, context, questions, new: int, layout: str):
+def forked(config, params, context, questions, new: int, layout: str, cache: lcx.CacheConfig | None = None):
     capacity = len(context) + max(map(len, questions)) + new
-    gen = Generator(config, params, max_new_tokens=new, capacity=capacity,
-                    cache=lcx.CacheConfig(layout=layout, page_size=16))
+    cache = cache or lcx.CacheConfig(layout=layout, page_size=16)
+    gen = Generator(config, params, max_new_tokens=new, capacity=capacity, cache=cache)
     state = gen.fork(gen.prefill([context]), len(questions))
     result = gen.result(gen.decode(gen.prefill(questions, state=state)))
     return result, len(context) + sum(map(len, questions))
@@ -82,7 +86,9 @@ def main(argv=None) -> None:
     want = None
     for name, fn in (("separate", lambda: separate(config, params, context, questions, args.new)),
                      ("fork, contiguous", lambda: forked(config, params, context, questions, args.new, "contiguous")),
-                     ("fork, paged", lambda: forked(config, params, context, questions, args.new, "paged"))):
+                     ("fork, paged", lambda: forked(config, params, context, questions, args.new, "paged")),
+                     ("fork, SnapKV 1024", lambda: forked(config, params, context, questions, args.new, "contiguous",
+                                                          lcx.CacheConfig(policy="snapkv", budget=1024, window=32)))):
         result, work, seconds = timed(fn)
         want = result.tokens if want is None else want
         same = bool(np.array_equal(result.tokens, want))

@@ -84,14 +84,9 @@ class PagedCache(CacheState):
         # the layer scan's carry keeps the table and the lengths before the call: every layer writes at them
         return super().layers().replace(table=self.table, lengths=self.lengths)
 
-    def page_bytes(self) -> int:
-        """Bytes of one page in every layer, keys and values."""
-        layers, _, kv, page, dim = self.shape_of("k")
-        return 2 * layers * kv * page * dim * jnp.dtype(self.k[0].dtype if self.split else self.k.dtype).itemsize
-
     def kv_bytes(self) -> int:
         """Peak bytes of the pages in use (the contract of ``GenerateResult.cache_bytes`` for a paged cache)."""
-        return int(self.peak) * self.page_bytes()
+        return int(self.peak) * self.kind.page_nbytes()
 
     def pool_bytes(self) -> int:
         """Bytes of the whole pool (what the device holds, in use or free)."""

@@ -109,6 +109,50 @@ def check_qkv(q, k, v) -> int:
 
 
 # --------------------------------------------------------------------------------------------------- merging
+def scaled_logits(q: jax.Array, k: jax.Array, sm_scale: float, softcap: float | None) -> jax.Array:
+    """A decode kernel tile's logits ``q [r, d] k [n, d]^T`` in base 2 (``* log2 e``), soft-capped when asked:
+    ``[r, n]``."""
+    s = dot_nt(q, k)
+    if softcap is None:
+        return s * (sm_scale * LOG2E)
+    return jnp.tanh(s * (sm_scale / softcap)) * (softcap * LOG2E)
+
+
+def online_update(carry, s: jax.Array, live: jax.Array, v: jax.Array):
+    """One tile of the online softmax of the decode kernels: ``carry = (acc [r, d], m [r], l [r])`` (base 2), ``s
+    [r, n]`` scaled logits, ``live [n]``, ``v [n, d]`` -> the new carry."""
+    acc, m, l = carry
+    s = jnp.where(live[None, :], s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.where(live[None, :], jnp.exp2(s - m_new[:, None]), 0.0)
+    alpha = jnp.exp2(m - m_new)
+    return acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v), m_new, l * alpha + jnp.sum(p, axis=1)
+
+
+def online_softmax(body, n_tiles, q: jax.Array, acc_ref, m_ref, l_ref) -> None:
+    """Run ``body(i, carry)`` (an ``online_update`` per tile) over tiles ``0 .. n_tiles - 1`` from the empty state of
+    ``q [r, d]``'s rows and write the partial ``(acc, m, l)`` to the output refs."""
+    r = q.shape[0]
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((r,), MASK_VALUE, jnp.float32), jnp.zeros((r,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, n_tiles, body, init)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array):
+    """Merge split-K partials ``acc [b, k, n, r, d]``, ``m, l [b, k, n, r]`` (base 2) over the splits: ``(o [b, k,
+    r, d], m_all, l_all, empty)`` with ``empty`` the rows that saw no live slot (``o = 0``)."""
+    # Without the barrier XLA may fuse the max into the rescale below and produce NaNs (a known failure of split-K
+    # decode kernels under jit).
+    m_all = lax.optimization_barrier(jnp.max(m, axis=2))  # [b, k, r]
+    w = jnp.exp2(m - m_all[:, :, None])  # [b, k, n, r]
+    l_all = jnp.sum(w * l, axis=2)
+    empty = l_all == 0.0
+    o = jnp.sum(w[..., None] * acc, axis=2) / jnp.where(empty, 1.0, l_all)[..., None]
+    return o, m_all, l_all, empty
+
+
 def merge_partials(a, b) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention over keys A u B from the parts over A and over B: ``(o, m, l)`` each (or an ``Attended`` with
     residuals), ``o [..., d]``, ``m, l [...]``.
@@ -131,5 +175,6 @@ def merge_partials(a, b) -> tuple[jax.Array, jax.Array, jax.Array]:
     return o, m, l
 
 
-__all__ = ["LN2", "LOG2E", "MASK_VALUE", "check_qkv", "dot_nn", "dot_nt", "dot_tn", "fit_block", "is_pow2",
-           "merge_partials", "pad_axis", "padded_head_dim", "round_up", "row_ints"]
+__all__ = ["LN2", "LOG2E", "MASK_VALUE", "check_qkv", "combine_splits", "dot_nn", "dot_nt", "dot_tn", "fit_block",
+           "is_pow2", "merge_partials", "online_softmax", "online_update", "pad_axis", "padded_head_dim", "round_up",
+           "row_ints", "scaled_logits"]

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from lcx.kernels.common import (LN2, LOG2E, MASK_VALUE, dot_nn, dot_nt, fit_block, pad_axis, padded_head_dim,
-                                row_ints)
+from lcx.kernels.common import (LN2, combine_splits, fit_block, online_softmax, online_update, pad_axis,
+                                padded_head_dim, row_ints, scaled_logits)
 from lcx.kernels.mode import pallas_call_kwargs
 from lcx.kernels.reference import decode_attention_reference
 
@@ -88,31 +88,16 @@ def decode_kernel(*refs, st: _Static):
     hi = n_tiles if kv_len_b is None else jnp.clip(lax.div(jnp.maximum(kv_len_b - start, 0) + bk - 1, bk),
                                                    0, n_tiles)
 
-    def body(i, carry):
-        acc, m, l = carry  # [r, d], [r], [r]
+    def body(i, carry):  # carry: acc [r, d], m [r], l [r]
         k0 = pl.multiple_of(i * bk, bk)
         live = live_ref[pl.ds(k0, bk)] != 0  # [bk]
-        s = dot_nt(q, k_ref[pl.ds(k0, bk), :])  # [r, bk]
-        if st.softcap is None:
-            s = s * (st.sm_scale * LOG2E)
-        else:
-            s = jnp.tanh(s * (st.sm_scale / st.softcap)) * (st.softcap * LOG2E)
+        s = scaled_logits(q, k_ref[pl.ds(k0, bk), :], st.sm_scale, st.softcap)  # [r, bk]
         if s_ref is not None:
             parts = st.rows // st.score_rows  # Triton splits into equal power-of-two parts only
             s_ref[:, pl.ds(k0, bk)] = s if parts == 1 else lax.split(s, [st.score_rows] * parts, axis=0)[0]
-        s = jnp.where(live[None, :], s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.where(live[None, :], jnp.exp2(s - m_new[:, None]), 0.0)
-        alpha = jnp.exp2(m - m_new)
-        v = v_ref[pl.ds(k0, bk), :]
-        return acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v), m_new, l * alpha + jnp.sum(p, axis=1)
+        return online_update(carry, s, live, v_ref[pl.ds(k0, bk), :])
 
-    r = q.shape[0]
-    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((r,), MASK_VALUE, jnp.float32), jnp.zeros((r,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, hi, body, init)
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    online_softmax(body, hi, q, acc_ref, m_ref, l_ref)
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Array | None = None,
@@ -210,15 +195,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
             name="lcx_decode_attention",
             **pallas_call_kwargs(interpret, num_warps=bs.num_warps, num_stages=bs.num_stages),
         )(*args)
-        acc, m, l = outs[:3]  # [b, k, n, r, dp], [b, k, n, r], [b, k, n, r]
-        m_all = jnp.max(m, axis=2)  # [b, k, r]
-        # Without the barrier XLA may fuse the max into the rescale below and produce NaNs (a known failure of
-        # split-K decode kernels under jit).
-        m_all = lax.optimization_barrier(m_all)
-        w = jnp.exp2(m - m_all[:, :, None])  # [b, k, n, r]
-        l_all = jnp.sum(w * l, axis=2)  # [b, k, r]
-        empty = l_all == 0.0
-        o = jnp.sum(w[..., None] * acc, axis=2) / jnp.where(empty, 1.0, l_all)[..., None]  # [b, k, r, dp]
+        o, m_all, l_all, empty = combine_splits(*outs[:3])  # [b, k, r, dp], [b, k, r] x 3
         merge_heads = functools.partial(einops.rearrange, pattern="b k g ... -> b (k g) ...")
         out = merge_heads(o[:, :, :g, :d]).astype(q.dtype)
         results = [out]

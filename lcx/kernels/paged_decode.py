@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from lcx.kernels.common import LN2, LOG2E, MASK_VALUE, dot_nn, dot_nt, pad_axis, padded_head_dim
+from lcx.kernels.common import (LN2, combine_splits, online_softmax, online_update, pad_axis, padded_head_dim,
+                                scaled_logits)
 from lcx.kernels.mode import pallas_call_kwargs
 from lcx.kernels.reference import decode_attention_reference
 
@@ -63,28 +64,13 @@ def _kernel(len_ref, table_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, s
     pages = table_ref[...]  # [T_n]: loaded once; element i picked by a masked sum (no scalar load from a ref)
     hi = jnp.clip(lax.div(jnp.maximum(length - first * c, 0) + c - 1, c), 0, tn)  # pages holding tokens
 
-    def body(i, carry):
-        acc, m, l = carry
+    def body(i, carry):  # carry: acc [r, d], m [r], l [r]
         page = jnp.maximum(jnp.sum(jnp.where(jnp.arange(tn) == i, pages, 0)), 0)
         live = (first + i) * c + jnp.arange(c) < length  # [c]
-        s = dot_nt(q, k_ref[page, kv_head, :, :])  # [r, c]
-        if st.softcap is None:
-            s = s * (st.sm_scale * LOG2E)
-        else:
-            s = jnp.tanh(s * (st.sm_scale / st.softcap)) * (st.softcap * LOG2E)
-        s = jnp.where(live[None, :], s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.where(live[None, :], jnp.exp2(s - m_new[:, None]), 0.0)
-        alpha = jnp.exp2(m - m_new)
-        v = v_ref[page, kv_head, :, :]
-        return acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v), m_new, l * alpha + jnp.sum(p, axis=1)
+        s = scaled_logits(q, k_ref[page, kv_head, :, :], st.sm_scale, st.softcap)  # [r, c]
+        return online_update(carry, s, live, v_ref[page, kv_head, :, :])
 
-    r = q.shape[0]
-    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((r,), MASK_VALUE, jnp.float32), jnp.zeros((r,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, hi, body, init)
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    online_softmax(body, hi, q, acc_ref, m_ref, l_ref)
 
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *, table: jax.Array,
@@ -142,11 +128,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             out_shape=out_shape, name="lcx_paged_decode",
             **pallas_call_kwargs(interpret, num_warps=num_warps, num_stages=num_stages),
         )(lengths.astype(jnp.int32), table, qg, kp, vp)
-        m_all = lax.optimization_barrier(jnp.max(m, axis=2))  # [b, k, r] (see lcx.kernels.decode)
-        w = jnp.exp2(m - m_all[:, :, None])
-        l_all = jnp.sum(w * l, axis=2)
-        empty = l_all == 0.0
-        o = jnp.sum(w[..., None] * acc, axis=2) / jnp.where(empty, 1.0, l_all)[..., None]
+        o, m_all, l_all, empty = combine_splits(acc, m, l)
         merge_heads = functools.partial(einops.rearrange, pattern="b k g ... -> b (k g) ...")
         out = merge_heads(o[:, :, :g, :d]).astype(q.dtype)
         if not return_residuals:
