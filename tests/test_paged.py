@@ -40,22 +40,28 @@ def unshared(params):
     return lcx.generate(CFG, params, [CONTEXT + q for q in QUESTIONS], max_new_tokens=8).tokens
 
 
-@pytest.mark.parametrize("layout", ["paged", "contiguous"])
-def test_fork_continues_each_question_like_unshared_generation(params, unshared, layout):
+def test_fork_continues_each_question_like_unshared_generation(params, unshared):
     """One prefilled context forked into three rows, a different question appended to each: the greedy tokens of
-    generating context + question per row from scratch. The paged cache stores the context's full pages once."""
-    gen = lcx.Generator(CFG, params, max_new_tokens=8, cache=lcx.CacheConfig(layout=layout, page_size=8),
-                        capacity=72)
+    generating context + question per row from scratch, with the context's full pages stored once."""
+    gen = lcx.Generator(CFG, params, max_new_tokens=8, cache=PAGED, capacity=72)
     state = gen.fork(gen.prefill([CONTEXT]), len(QUESTIONS))
     assert state.cache.lengths.tolist() == [45] * 3
     result = gen.result(gen.decode(gen.prefill(QUESTIONS, state=state)))
     np.testing.assert_array_equal(result.tokens, unshared)
     slot_bytes = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4  # K and V of one token in every layer
-    if layout == "paged":  # 5 shared pages + per row the pages from its partial-page copy to its last token:
-        # 45 + 5 + 8 -> pages 6..8, 45 + 11 + 8 -> 6..8, 45 + 3 + 8 -> 6..7 (one sequence alone holds 8 pages)
-        assert result.cache_bytes == (5 + 3 + 3 + 2) * 8 * slot_bytes
-    else:  # three rows of 72 slots: three copies of the context
-        assert result.cache_bytes == 3 * 72 * slot_bytes
+    # 5 shared pages + per row the pages from its partial-page copy to its last token: 45 + 5 + 8 -> pages 6..8,
+    # 45 + 11 + 8 -> 6..8, 45 + 3 + 8 -> 6..7 (one sequence alone holds 8 pages)
+    assert result.cache_bytes == (5 + 3 + 3 + 2) * 8 * slot_bytes
+
+
+def test_fork_of_a_contiguous_cache_copies_each_row(params):
+    """Other caches fork by repeating rows: every buffer with a batch axis, row i -> rows 3i .. 3i + 2."""
+    kind = lcx.CacheConfig(policy="streaming", budget=16, sinks=2).kind(CFG)
+    state = kind.create(2, 24)
+    state = state.replace(k=jax.random.normal(jax.random.key(0), state.k.shape), lengths=jnp.asarray([5, 9]))
+    forked = kind.fork(state, 3)
+    np.testing.assert_array_equal(forked.k, np.repeat(np.asarray(state.k), 3, axis=1))
+    assert forked.lengths.tolist() == [5, 5, 5, 9, 9, 9] and forked.pos.shape[1] == 6
 
 
 def test_a_prompt_prefix_every_row_shares_is_prefilled_and_stored_once(params, unshared):

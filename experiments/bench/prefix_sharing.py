@@ -47,8 +47,9 @@ def separate(config, params, context, questions, new: int):
 
 
 def forked(config, params, context, questions, new: int, layout: str, cache: lcx.CacheConfig | None = None):
-    capacity = len(context) + max(map(len, questions)) + new
     cache = cache or lcx.CacheConfig(layout=layout, page_size=16)
+    # a full cache must hold the question after the context; an evicting one plans its budget + interval
+    capacity = None if cache.make_policy().evicts else len(context) + max(map(len, questions)) + new
     gen = Generator(config, params, max_new_tokens=new, capacity=capacity, cache=cache)
     state = gen.fork(gen.prefill([context]), len(questions))
     result = gen.result(gen.decode(gen.prefill(questions, state=state)))
