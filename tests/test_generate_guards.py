@@ -54,15 +54,16 @@ def test_malformed_prompts_are_refused(params, prompt, match):
 
 def test_positions_past_the_trained_range_warn_or_fail_when_strict(params):
     long_prompt = [list(range(1, 31))]  # 30 + 8 new tokens > max_position_embeddings = 32
+    # the check runs at prefill, before anything is compiled for decoding
     with pytest.warns(PositionRangeWarning, match=r"positions reach 38 .* past model.max_position_embeddings=32"):
-        lcx.generate(CFG, params, long_prompt, max_new_tokens=8)
+        Generator(CFG, params, max_new_tokens=8).prefill(long_prompt)
     with pytest.raises(ConfigError, match=r"positions reach 38"):
-        lcx.generate(CFG, params, long_prompt, max_new_tokens=8, strict=True)
+        Generator(CFG, params, max_new_tokens=8, strict=True).prefill(long_prompt)
     with warnings.catch_warnings():  # an eviction policy or a RoPE scaling handles it: no warning
         warnings.simplefilter("error", PositionRangeWarning)
-        lcx.generate(CFG, params, long_prompt, max_new_tokens=8,
-                     cache=lcx.CacheConfig(policy="streaming", budget=16, sinks=2))
-        lcx.generate(CFG, params, [[1, 2]], max_new_tokens=8)
+        Generator(CFG, params, max_new_tokens=8,
+                  cache=lcx.CacheConfig(policy="streaming", budget=16, sinks=2)).prefill(long_prompt)
+        Generator(CFG, params, max_new_tokens=8).prefill([[1, 2]])
 
 
 def test_a_request_larger_than_host_memory_is_refused_with_the_bytes_needed(params):

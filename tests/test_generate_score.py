@@ -18,7 +18,6 @@ CFG = lcx.ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_hea
                       max_position_embeddings=512)
 POLICIES = {  # budget 24 + interval 8: the 40-token prompt is compressed while it streams in, then every 8 tokens
     "full": {},
-    "window": dict(policy="window", budget=24),
     "streaming": dict(policy="streaming", budget=24, sinks=4),  # keys rotated by cache rank
     "ladder": dict(policy="ladder", budget=24, sinks=2, span=1, overlap=0, recent=4),
     "h2o": dict(policy="h2o", budget=24),  # summed attention, a keep set per KV head
