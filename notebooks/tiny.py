@@ -37,7 +37,7 @@ def trained_model(steps: int | None = None) -> tuple[lcx.ModelConfig, dict]:
     if chosen:
         print(f"model: the lcx run {chosen}")
         return load_checkpoint(chosen)
-    steps = steps or int(os.environ.get("LCX_NOTEBOOK_STEPS", "60" if SMOKE else "300"))
+    steps = steps or int(os.environ.get("LCX_NOTEBOOK_STEPS", "30" if SMOKE else "300"))
     train = TrainConfig(steps=steps, batch_size=16, seq_len=128, lr=3e-3, warmup_steps=min(30, steps),
                         compute_dtype="float32", save_every=steps, log_every=max(1, steps // 6))
     run_dir = RUNS / f"tiny-{steps}"
