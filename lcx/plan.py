@@ -461,12 +461,13 @@ def _tier_numbers(inputs: PlanInputs) -> dict[str, Any]:
         return {}
     kind = inputs.cache.kind(dataclasses.replace(inputs.model, dtype=inputs.kv_dtype))
     capacity = kind.plan(inputs.batch, inputs.context, 0)
-    if kind.name == "paged":  # pages in use, the shared prefix's whole pages counted once
+    if kind.name in ("paged", "paged_slots"):  # pages in use (the shared prefix's whole pages once, if kept whole)
         pages = kind.pages_for(inputs.batch, inputs.context, inputs.shared_prefix)
         return {"cache_policy": inputs.cache.policy, "cache_device_kv_bytes": pages * kind.page_nbytes(),
                 "cache_device_meta_bytes": kind.nbytes(inputs.batch, capacity, role="meta"),
                 "cache_store_bytes": 0, "cache_slots": capacity, "cache_page_size": kind.page, "cache_pages": pages,
-                "cache_shared_tokens": inputs.shared_prefix}
+                "cache_shared_tokens": inputs.shared_prefix if kind.name == "paged" else 0,
+                "cache_keep_sets": None}
     return {"cache_policy": inputs.cache.policy, "cache_device_kv_bytes": kind.nbytes(inputs.batch, capacity),
             "cache_device_meta_bytes": kind.nbytes(inputs.batch, capacity, role="meta"),
             "cache_store_bytes": kind.store_nbytes(inputs.batch, capacity), "cache_slots": capacity,
@@ -543,9 +544,10 @@ def render(plan: Plan) -> str:
                      f"{fb(plan.cache_store_bytes)} (all sequences, one device)")
         if plan.cache_pages is not None:
             unshared = -(-plan.context // plan.cache_page_size) * plan.batch
+            held = (f"{plan.cache_shared_tokens} shared prefix tokens stored once" if plan.cache_slots >= plan.context
+                    else f"the policy's {plan.cache_slots} slots per sequence; eviction rewrites a shared prefix")
             lines.append(f"             {plan.cache_pages} pages of {plan.cache_page_size} tokens in use at the full "
-                         f"context ({plan.cache_shared_tokens} shared prefix tokens stored once; "
-                         f"{plan.cache_pages / unshared:.2f}x of {unshared} pages unshared)")
+                         f"context ({held}; {plan.cache_pages / unshared:.2f}x of {unshared} pages unshared)")
         if plan.cache_keep_sets is not None:
             lines.append(f"             {plan.cache_slots} slots per sequence and layer; kept positions "
                          f"{plan.cache_keep_sets} (each KV head has its own slots)")

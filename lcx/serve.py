@@ -80,6 +80,9 @@ class Server:
                             ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"Server {name}={value!r} is invalid: must be a positive integer")
+        if cache.make_policy().evicts:
+            raise ConfigError(f"cache.policy={cache.policy!r} is invalid for Server: it serves a cache that keeps "
+                              "every token; allowed: 'full' (eviction on pages runs through Generator)")
         cache = CacheConfig(**(cache.to_dict() | {"prefill_chunk": prefill_chunk}))
         self.gen = Generator(config, params, max_new_tokens=1, cache=cache, eos_id=eos_id)
         self.kind, self.config, self.eos_id = self.gen.kind, config, eos_id

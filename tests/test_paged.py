@@ -94,14 +94,64 @@ def test_fork_shares_full_pages_and_copies_the_partial_one(params, tmp_path):
                                   gen.result(gen.decode(state)).tokens)
 
 
+def test_evicting_policies_on_pages_equal_the_contiguous_cache(params):
+    """The slot cache's eviction over pages (``lcx.cache.paged_slots``): a "cache"-position policy with one keep set
+    (StreamingLLM) and a per-head scored one (SnapKV) evict during prefill and decode (prompts past the capacity of
+    16 + 8) and generate the contiguous cache's tokens; after an eviction a row holds only the pages its occupied
+    slots need, the rest back in the pool."""
+    prompts = [CONTEXT[:37], CONTEXT[5:]]
+    for extra in (dict(policy="streaming", sinks=2), dict(policy="snapkv", window=4)):
+        contiguous = lcx.CacheConfig(budget=16, interval=8, **extra)
+        gen = lcx.Generator(CFG, params, max_new_tokens=13,
+                            cache=lcx.CacheConfig(budget=16, interval=8, layout="paged", page_size=8, **extra))
+        assert gen.kind.name == "paged_slots"
+        state = gen.prefill(prompts)  # compressed to 16 at the end: each row's third page is back in the pool
+        assert np.sum(np.asarray(state.cache.table) >= 0, axis=1).tolist() == [2, 2]
+        assert int(np.sum(np.asarray(state.cache.refs) > 0)) == 4 and int(state.cache.peak) == 6
+        state = gen.decode(state)
+        want = lcx.generate(CFG, params, prompts, max_new_tokens=13, cache=contiguous)
+        np.testing.assert_array_equal(gen.result(state).tokens, want.tokens)
+        cache = state.cache
+        held = np.sum(np.asarray(cache.table) >= 0, axis=1)
+        occupied = np.max(np.asarray(cache.count), axis=(0, 2))  # 16 kept + the steps since the last eviction
+        np.testing.assert_array_equal(held, -(-occupied // 8))
+        assert int(np.sum(np.asarray(cache.refs) > 0)) == held.sum()
+        assert gen.result(state).cache_bytes == want.cache_bytes  # the peak: 3 pages per row, as 24 slots
+
+
+def test_a_compressed_context_is_forked_on_shared_pages_until_eviction_rewrites_them(params):
+    """SnapKV compresses the context once (45 -> 16 tokens) and fork gives its two full pages to three rows. Each
+    row's question then goes in, and the prefill's end compresses each row again to its budget (the slot cache's
+    rule), which rewrites those slots: each row first copies the pages it rewrites (copy-on-write), the others never
+    see it. Tokens: the contiguous cache's, which copies the rows."""
+    tokens = {}
+    for layout in ("contiguous", "paged"):
+        cache = lcx.CacheConfig(policy="snapkv", budget=16, window=4, interval=32, layout=layout, page_size=8)
+        gen = lcx.Generator(CFG, params, max_new_tokens=30, cache=cache)
+        state = gen.fork(gen.prefill([CONTEXT]), 3)
+        if layout == "paged":
+            table, refs = np.asarray(state.cache.table), np.asarray(state.cache.refs)
+            np.testing.assert_array_equal(table, [[0, 1, -1, -1, -1, -1]] * 3)  # 16 slots: 2 full pages, shared
+            assert refs.tolist() == [3, 3] + [0] * 18  # the pool: 2 + per row its 6 pages' worst case
+            assert gen.result(state).cache_bytes == gen.kind.page_nbytes() * 2
+        state = gen.decode(gen.prefill(QUESTIONS, state=state))
+        tokens[layout] = gen.result(state).tokens
+        if layout == "paged":
+            table, refs = np.asarray(state.cache.table), np.asarray(state.cache.refs)
+            assert len(set(table[:, 0].tolist())) == 3 and np.all(refs[table[table >= 0]] == 1)  # copied
+            assert int(state.cache.peak) <= 3 * 6
+    np.testing.assert_array_equal(tokens["paged"], tokens["contiguous"])
+
+
 def test_paged_settings_and_exhausted_pool_fail_clearly(params):
     with pytest.raises(ConfigError, match=r"cache.layout='pages' is invalid: must be one of \['contiguous', "
                                           r"'paged'\]"):
         lcx.CacheConfig(layout="pages")
     with pytest.raises(ConfigError, match=r"cache.page_size=0 is invalid"):
         lcx.CacheConfig(layout="paged", page_size=0)
-    with pytest.raises(ConfigError, match=r"layout='paged' with cache.policy='snapkv'.*allowed: policy 'full'"):
-        lcx.CacheConfig(layout="paged", policy="snapkv", budget=16).kind(CFG)
+    with pytest.raises(ConfigError, match=r"layout='paged' with cache.policy='memory': that policy keeps its own "
+                                          r"cache type \('memory'\); allowed: the slot policies"):
+        lcx.CacheConfig(layout="paged", policy="memory", budget=32, block=8).kind(CFG)
     kind = PAGED.kind(CFG)
     state = kind.create(2, 16)  # 2 rows x 2 pages
     state = kind.make_room(state.replace(refs=state.refs.at[:3].set(1)), jnp.int32(9))  # 1 free page, 4 wanted

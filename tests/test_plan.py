@@ -390,6 +390,10 @@ def test_cli_paged_cache_counts_a_shared_prefix_once(capsys):
     data = json.loads(out)
     assert rc == 0 and data["cache_pages"] == 500 + 8 * 12 and data["cache_page_size"] == 16
     assert data["cache_device_kv_bytes"] == 596 * 16 * 128 * KiB
+    # with an evicting policy each sequence holds the pages of its budget + interval (2048 + 64 slots): 132 pages
+    rc, out, _ = run_cli(capsys, MODELS / "llama3-8b.yaml", "--context", 8192, "--batch", 8, "--gpu-mem", "80GiB",
+                         "--page-size", 16, "--shared-prefix", 8000, "--cache-policy", "snapkv", "--budget", 2048)
+    assert "1056 pages of 16 tokens in use at the full context (the policy's 2112 slots per sequence" in out
     with pytest.raises(ConfigError, match=r"shared_prefix=100 needs a paged cache to share pages: pass --page-size"):
         plan_for("llama3-8b", context=1024, shared_prefix=100)
     with pytest.raises(ConfigError, match=r"shared_prefix=2048 is invalid: must be an integer in \[0, 1024\]"):

@@ -52,6 +52,8 @@ def test_server_tokens_equal_generating_each_request_alone(params):
 def test_server_refuses_what_it_cannot_hold(params):
     with pytest.raises(ConfigError, match=r"cache.layout='contiguous' is invalid for Server"):
         Server(CFG, params, cache=lcx.CacheConfig())
+    with pytest.raises(ConfigError, match=r"cache.policy='h2o' is invalid for Server.*allowed: 'full'"):
+        Server(CFG, params, cache=lcx.CacheConfig(layout="paged", policy="h2o", budget=16))
     with pytest.raises(ConfigError, match=r"Server pages=2 is invalid: one request of max_len=32 needs 4 pages"):
         Server(CFG, params, max_len=32, pages=2, cache=lcx.CacheConfig(layout="paged", page_size=8))
     server = Server(CFG, params, max_len=32, cache=lcx.CacheConfig(layout="paged", page_size=8))

@@ -106,7 +106,8 @@ class CacheConfig:
         policy = self.make_policy()
         name = policy.cache_type
         if self.layout == "paged":
-            name = "paged"  # checks the policy and the model itself (lcx.cache.paged)
+            # every token: lcx.cache.paged; an evicting policy: the slot cache's eviction over pages (paged_slots)
+            name = "paged_slots" if policy.evicts else "paged"
         elif name in HYBRID_GLOBAL and any(s.window is not None for s in model.attention_specs()):
             name = "hybrid"  # sliding-window layers keep only their window (lcx.cache.hybrid)
         return kind_class(name).from_config(model, self, policy)

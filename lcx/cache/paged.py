@@ -17,7 +17,7 @@ A decode step reads the pages through the backend's ``paged_decode`` (the Pallas
 the pool; XLA and the reference gather them); a prefill chunk gathers a row's pages into the slot cache's view
 (``[b, k, T * page, d]``, packed in position order) and runs the one attention core (``lcx.cache.kv_view``).
 Positions are the original ones (keys rotated before they are stored). This cache keeps every token (the ``full``
-policy); eviction policies do not run on it yet.
+policy); evicting policies run on ``lcx.cache.paged_slots``, the slot cache's eviction over the same pool.
 
 ``GenerateResult.cache_bytes`` of a paged state is the peak bytes of the pages in use (``peak`` pages x the bytes of
 one page in every layer, keys and values), not the pool's size.
@@ -58,8 +58,33 @@ FIELDS: Mapping[str, Field] = {
 }
 
 
+class PagePool:
+    """What every paged state (``PagedCache``, ``lcx.cache.paged_slots.PagedSlotCache``) derives from its pool and
+    tables: the capacity, the pool's size, the per-layer view and the byte counts."""
+
+    @property
+    def capacity(self) -> int:
+        return self.table.shape[1] * self.shape_of("k")[3]
+
+    @property
+    def n_pages(self) -> int:
+        return self.shape_of("k")[1]
+
+    def layers(self):
+        # the layer scan's carry keeps the table and the lengths before the call: every layer writes at them
+        return super().layers().replace(table=self.table, lengths=self.lengths)
+
+    def kv_bytes(self) -> int:
+        """Peak bytes of the pages in use (the contract of ``GenerateResult.cache_bytes`` for a paged cache)."""
+        return int(self.peak) * self.kind.page_nbytes()
+
+    def pool_bytes(self) -> int:
+        """Bytes of the whole pool (what the device holds, in use or free)."""
+        return super().kv_bytes()
+
+
 @flax.struct.dataclass
-class PagedCache(CacheState):
+class PagedCache(PagePool, CacheState):
     """The buffers of :data:`FIELDS` (in the per-layer view ``k, v`` are one layer's pool; the table and lengths
     stay, read-only, so each layer can write and gather its pages)."""
 
@@ -72,25 +97,78 @@ class PagedCache(CacheState):
     lengths: jax.Array | None  # [b] int32
     kind: "PagedKind" = flax.struct.field(pytree_node=False, default=None)
 
-    @property
-    def capacity(self) -> int:
-        return self.table.shape[1] * self.shape_of("k")[3]
 
-    @property
-    def n_pages(self) -> int:
-        return self.shape_of("k")[1]
+def check_pool(state, page: int):
+    """``state`` on the host after a call: a ``CacheCapacityError`` if a ``make_room`` found too few free pages."""
+    if bool(state.overflow):
+        raise CacheCapacityError(
+            f"the paged cache ran out of pages: its pool holds {state.n_pages} pages of {page} tokens and "
+            f"{int(jnp.sum(state.refs > 0))} are in use; plan the request with more pages (fork plans the pool from "
+            "the tokens each row may still write)")
+    return state
 
-    def layers(self) -> "PagedCache":
-        # the layer scan's carry keeps the table and the lengths before the call: every layer writes at them
-        return super().layers().replace(table=self.table, lengths=self.lengths)
 
-    def kv_bytes(self) -> int:
-        """Peak bytes of the pages in use (the contract of ``GenerateResult.cache_bytes`` for a paged cache)."""
-        return int(self.peak) * self.kind.page_nbytes()
+def grant(state, fill: jax.Array):
+    """``state`` with a free page (in index order) put in every table entry ``fill [b, T]`` marks; too few free pages
+    set ``overflow`` (raised by ``sync``). The peak of pages in use follows."""
+    table, refs = state.table, state.refs
+    pages = refs.shape[0]
+    new = jnp.sum(fill, axis=1)
+    start = jnp.cumsum(new) - new  # [b] each row's first free page among the free ones
+    index = jnp.arange(pages)
+    free_first = jnp.argsort(jnp.where(refs == 0, index, pages + index))  # free pages first, in index order
+    rank = jnp.cumsum(fill, axis=1) - 1  # [b, T] the entry's rank among its row's new pages
+    table = jnp.where(fill, free_first[jnp.clip(start[:, None] + rank, 0, pages - 1)], table)
+    refs = refs.at[jnp.where(fill, table, pages)].add(1, mode="drop")
+    overflow = state.overflow | (jnp.sum(new) > jnp.sum(state.refs == 0))
+    return state.replace(table=table, refs=refs, peak=jnp.maximum(state.peak, jnp.sum(refs > 0)), overflow=overflow)
 
-    def pool_bytes(self) -> int:
-        """Bytes of the whole pool (what the device holds, in use or free)."""
-        return super().kv_bytes()
+
+def grant_upto(state, want: jax.Array):
+    """``state`` with row ``b`` holding its first ``want [b]`` table entries (capped at the table's width)."""
+    j = jnp.arange(state.table.shape[1])[None, :]
+    want = jnp.minimum(want, state.table.shape[1])[:, None]
+    return grant(state, (j < want) & (state.table < 0))
+
+
+def fork_pages(state, n: int, full: np.ndarray, reserve: np.ndarray):
+    """The page pool of ``state`` (stacked) with each row as ``n`` consecutive rows: row ``r``'s first ``full[r]``
+    pages shared by its copies (``refs`` counting every holder), its other pages copied per copy (copy-on-write at
+    the fork: a row only ever writes into its own pages), and ``reserve[r]`` pages per copy (its copies included)
+    that the pool keeps for what it may still write. Returns the state with ``k, v, table, refs, peak, overflow,
+    lengths`` replaced."""
+    table = np.asarray(state.table)
+    rows = table.shape[0]
+    used = sorted({int(p) for r in range(rows) for p in table[r, :full[r]]})
+    shared_pages = len(used)
+    total = shared_pages + int(n * np.sum(reserve))
+    remap = np.full(state.n_pages + 1, -1, np.int64)
+    remap[used] = np.arange(shared_pages)
+    new_table = np.full((rows * n, table.shape[1]), -1, np.int32)
+    copies_src = []
+    for r in range(rows):
+        private = [int(p) for p in table[r, full[r]:] if p >= 0]
+        for c in range(n):
+            row = r * n + c
+            new_table[row, :full[r]] = remap[table[r, :full[r]]]
+            start = shared_pages + len(copies_src)
+            new_table[row, full[r]:full[r] + len(private)] = np.arange(start, start + len(private))
+            copies_src += private
+    refs = np.zeros(total, np.int32)
+    for row in range(rows * n):
+        refs[new_table[row][new_table[row] >= 0]] += 1
+    gather = np.asarray(used + copies_src, np.int32)
+
+    def pool(x):  # [L, P, ...] -> the shared pages, the private copies, then zeroed free pages
+        kept = jnp.take(x, jnp.asarray(gather), axis=1)
+        pad = jnp.zeros((x.shape[0], total - kept.shape[1], *x.shape[2:]), x.dtype)
+        return jnp.concatenate([kept, pad], axis=1)
+
+    stacked = state.stack_layers()
+    lengths = np.repeat(np.asarray(state.lengths), n).astype(np.int32)
+    return stacked.replace(k=pool(stacked.k), v=pool(stacked.v), table=jnp.asarray(new_table),
+                           refs=jnp.asarray(refs), lengths=jnp.asarray(lengths),
+                           peak=jnp.asarray(np.int32((refs > 0).sum())), overflow=jnp.asarray(False))
 
 
 @register_kind
@@ -110,8 +188,9 @@ class PagedKind(CacheKind):
     @classmethod
     def from_config(cls, model, cache, policy) -> "PagedKind":
         if policy.evicts:
-            raise ConfigError(f"cache.layout='paged' with cache.policy={cache.policy!r}: the paged cache keeps every "
-                              "token for now; allowed: policy 'full' (or layout 'contiguous' for eviction)")
+            raise ConfigError(f"PagedKind with cache.policy={cache.policy!r}: this kind keeps every token; allowed: "
+                              "policy 'full' (CacheConfig(layout='paged').kind gives evicting policies a "
+                              "lcx.cache.paged_slots.PagedSlotKind)")
         windowed = [i for i, s in enumerate(model.attention_specs()) if s.window is not None]
         if windowed:
             raise ConfigError(f"cache.layout='paged' on a model with sliding-window layers {windowed[:8]}: not "
@@ -177,74 +256,18 @@ class PagedKind(CacheKind):
     # ------------------------------------------------------------------------------------------- between calls
     def make_room(self, state: PagedCache, n) -> PagedCache:
         """Give every row the pages its next ``n`` tokens need (free pages in index order)."""
-        table, refs = state.table, state.refs
-        row_pages, pages = table.shape[1], refs.shape[0]
-        have = jnp.sum(table >= 0, axis=1)
-        want = jnp.minimum(-(-(state.lengths + n) // self.page), row_pages)
-        new = jnp.maximum(want - have, 0)
-        start = jnp.cumsum(new) - new  # [b] each row's first free page among the free ones
-        index = jnp.arange(pages)
-        free_first = jnp.argsort(jnp.where(refs == 0, index, pages + index))  # free pages first, in index order
-        j = jnp.arange(row_pages)[None, :]
-        fill = (j >= have[:, None]) & (j < want[:, None])
-        pick = free_first[jnp.clip(start[:, None] + j - have[:, None], 0, pages - 1)]
-        table = jnp.where(fill, pick, table)
-        refs = refs.at[jnp.where(fill, table, pages)].add(1, mode="drop")
-        overflow = state.overflow | (jnp.sum(new) > jnp.sum(state.refs == 0))
-        return state.replace(table=table, refs=refs, peak=jnp.maximum(state.peak, jnp.sum(refs > 0)),
-                             overflow=overflow)
+        return grant_upto(state, -(-(state.lengths + n) // self.page))
 
     def sync(self, state: PagedCache) -> PagedCache:
-        if bool(state.overflow):
-            raise CacheCapacityError(
-                f"the paged cache ran out of pages: its pool holds {state.n_pages} pages of {self.page} tokens and "
-                f"{int(jnp.sum(state.refs > 0))} are in use; plan the request with more pages (fork plans the "
-                "pool from the tokens each row may still write)")
-        return state
+        return check_pool(state, self.page)
 
     # ------------------------------------------------------------------------------------------- sharing
     def fork(self, state: PagedCache, n: int) -> PagedCache:
         """Each row of ``state`` as ``n`` consecutive rows sharing its full pages; see the module docstring. The
         new pool holds the pages in use and every page the rows may still fill (up to the table's width)."""
-        table = np.asarray(state.table)
-        lengths = np.asarray(state.lengths)
-        rows, row_pages = table.shape
-        page = self.page
-        full = lengths // page  # pages every copy shares
-        partial = lengths % page > 0  # a last page each copy gets its own copy of
-        used = sorted({int(p) for r in range(rows) for p in table[r, :full[r]]})
-        shared_pages = len(used)
-        # new pool: the shared pages first, then per new row its copy of the partial page and its future pages
-        per_row = row_pages - full  # [rows] pages each copy may still hold (its partial copy included)
-        total = shared_pages + int(n * per_row.sum())
-        remap = np.full(state.n_pages + 1, -1, np.int64)
-        remap[used] = np.arange(shared_pages)
-        new_table = np.full((rows * n, row_pages), -1, np.int32)
-        copies_src, copies_dst = [], []
-        refs = np.zeros(total, np.int32)
-        next_free = shared_pages
-        for r in range(rows):
-            for c in range(n):
-                row = r * n + c
-                new_table[row, :full[r]] = remap[table[r, :full[r]]]
-                if partial[r]:
-                    copies_src.append(int(table[r, full[r]]))
-                    copies_dst.append(next_free)
-                    new_table[row, full[r]] = next_free
-                    next_free += 1
-        for row in range(rows * n):
-            refs[new_table[row][new_table[row] >= 0]] += 1
-        gather = np.concatenate([np.asarray(used, np.int64), np.asarray(copies_src, np.int64)]).astype(np.int32)
-
-        def pool(x):  # [L, P, ...] -> the shared pages, the partial copies, then zeroed free pages
-            kept = jnp.take(x, jnp.asarray(gather), axis=1)
-            pad = jnp.zeros((x.shape[0], total - kept.shape[1], *x.shape[2:]), x.dtype)
-            return jnp.concatenate([kept, pad], axis=1)
-
-        stacked = state.stack_layers()
-        return stacked.replace(k=pool(stacked.k), v=pool(stacked.v), table=jnp.asarray(new_table),
-                               refs=jnp.asarray(refs), lengths=jnp.asarray(np.repeat(lengths, n).astype(np.int32)),
-                               peak=jnp.asarray(np.int32((refs > 0).sum())), overflow=jnp.asarray(False))
+        full = np.asarray(state.lengths) // self.page  # pages every copy shares; a partly filled last one is copied
+        return fork_pages(state, n, full, state.table.shape[1] - full)
 
 
-__all__ = ["FIELDS", "PagedCache", "PagedKind"]
+__all__ = ["FIELDS", "PagePool", "PagedCache", "PagedKind", "check_pool", "fork_pages", "grant",
+           "grant_upto"]

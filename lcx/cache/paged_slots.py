@@ -1,0 +1,197 @@
+"""Eviction on the paged cache (``CacheConfig(layout="paged", policy=<an evicting policy>)``): the slot cache's
+policies, position modes and budget schedules, with the keys and values in pages.
+
+The slot cache (``lcx.cache.kv_cache``) gives each row and keep head the slots ``0 .. C-1``, live ones packed at the
+front in position order; an eviction compacts the survivors to the front. This cache has exactly that slot space,
+but slot ``s`` of row ``b`` lives in slot ``s % g`` of page ``table[b, s // g]`` of the pool the rows share
+(``lcx.cache.paged``); the small per-slot metadata (positions, live mask, counts, statistics) stays per row. So it
+decides, keeps and generates exactly what the contiguous layout does:
+
+- a layer call gathers each row's pages into the slot view, runs the slot cache's attention on it (write, position
+  modes, statistics; ``lcx.cache.slot_attention``) and writes only the new tokens back into their pages;
+- ``make_room`` evicts as the slot cache does (on the gathered view) when a row would overflow, then hands every row
+  the pages its next tokens need;
+- after an eviction the pages past a row's last occupied slot (in every layer and keep head: one table serves all
+  layers) return to the pool, and a shared page whose slots the compaction changes is first copied for the row
+  (copy-on-write). Rows forked from one compressed context (``Generator.fork`` after a one-shot SnapKV) share its
+  pages until an eviction rewrites them.
+
+The pool of a forked state is planned for the worst case, every row rewriting every page it holds, so it never runs
+out; ``GenerateResult.cache_bytes`` reports the peak of pages in use. Decode steps read the gathered view (the
+paged decode kernel takes one length per row; evicting policies keep per-head sets and "cache"-mode policies rotate
+keys by rank at read time).
+
+Shape letters: L layers, P pool pages, b batch, T pages per row, g slots per page, C slots per row (the slot cache's
+capacity, at most T * g), H keep heads, k kv heads, d head dim, t new tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import ClassVar
+
+import einops
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lcx.cache import paged, slot_attention
+from lcx.cache.base import CacheState, register_kind
+from lcx.cache.kv_cache import FIELDS as SLOT_FIELDS, KVCache, SlotCacheKind
+from lcx.cache.schedule import Left, evict_cache
+from lcx.cache.schema import Field
+from lcx.config_base import ConfigError
+from lcx.kernels.paged_decode import gather_pages
+
+METADATA = ("pos", "valid", "count", "score")  # the slot cache's per-row buffers, kept as they are
+FIELDS: Mapping[str, Field] = {**paged.FIELDS, **{n: SLOT_FIELDS[n] for n in METADATA}}
+
+
+@flax.struct.dataclass
+class PagedSlotCache(paged.PagePool, CacheState):
+    """The buffers of :data:`FIELDS`: the page pool and tables of ``PagedCache`` and the slot cache's metadata."""
+
+    k: jax.Array  # [L, P, k, g, d]
+    v: jax.Array
+    table: jax.Array  # [b, T] int32
+    refs: jax.Array | None  # [P] int32
+    peak: jax.Array | None  # [] int32
+    overflow: jax.Array | None  # [] bool
+    pos: jax.Array  # [L, b, H, C] int32
+    valid: jax.Array  # [L, b, H, C] bool
+    count: jax.Array  # [L, b, H] int32
+    score: jax.Array  # [L, b, H, C] float32
+    lengths: jax.Array | None  # [b] int32
+    kind: "PagedSlotKind" = flax.struct.field(pytree_node=False, default=None)
+
+    @property
+    def capacity(self) -> int:
+        return self.shape_of("pos")[-1]
+
+
+@register_kind
+@dataclasses.dataclass(frozen=True)
+class PagedSlotKind(SlotCacheKind):
+    """The slot cache's eviction over a page pool; ``page``: slots per page. Planning, chunk sizes and statistics
+    are the slot cache's (so are the tokens)."""
+
+    name: ClassVar[str] = "paged_slots"
+    state_type: ClassVar[type] = PagedSlotCache
+
+    page: int = 16
+
+    @classmethod
+    def from_config(cls, model, cache, policy) -> "PagedSlotKind":
+        if policy.cache_type != "slots":
+            raise ConfigError(f"cache.layout='paged' with cache.policy={cache.policy!r}: that policy keeps its own "
+                              f"cache type ({policy.cache_type!r}); allowed: the slot policies (full, streaming, "
+                              "h2o, snapkv, ...), or layout 'contiguous'")
+        windowed = [i for i, s in enumerate(model.attention_specs()) if s.window is not None]
+        if windowed:
+            raise ConfigError(f"cache.layout='paged' on a model with sliding-window layers {windowed[:8]}: not "
+                              "supported yet; allowed: layout 'contiguous' (its sliding layers keep their window)")
+        slots = SlotCacheKind.from_config(model, cache, policy)
+        return cls(**{f.name: getattr(slots, f.name) for f in dataclasses.fields(slots)}, page=cache.page_size)
+
+    @property
+    def slots(self) -> SlotCacheKind:
+        """The contiguous kind with the same policy and budgets (whose attention and eviction run on the views)."""
+        return SlotCacheKind(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SlotCacheKind)})
+
+    # ------------------------------------------------------------------------------------------- declaration
+    def fields(self) -> Mapping[str, Field]:
+        return FIELDS
+
+    def sizes(self, batch: int, capacity: int) -> dict[str, int]:
+        row_pages = -(-capacity // self.page)
+        return {**super().sizes(batch, capacity), "pages": batch * row_pages, "page": self.page,
+                "row_pages": row_pages}
+
+    def pages_for(self, batch: int, tokens: int, shared: int = 0) -> int:
+        """Pages ``batch`` sequences of ``tokens`` tokens hold at most: the slots the policy plans for them, in whole
+        pages per sequence (a shared prefix is not counted once: an eviction after a fork copies what it rewrites)."""
+        return batch * -(-self.plan(batch, tokens, 0) // self.page)
+
+    def page_nbytes(self) -> int:
+        """Bytes of one page in every layer, keys and values."""
+        return self.nbytes(1, self.page)
+
+    # ------------------------------------------------------------------------------------------- attention
+    def attend(self, layer: PagedSlotCache, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None):
+        capacity, page = layer.pos.shape[-1], self.page
+        view = lambda pool: gather_pages(pool, layer.table)[:, :, :capacity]  # noqa: E731  [b, k, C, d]
+        before = layer.count  # [b, H] each keep head's first new slot
+        slots = KVCache(k=view(layer.k), v=view(layer.v), pos=layer.pos, valid=layer.valid, count=layer.count,
+                        score=layer.score, lengths=None, kind=self.slots)
+        out, slots = slot_attention.attend(self.slots, slots, q, key, val, cos=cos, sin=sin, positions=positions,
+                                           ok=ok, stat_weights=stat_weights, spec=spec)
+        # the new tokens' slots (as slot_attention.write put them) back into their pages; padding is dropped
+        kv_heads, row_pages = layer.k.shape[1], layer.table.shape[1]
+        rank = jnp.cumsum(ok.astype(jnp.int32), axis=1) - 1  # [b, t]
+        slot = einops.repeat(before, "b H -> b (H j)", j=kv_heads // before.shape[1])[:, :, None] + rank[:, None]
+        slot = jnp.where(ok[:, None, :] & (slot < capacity), slot, capacity)  # [b, k, t]
+        ids = jnp.take_along_axis(layer.table, jnp.minimum(slot // page, row_pages - 1).reshape(slot.shape[0], -1),
+                                  axis=1).reshape(slot.shape)
+        ids = jnp.where((slot < capacity) & (ids >= 0), ids, layer.k.shape[0])
+        head = jnp.arange(kv_heads)[None, :, None]
+        new = lambda x: jnp.take_along_axis(x, jnp.minimum(slot, capacity - 1)[..., None], axis=2)  # noqa: E731
+        put = lambda pool, x: pool.at[ids, head, slot % page].set(new(x).astype(pool.dtype), mode="drop")  # noqa
+        return out, layer.replace(k=put(layer.k, slots.k), v=put(layer.v, slots.v), pos=slots.pos,
+                                  valid=slots.valid, count=slots.count, score=slots.score)
+
+    # ------------------------------------------------------------------------------------------- between calls
+    def evict(self, state: PagedSlotCache) -> tuple[PagedSlotCache, Left]:
+        """The slot cache's eviction on the gathered view, then the pages: those past each row's last occupied slot
+        freed, shared ones the compaction rewrites copied for the row, and every page a row holds written from the
+        compacted view (unchanged shared pages with the values they hold)."""
+        capacity, page, pages = state.capacity, self.page, state.n_pages
+        batch, row_pages = state.table.shape
+        view = jax.vmap(lambda pool: gather_pages(pool, state.table)[:, :, :capacity])  # [L, b, k, C, d]
+        before = KVCache(k=view(state.k), v=view(state.v), pos=state.pos, valid=state.valid, count=state.count,
+                         score=state.score, lengths=state.lengths, kind=self.slots)
+        after, left = evict_cache(self.policy, before, jnp.asarray(self.budgets, jnp.int32))
+        need = -(-jnp.max(after.count, axis=(0, 2)) // page)  # [b] pages each row still holds
+        pad = ((0, 0), (0, 0), (0, 0), (0, row_pages * page - capacity))
+        moved = jnp.pad((after.pos != before.pos) | (after.valid != before.valid), pad)
+        changed = jnp.any(moved.reshape(*moved.shape[:3], row_pages, page), axis=(0, 2, 4))  # [b, T]
+        j = jnp.arange(row_pages)[None, :]
+        table, refs = state.table, state.refs
+        free = (j >= need[:, None]) & (table >= 0)
+        refs = refs.at[jnp.where(free, table, pages)].add(-1, mode="drop")
+        table = jnp.where(free, -1, table)
+        copy = (j < need[:, None]) & (table >= 0) & changed & (refs[jnp.maximum(table, 0)] > 1)
+        refs = refs.at[jnp.where(copy, table, pages)].add(-1, mode="drop")
+        state = paged.grant(state.replace(table=jnp.where(copy, -1, table), refs=refs), copy)
+        ids = jnp.where(state.table >= 0, state.table, pages)  # [b, T]
+
+        def write(pool, x):  # x [L, b, k, C, d] -> every held page of every row
+            x = jnp.pad(x, (*pad, (0, 0)))
+            x = einops.rearrange(x, "L b k (T g) d -> L b T k g d", g=page)
+            return pool.at[:, ids].set(x.astype(pool.dtype), mode="drop")
+
+        return state.replace(k=write(state.k, after.k), v=write(state.v, after.v), pos=after.pos, valid=after.valid,
+                             count=after.count, score=after.score), left
+
+    def make_room(self, state: PagedSlotCache, n) -> PagedSlotCache:
+        """Evict when some row would overflow (the slot cache's rule), then give every row the pages for its next
+        ``n`` slots in every layer and keep head."""
+        state = super().make_room(state, n)
+        count = jnp.stack(state.count) if state.split else state.count  # [L, b, H]
+        return paged.grant_upto(state, -(-(jnp.max(count, axis=(0, 2)) + n) // self.page))
+
+    def sync(self, state: PagedSlotCache) -> PagedSlotCache:
+        return paged.check_pool(state, self.page)
+
+    def fork(self, state: PagedSlotCache, n: int) -> PagedSlotCache:
+        """Each row of ``state`` as ``n`` consecutive rows: the pages every layer and keep head has filled shared,
+        the others copied, the metadata repeated. The pool holds the shared pages and, per row, its whole table's
+        worth (an eviction may copy every shared page it rewrites)."""
+        stacked = state.stack_layers()
+        full = np.asarray(jnp.min(stacked.count, axis=(0, 2))) // self.page
+        out = paged.fork_pages(stacked, n, full, np.full(full.shape, stacked.table.shape[1]))
+        return out.replace(**{name: jnp.repeat(getattr(stacked, name), n, axis=1) for name in METADATA})
+
+
+__all__ = ["FIELDS", "PagedSlotCache", "PagedSlotKind"]
