@@ -288,15 +288,19 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
         state = jax.lax.while_loop(cond, body, state.replace(cache=split(state.cache)))
         return state.replace(cache=state.cache.stack_layers())
 
-    def forced_loop(params, cache, logits, tokens):
-        """Teacher forcing: the log-probability of each given token, then append it (evicting as decode does)."""
-        def body(carry, token):
-            cache, logits = carry
+    def forced_loop(params, cache, logits, tokens, n):
+        """Teacher forcing of the first ``n`` of ``tokens [b, width]`` (the rest padding: one compiled program for
+        every segment length): the log-probability of each given token, then append it (evicting as decode does)."""
+        def body(carry):
+            i, cache, logits, logprobs = carry
+            token = jax.lax.dynamic_index_in_dim(tokens, i, axis=1, keepdims=False)
             logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)[:, 0]
-            return step(params, cache, token), logprob
+            cache, logits = step(params, cache, token)
+            return i + 1, cache, logits, logprobs.at[:, i].set(logprob)
 
-        (cache, logits), logprobs = jax.lax.scan(body, (split(cache), logits), tokens.T)
-        return cache.stack_layers(), logits, logprobs.T
+        start = (jnp.int32(0), split(cache), logits, jnp.zeros(tokens.shape, logits.dtype))
+        _, cache, logits, logprobs = jax.lax.while_loop(lambda c: c[0] < n, body, start)
+        return cache.stack_layers(), logits, logprobs
 
     def forced_chunk(params, cache, logits, tokens, n, stat_weights):
         """Teacher forcing of ``n`` given tokens (``tokens [b, width]``, the rest padding) in one model call, like a
@@ -570,10 +574,13 @@ class Generator:
         lo = 0
         while lo < total:
             if width is None:  # one token per step, in fixed-size compiled scans (the cache type syncs between)
-                n = min(self.kind.decode_segment or SCORE_SEGMENT, total - lo)
+                segment = self.kind.decode_segment or SCORE_SEGMENT
+                n = min(segment, total - lo)
+                chunk = np.zeros((batch, segment), np.int32)
+                chunk[:, :n] = tokens[:, lo:lo + n]
                 with sharding.use_mesh(self.mesh):
-                    cache, logits, part = self._forced(self.params, state.cache, state.logits,
-                                                       self._put(tokens[:, lo:lo + n]))
+                    cache, logits, part = self._forced(self.params, state.cache, state.logits, self._put(chunk),
+                                                       self._put(np.int32(n), False))
             else:
                 room = self.kind.score_room(state.cache)
                 n = min(width, total - lo, width if room is None else room)
