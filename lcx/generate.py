@@ -373,6 +373,8 @@ class Generator:
         self.policy = self.cache_config.make_policy()
         self.sampling = sampling or SamplingConfig()
         self.capacity = capacity
+        # prompt tokens asked for, and run through the model (shared pages of a paged cache are prefilled once)
+        self.prompt_tokens = self.prefilled_tokens = 0
         self.max_new_tokens, self.eos_id, self.seed = max_new_tokens, eos_id, seed
         self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
         kept = _kept_unrolled(self.params)
@@ -416,8 +418,10 @@ class Generator:
         exceeds the capacity: then chunks of at most ``interval`` tokens are compressed between (the cache type
         decides, ``kind.prefill_chunk`` / ``kind.make_room`` / ``kind.end_prefill``).
 
-        With a paged cache the whole pages every prompt starts with (a shared system prompt) are prefilled once and
-        stored once: one row is prefilled, forked (``kind.fork``), and every row continues with its own tokens.
+        With a paged cache the whole pages that consecutive prompts start with (a shared system prompt, several
+        questions about one document) are prefilled once and stored once: one row per run of such prompts is
+        prefilled, forked (``kind.fork``), and every row continues with its own tokens. ``prompt_tokens`` /
+        ``prefilled_tokens`` count the tokens asked for and run through the model.
         """
         ids, lengths = pad_prompts(prompt_ids, pad_id=0)
         if np.any(ids < 0) or np.any(ids >= self.config.vocab_size):
@@ -429,6 +433,7 @@ class Generator:
             ids, lengths = np.concatenate([ids, ids[-1:].repeat(extra, 0)]), np.concatenate(
                 [lengths, lengths[-1:].repeat(extra)])
         batch, max_len = ids.shape
+        self.prompt_tokens += int(lengths.sum())
         if state is None:
             check_positions(self.config, self.cache_config, max_len, self.max_new_tokens, self.strict)
             capacity = plan_capacity(self.config, self.cache_config, batch, max_len, self.max_new_tokens, self.mesh)
@@ -437,12 +442,17 @@ class Generator:
                     raise CacheCapacityError(f"capacity={self.capacity} is too small: this request needs {capacity} "
                                              f"cache slots (prompt {max_len} + max_new_tokens {self.max_new_tokens})")
                 capacity = self.capacity
-            shared = self._shared_prefix(ids, lengths)
-            if shared:  # a prefix every row starts with, in whole pages: prefilled once, its pages shared
-                cache, _ = self._chunks(ids[:1, :shared], np.array([shared]), self._new_cache(1, capacity), capacity,
-                                        progress)
-                cache = self.kind.fork(cache, batch)
-                ids, lengths = ids[:, shared:], lengths - shared
+            groups = self._shared_prefixes(ids, lengths)
+            if groups:  # runs of rows that start alike, in whole pages: each run's prefix prefilled once, shared
+                first, counts, shared = (np.asarray(x) for x in zip(*groups))
+                prefixes = np.zeros((len(groups), int(shared.max())), np.int32)
+                for g, (row, n) in enumerate(zip(first, shared)):
+                    prefixes[g, :n] = ids[row, :n]
+                cache, _ = self._chunks(prefixes, shared.astype(np.int32), self._new_cache(len(groups), capacity),
+                                        capacity, progress)
+                cache = self.kind.fork(cache, counts)
+                skip = np.repeat(shared, counts)
+                ids, lengths = pad_prompts([ids[r, skip[r]:lengths[r]] for r in range(batch)])
             else:
                 cache = self._new_cache(batch, capacity)
         else:
@@ -457,20 +467,36 @@ class Generator:
             step=self._put(np.int32(0), False),
             key=self._put(jax.random.key_data(jax.random.key(self.seed)), False), rows=rows if rows < batch else None)
 
-    def _shared_prefix(self, ids: np.ndarray, lengths: np.ndarray) -> int:
-        """Tokens every prompt starts with, in whole pages of a paged cache (0: none, or not a paged cache); every
-        row keeps at least one token of its own, whose logits start its generation."""
+    def _shared_prefixes(self, ids: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int, int]] | None:
+        """With a paged cache, runs of consecutive rows whose prompts start with the same whole pages (a system
+        prompt; the questions of one haystack): ``(first row, rows, shared tokens)`` per run, every row in one, each
+        row keeping at least one token of its own (whose logits start its generation). None when nothing would be
+        shared (not a paged cache, or no run of two rows sharing a page) or a row is shorter than a page."""
+        page = getattr(self.kind, "page", None)
         if self.kind.name != "paged" or ids.shape[0] < 2:
-            return 0
-        same = np.all(ids == ids[:1], axis=0)  # columns where every row has row 0's token
-        common = int(np.argmin(same)) if not np.all(same) else ids.shape[1]
-        return min(common, int(lengths.min()) - 1) // self.kind.page * self.kind.page
+            return None
+        own = (lengths - 1) // page * page  # each row's whole pages before its last token
+        if np.any(own == 0):
+            return None
+        groups, row = [], 0
+        while row < ids.shape[0]:
+            shared, end = int(own[row]), row + 1
+            while end < ids.shape[0]:
+                differ = np.flatnonzero(ids[row, :ids.shape[1]] != ids[end])
+                common = min(int(differ[0]) if differ.size else ids.shape[1], int(own[end]), shared) // page * page
+                if common == 0:
+                    break
+                shared, end = common, end + 1
+            groups.append((row, end - row, shared))
+            row = end
+        return groups if len(groups) < ids.shape[0] else None
 
     def _chunks(self, ids: np.ndarray, lengths: np.ndarray, cache: CacheState, capacity: int,
                 progress: bool) -> tuple[CacheState, jax.Array]:
         """Prompts ``ids [b, n]`` (real tokens ``lengths [b]``) through the model into ``cache`` in chunks of one
         compiled shape: ``(cache, logits of each row's last token)``."""
         batch, max_len = ids.shape
+        self.prefilled_tokens += int(lengths.sum())
         requested = self.cache_config.prefill_chunk or auto_prefill_chunk(self.config, batch, max_len)
         chunk = self.kind.prefill_chunk(requested, max_len, capacity)
         n_chunks = -(-max_len // chunk)
@@ -512,17 +538,22 @@ class Generator:
                 f"Generator with capacity >= {need}")
         return cache, cache.capacity
 
-    def fork(self, state: DecodeState, n: int) -> DecodeState:
+    def fork(self, state: DecodeState, n) -> DecodeState:
         """Each row of ``state`` as ``n`` consecutive rows that continue independently: a prefilled (and possibly
-        compressed) context asked ``n`` different questions with ``prefill(questions, state=...)``. With
+        compressed) context asked ``n`` different questions with ``prefill(questions, state=...)``. ``n``: one
+        count for every row, or a list of one count per row (e.g. the questions of each of several contexts). With
         ``CacheConfig(layout="paged")`` the rows share the context's full pages (stored once, ``lcx.cache.paged``);
         other caches copy the rows. The sampler state is copied too."""
-        if not _is_int(n) or n < 1:
-            raise ConfigError(f"fork n={n!r} is invalid: must be a positive integer (rows per row of the state)")
+        rows = int(state.cache.lengths.shape[0])
+        counts = [n] if _is_int(n) else list(n) if isinstance(n, (list, tuple, np.ndarray)) else None
+        if not counts or not all(_is_int(c) and c >= 1 for c in counts) or len(counts) not in (1, rows):
+            raise ConfigError(f"fork n={n!r} is invalid: must be a positive integer (rows per row of the state) or "
+                              f"a list of {rows} of them (one per row)")
         if self.mesh is not None:
             raise ConfigError("Generator.fork on a device mesh is not supported yet: fork on one device")
-        repeat = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
-        return state.replace(cache=self.kind.fork(state.cache, n), logits=repeat(state.logits),
+        counts = n if _is_int(n) else np.asarray(counts, np.int64)
+        repeat = lambda x: jnp.repeat(x, counts, axis=0)  # noqa: E731
+        return state.replace(cache=self.kind.fork(state.cache, counts), logits=repeat(state.logits),
                              tokens=repeat(state.tokens), n_generated=repeat(state.n_generated),
                              done=repeat(state.done))
 

@@ -155,6 +155,25 @@ def test_ruler_niah_values_follow_their_keys(name, tokenizer):
                    for k in asked)
 
 
+@pytest.mark.parametrize("name", ["niah_multikey_1", "niah_single_1", "niah_multikey_3"])
+def test_ruler_niah_questions_per_haystack_share_one_context(name, tokenizer):
+    """Runs of 3 examples share one haystack (the same ids before the question) and ask 3 different keys, each
+    answered by its own needle; the longest example fills seq_len + 1, the others fit."""
+    task = _task(name, tokenizer, questions_per_haystack=3)
+    examples = task.examples(4, 0, 5, SEQ)  # a run of 3, then the first 2 of the next
+    for run in (examples[:3], examples[3:]):
+        context = run[0].ids[:run[0].context_len]
+        assert all(np.array_equal(ex.ids[:ex.context_len], context) for ex in run)
+        asked = [tuple(_asked_keys(ex.prompt)) for ex in run]
+        assert len(set(asked)) == len(run)  # a different key each
+        needles = {m.group(2): m.group(3) for m in _NEEDLE.finditer(run[0].prompt[:run[0].prompt.rindex("What")])}
+        assert all([needles[k] for k in keys] == list(ex.references) for keys, ex in zip(asked, run))
+    assert max(len(ex.ids) for ex in examples[:3]) == SEQ + 1 and all(len(ex.ids) <= SEQ + 1 for ex in examples)
+    assert not np.array_equal(examples[0].ids[:examples[0].context_len], examples[3].ids[:examples[3].context_len])
+    with pytest.raises(ConfigError, match=r"data\.params\.questions_per_haystack=0 is invalid"):
+        make_task(name, {"questions_per_haystack": 0})
+
+
 @pytest.mark.parametrize("depth,low,high", [(0.0, 0.0, 0.1), (0.5, 0.35, 0.65), (1.0, 0.85, 1.0)])
 def test_ruler_niah_depth(depth, low, high, bpe):
     ex = _one("niah_single_2", bpe, depth=depth, seq_len=4096)

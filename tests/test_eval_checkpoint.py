@@ -14,6 +14,7 @@ from lcx.config import CacheConfig, ConfigError
 from lcx.data import make_task
 from lcx.data.haystack import NOISE, prose_text
 from lcx.data.tokenizer import HFTokenizer, resolve_tokenizer
+from lcx.eval import evaluate
 from lcx.eval.evaluate import retrieval_outputs, window_nll
 from lcx.experiment import load_experiment, run
 
@@ -78,10 +79,10 @@ def test_checkpoint_ablate_in_its_own_tokens(hf_dir, tmp_path):
     assert (out / "accuracy_vs_compression.png").is_file()
 
 
-def test_one_shot_protocol_equals_prefill_when_nothing_is_evicted(hf_dir):
+def test_one_shot_protocol_equals_prefill_when_nothing_is_evicted(hf_dir, monkeypatch):
     """Context prefilled, question teacher-forced: the next-token logits of prefilling the whole prompt, for the full
     cache and for a compressing policy whose budget holds every token; a budget that evicts changes them. The
-    evaluation's one-shot path runs end to end."""
+    evaluation's one-shot path runs end to end, prefilling a haystack that two questions share once."""
     from lcx.generate import Generator
     from lcx.hf import load_hf
 
@@ -106,9 +107,18 @@ def test_one_shot_protocol_equals_prefill_when_nothing_is_evicted(hf_dir):
     np.testing.assert_allclose(next_logits(roomy, whole=False), reference, atol=2e-4, rtol=2e-4)
     small = CacheConfig(policy="snapkv", budget=24, window=8, interval=512, prefill_chunk=512)
     assert np.abs(next_logits(small, whole=False) - reference).max() > 1e-2
-    _, outputs = retrieval_outputs(config, params, task, length=320, depth=None, samples=2, batch_size=2, seed=0,
-                                   cache=small, max_new_tokens=3, protocol="one_shot")
+    # two questions about one haystack: its context is prefilled (and compressed) once and forked, and the answers
+    # are those of prefilling it for each question
+    shared = make_task("niah_single_1", {"questions_per_haystack": 2}).with_tokenizer(tok, chat=True)
+    counts, alone = {}, {}
+    _, outputs = retrieval_outputs(config, params, shared, length=320, depth=None, samples=2, batch_size=2, seed=0,
+                                   cache=small, max_new_tokens=3, protocol="one_shot", counts=counts)
     assert len(outputs) == 2 and all(isinstance(o, str) for o in outputs)
+    assert 0 < counts["prefilled_tokens"] < counts["prompt_tokens"]
+    monkeypatch.setattr(evaluate, "_runs", lambda prompts: [(i, 1) for i in range(len(prompts))])  # no sharing
+    assert retrieval_outputs(config, params, shared, length=320, depth=None, samples=2, batch_size=2, seed=0,
+                             cache=small, max_new_tokens=3, protocol="one_shot", counts=alone)[1] == outputs
+    assert alone["prefilled_tokens"] == alone["prompt_tokens"] == counts["prompt_tokens"]
     # a cache planned for a short generation refuses a longer continuation instead of dropping its writes
     short = Generator(config, params, max_new_tokens=4, cache=roomy)
     with pytest.raises(CacheCapacityError, match="planned for"):

@@ -17,6 +17,7 @@ CFG = lcx.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_hea
 PAGED = lcx.CacheConfig(layout="paged", page_size=8)
 CONTEXT = np.random.default_rng(0).integers(0, 61, 45).tolist()  # 5 full pages of 8 and a partial one
 QUESTIONS = [np.random.default_rng(i).integers(0, 61, n).tolist() for i, n in ((1, 5), (2, 11), (3, 3))]
+OTHER = np.random.default_rng(9).integers(0, 61, 45).tolist()  # another document of the same length
 
 
 @pytest.fixture(scope="module")
@@ -64,18 +65,22 @@ def test_fork_of_a_contiguous_cache_copies_each_row(params):
     assert forked.lengths.tolist() == [5, 5, 5, 9, 9, 9] and forked.pos.shape[1] == 6
 
 
-def test_a_prompt_prefix_every_row_shares_is_prefilled_and_stored_once(params, unshared):
-    """A batch whose prompts start with the same 45 tokens (a system prompt): its 5 whole pages are prefilled for one
-    row and shared; the rest of each prompt (from position 40) goes through as usual. Tokens: unshared generation's."""
+def test_runs_of_prompts_sharing_whole_pages_are_prefilled_and_stored_once(params):
+    """Two questions about one 45-token document, then one about another (the rows of a RULER grid with several
+    questions per haystack): the first two rows' 5 common whole pages are prefilled for one row and shared, the
+    third row's own 5 go through in the same first pass, and each row continues with its own tokens (from position
+    40). Tokens: the contiguous cache's."""
+    prompts = [CONTEXT + QUESTIONS[0], CONTEXT + QUESTIONS[1], OTHER + QUESTIONS[2]]
     gen = lcx.Generator(CFG, params, max_new_tokens=8, cache=PAGED)
-    state = gen.prefill([CONTEXT + q for q in QUESTIONS])
+    state = gen.prefill(prompts)
     table = np.asarray(state.cache.table)
-    np.testing.assert_array_equal(table[:, :5], np.broadcast_to(table[0, :5], (3, 5)))
-    assert len(set(table[:, 5].tolist())) == 3  # from position 40 on, each row its own pages
+    np.testing.assert_array_equal(table[1, :5], table[0, :5])
+    assert len({*table[0, 5:], *table[1, 5:]} - {-1}) == 4 and not (set(table[2]) - {-1}) & set(table[:2].ravel())
+    assert (gen.prompt_tokens, gen.prefilled_tokens) == (50 + 56 + 48, 40 + 40 + 10 + 16 + 8)
     result = gen.result(gen.decode(state))
-    np.testing.assert_array_equal(result.tokens, unshared)
-    slot_bytes = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 4
-    assert result.cache_bytes == (5 + 3 + 3 + 2) * 8 * slot_bytes  # 24 pages without sharing
+    np.testing.assert_array_equal(result.tokens, lcx.generate(CFG, params, prompts, max_new_tokens=8).tokens)
+    # 5 shared + 5 + per row its pages past position 40: ceil(58 / 8) - 5, ceil(64 / 8) - 5, ceil(56 / 8) - 5
+    assert result.cache_bytes == (5 + 5 + 3 + 3 + 2) * PAGED.kind(CFG).page_nbytes()
 
 
 def test_fork_shares_full_pages_and_copies_the_partial_one(params, tmp_path):
@@ -94,52 +99,37 @@ def test_fork_shares_full_pages_and_copies_the_partial_one(params, tmp_path):
                                   gen.result(gen.decode(state)).tokens)
 
 
-def test_evicting_policies_on_pages_equal_the_contiguous_cache(params):
-    """The slot cache's eviction over pages (``lcx.cache.paged_slots``): a "cache"-position policy with one keep set
-    (StreamingLLM) and a per-head scored one (SnapKV) evict during prefill and decode (prompts past the capacity of
-    16 + 8) and generate the contiguous cache's tokens; after an eviction a row holds only the pages its occupied
-    slots need, the rest back in the pool."""
-    prompts = [CONTEXT[:37], CONTEXT[5:]]
-    for extra in (dict(policy="streaming", sinks=2), dict(policy="snapkv", window=4)):
-        contiguous = lcx.CacheConfig(budget=16, interval=8, **extra)
-        gen = lcx.Generator(CFG, params, max_new_tokens=13,
-                            cache=lcx.CacheConfig(budget=16, interval=8, layout="paged", page_size=8, **extra))
-        assert gen.kind.name == "paged_slots"
-        state = gen.prefill(prompts)  # compressed to 16 at the end: each row's third page is back in the pool
-        assert np.sum(np.asarray(state.cache.table) >= 0, axis=1).tolist() == [2, 2]
-        assert int(np.sum(np.asarray(state.cache.refs) > 0)) == 4 and int(state.cache.peak) == 6
-        state = gen.decode(state)
-        want = lcx.generate(CFG, params, prompts, max_new_tokens=13, cache=contiguous)
-        np.testing.assert_array_equal(gen.result(state).tokens, want.tokens)
-        cache = state.cache
-        held = np.sum(np.asarray(cache.table) >= 0, axis=1)
-        occupied = np.max(np.asarray(cache.count), axis=(0, 2))  # 16 kept + the steps since the last eviction
-        np.testing.assert_array_equal(held, -(-occupied // 8))
-        assert int(np.sum(np.asarray(cache.refs) > 0)) == held.sum()
-        assert gen.result(state).cache_bytes == want.cache_bytes  # the peak: 3 pages per row, as 24 slots
-
-
-def test_a_compressed_context_is_forked_on_shared_pages_until_eviction_rewrites_them(params):
-    """SnapKV compresses the context once (45 -> 16 tokens) and fork gives its two full pages to three rows. Each
-    row's question then goes in, and the prefill's end compresses each row again to its budget (the slot cache's
-    rule), which rewrites those slots: each row first copies the pages it rewrites (copy-on-write), the others never
-    see it. Tokens: the contiguous cache's, which copies the rows."""
+def test_eviction_on_pages_forks_a_compressed_context_and_equals_the_contiguous_cache(params):
+    """The slot cache's eviction over pages (``lcx.cache.paged_slots``), SnapKV with per-head keep sets: the 45-token
+    context is compressed while it streams in (capacity 16 + 8) and at the end; fork gives its two full pages to
+    three rows, each asks its own question, and the prefill's end compresses each row again (the slot cache's rule),
+    rewriting those slots: each row first copies the pages it rewrites (copy-on-write), the others never see it;
+    decoding evicts every 8 tokens. Pages past a row's kept slots go back to the pool. Tokens: the contiguous
+    cache's, which copies the rows."""
     tokens = {}
     for layout in ("contiguous", "paged"):
-        cache = lcx.CacheConfig(policy="snapkv", budget=16, window=4, interval=32, layout=layout, page_size=8)
-        gen = lcx.Generator(CFG, params, max_new_tokens=30, cache=cache)
+        cache = lcx.CacheConfig(policy="snapkv", budget=16, window=4, interval=8, layout=layout, page_size=8)
+        gen = lcx.Generator(CFG, params, max_new_tokens=13, cache=cache)
         state = gen.fork(gen.prefill([CONTEXT]), 3)
         if layout == "paged":
+            assert gen.kind.name == "paged_slots"
             table, refs = np.asarray(state.cache.table), np.asarray(state.cache.refs)
-            np.testing.assert_array_equal(table, [[0, 1, -1, -1, -1, -1]] * 3)  # 16 slots: 2 full pages, shared
-            assert refs.tolist() == [3, 3] + [0] * 18  # the pool: 2 + per row its 6 pages' worst case
+            np.testing.assert_array_equal(table, [[0, 1, -1]] * 3)  # 16 kept slots: 2 full pages, shared
+            assert refs.tolist() == [3, 3] + [0] * 9  # the pool: 2 + per row its 3 pages' worst case
             assert gen.result(state).cache_bytes == gen.kind.page_nbytes() * 2
-        state = gen.decode(gen.prefill(QUESTIONS, state=state))
+        state = gen.prefill(QUESTIONS, state=state)
+        if layout == "paged":  # compressed to 16 again: 2 pages per row, its own
+            table, refs = np.asarray(state.cache.table), np.asarray(state.cache.refs)
+            assert np.all(table[:, 2] == -1) and len(set(table[:, :2].ravel())) == 6
+            assert np.all(refs[table[:, :2]] == 1) and int(np.sum(refs > 0)) == 6
+        state = gen.decode(state)
         tokens[layout] = gen.result(state).tokens
         if layout == "paged":
-            table, refs = np.asarray(state.cache.table), np.asarray(state.cache.refs)
-            assert len(set(table[:, 0].tolist())) == 3 and np.all(refs[table[table >= 0]] == 1)  # copied
-            assert int(state.cache.peak) <= 3 * 6
+            cache = state.cache
+            held = np.sum(np.asarray(cache.table) >= 0, axis=1)
+            occupied = np.max(np.asarray(cache.count), axis=(0, 2))  # 16 kept + the steps since the last eviction
+            np.testing.assert_array_equal(held, -(-occupied // 8))
+            assert int(np.sum(np.asarray(cache.refs) > 0)) == held.sum() and int(cache.peak) <= 3 * 3
     np.testing.assert_array_equal(tokens["paged"], tokens["contiguous"])
 
 
@@ -158,5 +148,8 @@ def test_paged_settings_and_exhausted_pool_fail_clearly(params):
     with pytest.raises(CacheCapacityError, match="ran out of pages: its pool holds 4 pages of 8 tokens"):
         kind.sync(state)
     gen = lcx.Generator(CFG, params, max_new_tokens=4, cache=PAGED)
+    state = gen.prefill([CONTEXT])
     with pytest.raises(CacheCapacityError, match=r"needs 72 cache slots .* capacity >= 72"):
-        gen.prefill([list(range(20))], state=gen.prefill([CONTEXT]))
+        gen.prefill([list(range(20))], state=state)
+    with pytest.raises(ConfigError, match=r"fork n=\[1, 2\] is invalid: .* or a list of 1 of them"):
+        gen.fork(state, [1, 2])

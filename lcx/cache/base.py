@@ -270,8 +270,14 @@ class CacheKind(abc.ABC):
         """Host-side work between jitted calls (e.g. moving evicted blocks to a host store)."""
         return state
 
-    def fork(self, state: CacheState, n: int) -> CacheState:
-        """Each row of ``state`` as ``n`` consecutive rows that continue independently (``Generator.fork``)."""
+    @property
+    def can_fork(self) -> bool:
+        """Whether ``fork`` is implemented (a cache type overrides it)."""
+        return type(self).fork is not CacheKind.fork
+
+    def fork(self, state: CacheState, n) -> CacheState:
+        """Each row of ``state`` as ``n`` consecutive rows that continue independently (``Generator.fork``); ``n``
+        an int for every row, or a numpy array of one count per row."""
         raise ConfigError(f"cache type {self.name!r} cannot fork a state (slots, hybrid and paged caches can)")
 
     # ------------------------------------------------------------------------------------------- host resources

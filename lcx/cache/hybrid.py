@@ -264,6 +264,10 @@ class HybridKind(CacheKind):
     def end_prefill(self, state: HybridCache) -> HybridCache:
         return self._each(state, lambda k, s: k.end_prefill(s))
 
+    @property
+    def can_fork(self) -> bool:
+        return all(getattr(self, g) is None or getattr(self, g).can_fork for g in (GLOBAL, LOCAL))
+
     def fork(self, state: HybridCache, n: int) -> HybridCache:
         return state.replace(lengths=jnp.repeat(state.lengths, n), **{
             g: None if getattr(state, g) is None else getattr(self, g).fork(getattr(state, g), n)

@@ -213,9 +213,9 @@ class SlotCacheKind(CacheKind):
         return repeat_rows(state, n)
 
 
-def repeat_rows(state: CacheState, n: int) -> CacheState:
+def repeat_rows(state: CacheState, n) -> CacheState:
     """``state`` with every buffer that has a ``batch`` axis repeated ``n`` times along it (row i -> rows i*n ..
-    i*n + n - 1), from the fields' declarations."""
+    i*n + n - 1; ``n`` may be a numpy array of one count per row), from the fields' declarations."""
     fields = state.kind.fields()
     stacked = state.stack_layers()
     return stacked.replace(**{name: jnp.repeat(getattr(stacked, name), n, axis=field.axes.index("batch"))

@@ -131,32 +131,34 @@ def grant_upto(state, want: jax.Array):
     return grant(state, (j < want) & (state.table < 0))
 
 
-def fork_pages(state, n: int, full: np.ndarray, reserve: np.ndarray):
-    """The page pool of ``state`` (stacked) with each row as ``n`` consecutive rows: row ``r``'s first ``full[r]``
-    pages shared by its copies (``refs`` counting every holder), its other pages copied per copy (copy-on-write at
-    the fork: a row only ever writes into its own pages), and ``reserve[r]`` pages per copy (its copies included)
-    that the pool keeps for what it may still write. Returns the state with ``k, v, table, refs, peak, overflow,
-    lengths`` replaced."""
+def fork_pages(state, n, full: np.ndarray, reserve: np.ndarray):
+    """The page pool of ``state`` (stacked) with each row ``r`` as ``n[r]`` consecutive rows (``n``: an int for every
+    row, or one count per row): row ``r``'s first ``full[r]`` pages shared by its copies (``refs`` counting every
+    holder), its other pages copied per copy (copy-on-write at the fork: a row only ever writes into its own pages),
+    and ``reserve[r]`` pages per copy (its copies included) that the pool keeps for what it may still write. Returns
+    the state with ``k, v, table, refs, peak, overflow, lengths`` replaced."""
     table = np.asarray(state.table)
     rows = table.shape[0]
+    counts = np.broadcast_to(np.asarray(n, np.int64), (rows,))
     used = sorted({int(p) for r in range(rows) for p in table[r, :full[r]]})
     shared_pages = len(used)
-    total = shared_pages + int(n * np.sum(reserve))
+    total = shared_pages + int(np.sum(counts * reserve))
     remap = np.full(state.n_pages + 1, -1, np.int64)
     remap[used] = np.arange(shared_pages)
-    new_table = np.full((rows * n, table.shape[1]), -1, np.int32)
+    new_table = np.full((int(counts.sum()), table.shape[1]), -1, np.int32)
     copies_src = []
+    row = 0
     for r in range(rows):
         private = [int(p) for p in table[r, full[r]:] if p >= 0]
-        for c in range(n):
-            row = r * n + c
+        for _ in range(counts[r]):
             new_table[row, :full[r]] = remap[table[r, :full[r]]]
             start = shared_pages + len(copies_src)
             new_table[row, full[r]:full[r] + len(private)] = np.arange(start, start + len(private))
             copies_src += private
+            row += 1
     refs = np.zeros(total, np.int32)
-    for row in range(rows * n):
-        refs[new_table[row][new_table[row] >= 0]] += 1
+    for held in new_table:
+        refs[held[held >= 0]] += 1
     gather = np.asarray(used + copies_src, np.int32)
 
     def pool(x):  # [L, P, ...] -> the shared pages, the private copies, then zeroed free pages
@@ -165,7 +167,7 @@ def fork_pages(state, n: int, full: np.ndarray, reserve: np.ndarray):
         return jnp.concatenate([kept, pad], axis=1)
 
     stacked = state.stack_layers()
-    lengths = np.repeat(np.asarray(state.lengths), n).astype(np.int32)
+    lengths = np.repeat(np.asarray(state.lengths), counts).astype(np.int32)
     return stacked.replace(k=pool(stacked.k), v=pool(stacked.v), table=jnp.asarray(new_table),
                            refs=jnp.asarray(refs), lengths=jnp.asarray(lengths),
                            peak=jnp.asarray(np.int32((refs > 0).sum())), overflow=jnp.asarray(False))

@@ -191,7 +191,8 @@ class PagedSlotKind(SlotCacheKind):
         stacked = state.stack_layers()
         full = np.asarray(jnp.min(stacked.count, axis=(0, 2))) // self.page
         out = paged.fork_pages(stacked, n, full, np.full(full.shape, stacked.table.shape[1]))
-        return out.replace(**{name: jnp.repeat(getattr(stacked, name), n, axis=1) for name in METADATA})
+        counts = np.broadcast_to(np.asarray(n), full.shape)
+        return out.replace(**{name: jnp.repeat(getattr(stacked, name), counts, axis=1) for name in METADATA})
 
 
 __all__ = ["FIELDS", "PagedSlotCache", "PagedSlotKind"]

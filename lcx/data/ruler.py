@@ -59,7 +59,7 @@ import numpy as np
 from lcx.config_base import ConfigError
 from lcx.data.haystack import NOISE, Frame, Piece, haystack, nearest, pieces_length
 from lcx.data.haystack import piece_ids, prose_text
-from lcx.data.task import Example, Task, register
+from lcx.data.task import Example, Task, register, split_id
 
 RULER_SUITE = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
                "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
@@ -282,8 +282,10 @@ class Niah(RulerTask):
     text), ``prose`` (RULER's ``essay``: here the Python reference manual) or ``needle`` (distractor needles);
     ``type_needle_k`` / ``type_needle_v``: ``words`` ("word-word"), ``numbers`` (7 digits) or ``uuids``;
     ``num_needle_k`` keys with ``num_needle_v`` values each, ``num_needle_q`` of them asked (RULER raises the key
-    count to the query count); ``depth`` in [0, 1] puts every needle at that depth (null: RULER's placement).
-    Answer: the asked keys' values, joined by ", "."""
+    count to the query count); ``depth`` in [0, 1] puts every needle at that depth (null: RULER's placement);
+    ``questions_per_haystack``: examples come in runs of this many that share one haystack, each asking its own
+    keys (the haystack then holds enough of them); an evaluation prefills a shared haystack once
+    (``lcx.eval.evaluate``). Answer: the asked keys' values, joined by ", "."""
 
     max_new_tokens: ClassVar[int] = 128
     type_haystack: str = "prose"
@@ -293,51 +295,77 @@ class Niah(RulerTask):
     num_needle_v: int = 1
     num_needle_q: int = 1
     depth: float | None = None
+    questions_per_haystack: int = 1
 
     def __post_init__(self):
         _check_choice(self.type_haystack, "type_haystack", NIAH_HAYSTACKS, " (RULER's 'essay' is 'prose' here)")
         _check_choice(self.type_needle_k, "type_needle_k", NIAH_TYPES)
         _check_choice(self.type_needle_v, "type_needle_v", NIAH_TYPES)
-        for field in ("num_needle_k", "num_needle_v", "num_needle_q"):
+        for field in ("num_needle_k", "num_needle_v", "num_needle_q", "questions_per_haystack"):
             _check_int(getattr(self, field), field, 1)
         if self.depth is not None and not 0.0 <= self.depth <= 1.0:
             raise ConfigError(f"data.params.depth={self.depth!r} is invalid: must be in [0, 1] (0 = start, 1 = end) "
                               "or null (RULER's placement)")
 
+    def examples(self, seed: int, index: int, count: int, seq_len: int, split: str = "train") -> list[Example]:
+        """``count`` examples; with ``questions_per_haystack = q`` they come in runs of q that share one context
+        (instruction, haystack and needles: the same ``prompt_ids[:context_len]``) and ask q different keys."""
+        if self.questions_per_haystack == 1:
+            return super().examples(seed, index, count, seq_len, split)
+        rng = np.random.default_rng([seed, split_id(split), index])
+        out: list[Example] = []
+        while len(out) < count:
+            out += self._haystack(rng, seq_len, self.questions_per_haystack)
+        return out[:count]
+
     def example(self, rng: np.random.Generator, seq_len: int) -> Example:
-        num_keys = max(self.num_needle_k, self.num_needle_q)
+        return self._haystack(rng, seq_len, 1)[0]
+
+    def _haystack(self, rng: np.random.Generator, seq_len: int, questions: int) -> list[Example]:
+        """One haystack and ``questions`` examples asking about it, each asking ``num_needle_q`` keys no other asks
+        (the haystack holds ``max(num_needle_k, num_needle_q x questions)`` keys). The haystack leaves room for the
+        longest question and answer: that example has exactly ``seq_len + 1`` tokens, the others fewer."""
+        asks_per = self.num_needle_q
+        num_keys = max(self.num_needle_k, asks_per * questions)
         keys = _distinct(rng, self.type_needle_k, num_keys)
         values = _distinct(rng, self.type_needle_v, num_keys * self.num_needle_v)
         needles = [NIAH_NEEDLE.format(type_needle_v=self.type_needle_v, key=keys[i // self.num_needle_v], value=v)
                    for i, v in enumerate(values)]
         needles = [needles[i] for i in rng.permutation(len(needles))]  # RULER shuffles the needles
-        asked = [int(i) for i in rng.choice(num_keys, size=self.num_needle_q, replace=False)]
-        references = tuple(v for i in asked for v in values[i * self.num_needle_v:(i + 1) * self.num_needle_v])
-        instruction, question, prefix = niah_texts(self.type_needle_v, _join_queries([keys[i] for i in asked]),
-                                                   singular=self.num_needle_q * self.num_needle_v == 1)
-        head = instruction + "\n"
-        answer = ", ".join(references)
+        asked = [int(i) for i in rng.choice(num_keys, size=asks_per * questions, replace=False)]
+        prompts = []
+        for j in range(questions):
+            mine = asked[j * asks_per:(j + 1) * asks_per]
+            references = tuple(v for i in mine for v in values[i * self.num_needle_v:(i + 1) * self.num_needle_v])
+            instruction, question, prefix = niah_texts(self.type_needle_v, _join_queries([keys[i] for i in mine]),
+                                                       singular=asks_per * self.num_needle_v == 1)
+            prompts.append((instruction, question, prefix, ", ".join(references), references))
+        head = prompts[0][0] + "\n"  # the instruction does not depend on the keys asked
+        asks = [(question, prefix, answer) for _, question, prefix, answer, _ in prompts]
         if self.type_haystack == "needle":
-            body = self._needle_body(rng, seq_len, head, needles, set(keys), question, prefix, answer)
+            body = self._needle_body(rng, seq_len, head, needles, set(keys), asks)
         else:
-            body = self._filler_body(rng, seq_len, head, needles, question, prefix, answer)
-        example = self._build(_Prompt([head, *body], question, prefix, answer, references))
-        if len(example.ids) != seq_len + 1:  # the pieces' lengths add up by construction
-            raise RuntimeError(f"{self.name}: built {len(example.ids)} tokens for seq_len + 1 = {seq_len + 1}")
-        return example
+            body = self._filler_body(rng, seq_len, head, needles, asks)
+        examples = [self._build(_Prompt([head, *body], question, prefix, answer, references))
+                    for _, question, prefix, answer, references in prompts]
+        longest = max(len(ex.ids) for ex in examples)
+        if longest != seq_len + 1:  # the pieces' lengths add up by construction
+            raise RuntimeError(f"{self.name}: built {longest} tokens for seq_len + 1 = {seq_len + 1}")
+        return examples
 
-    def _budget(self, seq_len: int, context: list[Piece], question: str, prefix: str, answer: str) -> int:
-        """Haystack tokens left once the fixed pieces are in (``ConfigError`` naming seq_len if none are)."""
-        fixed = self._length(_Prompt(context, question, prefix, answer, ()))
+    def _budget(self, seq_len: int, context: list[Piece], asks: list[tuple[str, str, str]]) -> int:
+        """Haystack tokens left once the fixed pieces and the longest of ``asks`` (question, prefix, answer) are
+        in (``ConfigError`` naming seq_len if none are)."""
+        fixed = max(self._length(_Prompt(context, question, prefix, answer, ())) for question, prefix, answer in asks)
         if fixed > seq_len + 1:
             raise self._too_short(seq_len, fixed)
         return seq_len + 1 - fixed
 
-    def _filler_body(self, rng, seq_len, head, needles, question, prefix, answer) -> list[Piece]:
+    def _filler_body(self, rng, seq_len, head, needles, asks) -> list[Piece]:
         """Noise or prose with the needles between sentences (RULER joins essay sentences and needles by spaces)."""
         hay = haystack(self.tokenizer, self.type_haystack)
         texts = [" " + needle for needle in needles]  # the space between sentences follows every cut
-        n = self._budget(seq_len, [head, *texts, "\n"], question, prefix, answer)
+        n = self._budget(seq_len, [head, *texts, "\n"], asks)
         inner = hay.starts[hay.starts > 0]
         # prose starts at a random sentence (RULER always starts its essays at the beginning); noise at a sentence
         offset = int(rng.choice(inner)) if self.type_haystack == "prose" and len(inner) else int(hay.starts[0])
@@ -356,11 +384,11 @@ class Niah(RulerTask):
             last = cut
         return [*body, ids[last:], "\n"]
 
-    def _needle_body(self, rng, seq_len, head, needles, keys, question, prefix, answer) -> list[Piece]:
+    def _needle_body(self, rng, seq_len, head, needles, keys, asks) -> list[Piece]:
         """Lines of distractor needles (random keys other than the example's) with the needles among them; the
         first line is the tail of one more distractor, so that the lines fill the length exactly."""
         lines = [n + "\n" for n in needles]
-        room = self._budget(seq_len, [head, *lines], question, prefix, answer)
+        room = self._budget(seq_len, [head, *lines], asks)
         distractors: list[Piece] = []
         tail: list[Piece] = []
         while room > 0:

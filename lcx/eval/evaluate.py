@@ -44,20 +44,21 @@ PROTOCOLS = ("streaming", "one_shot")
 def retrieval_scores(model: ModelConfig, params, task: Task, *, length: int, depth: float | None, samples: int,
                      batch_size: int, seed: int, cache: CacheConfig, max_new_tokens: int | None = None,
                      capacity: int | None = None, protocol: str = "streaming",
-                     unroll: bool | None = None, buffer: int | None = None) -> np.ndarray:
+                     unroll: bool | None = None, buffer: int | None = None,
+                     counts: dict | None = None) -> np.ndarray:
     """The grade of each of ``samples`` validation examples of ``length`` tokens: ``[samples]`` in [0, 1]
     (``retrieval_outputs`` graded by the task)."""
     examples, outputs = retrieval_outputs(model, params, task, length=length, depth=depth, samples=samples,
                                           batch_size=batch_size, seed=seed, cache=cache,
                                           max_new_tokens=max_new_tokens, capacity=capacity, protocol=protocol,
-                                          unroll=unroll, buffer=buffer)
+                                          unroll=unroll, buffer=buffer, counts=counts)
     return np.asarray([grade(task, out, ex) for ex, out in zip(examples, outputs)], np.float64)
 
 
 def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, depth: float | None, samples: int,
                       batch_size: int, seed: int, cache: CacheConfig, max_new_tokens: int | None = None,
                       capacity: int | None = None, protocol: str = "streaming", unroll: bool | None = None,
-                      buffer: int | None = None) -> tuple[list[Example], list[str]]:
+                      buffer: int | None = None, counts: dict | None = None) -> tuple[list[Example], list[str]]:
     """``samples`` validation examples of ``length`` tokens and the greedy generation (decoded text) for each.
 
     ``protocol``: ``streaming`` prefills the whole prompt through the cache (chunks and evictions as configured);
@@ -66,7 +67,13 @@ def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, de
     generates - the question never influences what is kept. Examples are batched by question length.
     ``buffer``: the generator's ``max_new_tokens`` when larger than this task's (tasks of one grid share one compiled
     decode loop; its step limit is traced, so each stops at its own ``max_new_tokens``); with ``one_shot`` it must
-    also hold the question's tokens."""
+    also hold the question's tokens.
+
+    Examples that share a context (a task's ``questions_per_haystack``) prefill it once where they share a batch:
+    ``one_shot`` prefills each run of equal contexts for one row and forks it (``Generator.fork``; any cache), and
+    ``streaming`` with a paged cache shares the whole pages consecutive prompts start with (``Generator.prefill``).
+    ``counts``: a dict that receives ``prompt_tokens`` (what the batches would prefill without sharing) and
+    ``prefilled_tokens`` (what went through the model)."""
     tok = task.tokenizer
     examples = with_depth(task, depth).examples(seed, 0, samples, length, "validation")
     max_new = max_new_tokens or answer_tokens(examples, tok)
@@ -77,6 +84,7 @@ def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, de
     gen = Generator(model, params, max_new_tokens=max(max_new, buffer or 0) + extra, cache=cache, eos_id=tok.eos_id,
                     capacity=capacity, unroll=unroll)
     outputs = [""] * samples
+    asked = 0
     for batch in _batches(examples, batch_size, protocol, task.name):
         real = len(batch)
         if protocol == "one_shot":  # a group smaller than the batch repeats its last row: one compiled batch shape
@@ -84,17 +92,38 @@ def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, de
         with warnings.catch_warnings():  # an evaluation grid measures past the trained range on purpose
             warnings.simplefilter("ignore", PositionRangeWarning)
             if protocol == "one_shot":
-                state = gen.prefill([examples[i].prompt_ids[:examples[i].context_len] for i in batch])
+                contexts = [examples[i].prompt_ids[:examples[i].context_len] for i in batch]
+                asked += sum(len(c) for c in contexts)
+                # consecutive equal contexts: prefilled once, then forked (where the cache type can fork)
+                forks = gen.mesh is None and gen.kind.can_fork
+                runs = _runs(contexts) if forks else [(i, 1) for i in range(len(contexts))]
+                state = gen.prefill([contexts[start] for start, _ in runs])
+                if len(runs) < len(contexts):
+                    state = gen.fork(state, [n for _, n in runs])
                 questions = np.stack([examples[i].prompt_ids[examples[i].context_len:] for i in batch])
                 if questions.shape[1]:
                     state, _ = gen.score(state, questions)
             else:
+                asked += sum(examples[i].prompt_len for i in batch)
                 state = gen.prefill([examples[i].prompt_ids for i in batch])
             result = gen.result(gen.decode(state, steps=max_new))
         for i, tokens, n in zip(batch[:real], result.tokens, result.lengths):
             outputs[i] = tok.decode(tokens[:n])
     gen.close()
+    if counts is not None:
+        counts.update(prompt_tokens=asked, prefilled_tokens=gen.prefilled_tokens)
     return examples, outputs
+
+
+def _runs(prompts: list[np.ndarray]) -> list[tuple[int, int]]:
+    """(first index, length) of each run of consecutive equal prompts."""
+    runs: list[tuple[int, int]] = []
+    for i, ids in enumerate(prompts):
+        if runs and np.array_equal(prompts[runs[-1][0]], ids):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
 
 
 def _batches(examples: list[Example], batch_size: int, protocol: str, name: str) -> list[list[int]]:

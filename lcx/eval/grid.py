@@ -149,13 +149,16 @@ def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, setti
                 continue
             value, (lo, hi) = math.exp(float(np.mean(nll))), perplexity_interval(nll)
         else:
-            samples = ev.samples
+            samples, counts = ev.samples, {}
             scores = retrieval_scores(
                 model, params, tasks[name], length=length, depth=depth, samples=samples,
                 batch_size=min(ev.batch_size, samples), seed=ev.seed, cache=cache, max_new_tokens=per_task[name],
                 capacity=fixed, protocol=setting.protocol, unroll=ev.unroll,
-                buffer=max_new + (ONE_SHOT_ROOM if setting.protocol == "one_shot" else 0))
+                buffer=max_new + (ONE_SHOT_ROOM if setting.protocol == "one_shot" else 0), counts=counts)
             value, (lo, hi) = float(np.mean(scores)), wilson_interval(float(np.sum(scores)), len(scores))
+            rows.append({**_row(cache, variant, length, depth, metric, value, (lo, hi), label, samples,
+                                time.perf_counter() - t0, name, setting, len(tasks)), **counts})
+            continue
         rows.append(_row(cache, variant, length, depth, metric, value, (lo, hi), label, samples,
                          time.perf_counter() - t0, name, setting, len(tasks)))
     write_report(rows, out_dir, title)

@@ -14,7 +14,7 @@ import numpy as np
 from lcx.eval.stats import wilson_interval
 
 FIELDS = ("setting", "policy", "budget", "rope", "length", "depth", "metric", "value", "lo", "hi", "samples",
-          "seconds", "task", "compression", "protocol")
+          "seconds", "task", "compression", "protocol", "prompt_tokens", "prefilled_tokens")
 MACRO = "macro average"
 
 
@@ -238,9 +238,20 @@ def plot_compression(rows: list[dict], out_dir: Path, title: str, plt) -> Path:
     return path
 
 
+def prefill_note(rows: list[dict]) -> str:
+    """A line on the prompt tokens shared contexts saved (``prompt_tokens`` asked, ``prefilled_tokens`` run through
+    the model); empty when nothing was shared."""
+    asked = sum(int(r.get("prompt_tokens") or 0) for r in rows)
+    run = sum(int(r.get("prefilled_tokens") or 0) for r in rows)
+    if not asked or run >= asked:
+        return ""
+    return (f"\nPrefill: {run:,} of {asked:,} prompt tokens went through the model; shared contexts saved "
+            f"{asked - run:,} ({(asked - run) / asked:.0%}).\n")
+
+
 def write_report(rows: list[dict], out_dir: Path, title: str) -> list[Path]:
     """results.csv, results.md and the plots in ``out_dir``; returns the written paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out_dir / "results.csv")
-    (out_dir / "results.md").write_text(markdown_table(rows, title))
+    (out_dir / "results.md").write_text(markdown_table(rows, title) + prefill_note(rows))
     return [out_dir / "results.csv", out_dir / "results.md", *plot(rows, out_dir, title)]
