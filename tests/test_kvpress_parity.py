@@ -38,6 +38,9 @@ def _presses():
                          dict(snap, head_budget="adaptive", head_floor=0.2), "sdpa"),
         "adakv-knorm": (kvpress.AdaKVPress(kvpress.KnormPress(RATIO)),
                         dict(policy="knorm", head_budget="adaptive", head_floor=0.2), "sdpa"),
+        # whole chunks of 4 by their mean SnapKV score, one set per layer: 10 chunks, 5 kept
+        "chunkkv": (kvpress.ChunkKVPress(kvpress.SnapKVPress(RATIO, window_size=8, kernel_size=5), chunk_length=4),
+                    dict(snap, policy="chunkkv", chunk=4), "sdpa"),
     }
 
 

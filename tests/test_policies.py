@@ -16,7 +16,7 @@ from lcx.generate import Generator
 
 CFG = ModelConfig(vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48, init_std=0.15)
 POLICY_PARAMS = {"window": {}, "streaming": {"sinks": 2}, "h2o": {}, "observed": {}, "tova": {},
-                 "snapkv": {"window": 4}, "knorm": {}, "random": {"seed": 3},
+                 "snapkv": {"window": 4}, "chunkkv": {"window": 4, "chunk": 4}, "knorm": {}, "random": {"seed": 3},
                  "ladder": {"sinks": 2, "span": 2, "overlap": 0, "recent": 4},
                  "snapkv-adaptive": {"policy": "snapkv", "window": 4, "head_budget": "adaptive"}}
 
@@ -225,6 +225,9 @@ def test_policies_long_prompt_is_compressed_between_chunks(params):
 def test_policies_pyramid_budgets_shrink_with_depth():
     budgets = layer_budgets(CacheConfig(policy="window", budget=100, budget_schedule="pyramid"), 5)
     assert budgets == (150, 125, 100, 75, 50)
+    # PyramidKV's beta = 20 (its reference code, kvpress's PyramidKVPress): 1.95x down to 0.05x, the same total
+    steep = CacheConfig(policy="window", budget=100, budget_schedule="pyramid", pyramid_beta=20)
+    assert layer_budgets(steep, 5) == (195, 148, 100, 52, 5) and steep.max_budget == 195
     assert layer_budgets(CacheConfig(policy="window", budget=[4, 5, 6]), 3) == (4, 5, 6)
 
 
@@ -242,6 +245,12 @@ def test_policies_pyramid_budgets_shrink_with_depth():
     ({"policy": "window", "budget": [4, 4]}, "cache.budget has 2 per-layer values; the model has 4 layers"),
     ({"policy": "window", "budget": 0}, "cache.budget=0 is invalid"),
     ({"policy": "window", "budget": 8, "budget_schedule": "cone"}, "cache.budget_schedule='cone' is invalid"),
+    ({"policy": "window", "budget": 8, "budget_schedule": "pyramid", "pyramid_beta": 0.5},
+     "cache.pyramid_beta=0.5 is invalid: must be a number >= 1"),
+    ({"policy": "chunkkv", "budget": 16, "window": 4, "chunk": 0}, "cache.chunk=0 is invalid"),
+    ({"policy": "chunkkv", "budget": 16, "window": 4, "chunk": 20}, "it must hold one chunk (cache.chunk=20)"),
+    ({"policy": "chunkkv", "budget": 16, "window": 4, "head_budget": "adaptive", "heads": "per_head"},
+     "cache.head_budget='adaptive' is invalid for cache.policy='chunkkv'"),
 ])
 def test_policies_bad_config_fails_at_load(cache, message):
     from lcx.config import from_dict, to_dict

@@ -31,7 +31,8 @@ class CacheConfig:
 
     ``CacheConfig(policy="full", budget=None, dtype=None, prefill_chunk=None, interval=64, max_bytes=None,
     layout="contiguous", page_size=16, **policy_params)``. ``budget`` is the number of tokens per sequence and layer
-    the cache keeps (with ``full``: the most it may hold); ``prefill_chunk`` the most prompt tokens per compiled
+    the cache keeps (with ``full``: the most it may hold; ``budget_schedule: pyramid`` spreads it over the layers,
+    ``pyramid_beta`` setting the slope, ``lcx.cache.schedule``); ``prefill_chunk`` the most prompt tokens per compiled
     prefill call (None: chosen from the prompt and the memory plan, see ``lcx.generate.auto_prefill_chunk``);
     ``interval`` extra slots let decode compact every ``interval`` steps instead of every step; ``max_bytes`` caps
     the KV memory, checked before anything runs. Policy parameters (``sinks``, ``span``, ...) go to the policy named
@@ -42,6 +43,7 @@ class CacheConfig:
     policy: str = "full"
     budget: int | tuple[int, ...] | None = None
     budget_schedule: str = "uniform"
+    pyramid_beta: float = 2.0
     dtype: str | None = None
     prefill_chunk: int | None = None
     interval: int = 64
@@ -51,12 +53,14 @@ class CacheConfig:
     policy_params: tuple[tuple[str, Any], ...] = ()
 
     def __init__(self, policy: str = "full", budget: int | Sequence[int] | None = None,
-                 budget_schedule: str = "uniform", dtype: str | None = None, prefill_chunk: int | None = None,
+                 budget_schedule: str = "uniform", pyramid_beta: float = 2.0, dtype: str | None = None,
+                 prefill_chunk: int | None = None,
                  interval: int = 64, max_bytes: int | None = None, layout: str = "contiguous", page_size: int = 16,
                  **policy_params):
         if isinstance(budget, Sequence) and not isinstance(budget, str):
             budget = tuple(budget)
-        values = dict(policy=policy, budget=budget, budget_schedule=budget_schedule, dtype=dtype,
+        values = dict(policy=policy, budget=budget, budget_schedule=budget_schedule, pyramid_beta=pyramid_beta,
+                      dtype=dtype,
                       prefill_chunk=prefill_chunk, interval=interval, max_bytes=max_bytes, layout=layout,
                       page_size=page_size, policy_params=tuple(sorted(policy_params.items())))
         for key, value in values.items():
@@ -72,6 +76,9 @@ class CacheConfig:
               self.max_bytes, "must be a positive integer or null")
         check(self.budget_schedule in ("uniform", "pyramid"), "cache.budget_schedule", self.budget_schedule,
               "must be 'uniform' or 'pyramid'")
+        check(isinstance(self.pyramid_beta, (int, float)) and not isinstance(self.pyramid_beta, bool)
+              and self.pyramid_beta >= 1, "cache.pyramid_beta", self.pyramid_beta,
+              "must be a number >= 1 (the deepest layer keeps budget / beta; PyramidKV uses 20)")
         check(isinstance(self.interval, int) and self.interval > 0, "cache.interval", self.interval,
               "must be a positive integer")
         check(self.prefill_chunk is None or (isinstance(self.prefill_chunk, int) and self.prefill_chunk > 0),
@@ -96,7 +103,8 @@ class CacheConfig:
             return None
         if isinstance(self.budget, tuple):
             return max(self.budget)
-        return int(round(self.budget * 1.5)) if self.budget_schedule == "pyramid" else self.budget
+        return int(round(self.budget * (2 - 1 / self.pyramid_beta))) if self.budget_schedule == "pyramid" \
+            else self.budget
 
     def make_policy(self) -> CachePolicy:
         return make_policy(self.policy, self.params)
@@ -118,7 +126,7 @@ class CacheConfig:
         data = dict(data)
         data.pop("policy_params", None)
         hints = {"dtype": str | None, "prefill_chunk": int | None, "interval": int, "max_bytes": int | None,
-                 "policy": str, "budget_schedule": str, "layout": str, "page_size": int}
+                 "policy": str, "budget_schedule": str, "layout": str, "page_size": int, "pyramid_beta": float}
         kwargs = {k: coerce(v, hints[k], f"{prefix}.{k}") if k in hints else v for k, v in data.items()}
         return cls(**kwargs)
 
@@ -128,6 +136,8 @@ class CacheConfig:
             out["budget"] = list(out["budget"])
         if self.layout == "contiguous":  # page_size means nothing there; configs written before layouts stay equal
             del out["layout"], out["page_size"]
+        if self.pyramid_beta == 2.0:  # the default shape: configs written before it stay equal
+            del out["pyramid_beta"]
         out.update(self.params)
         return out
 

@@ -1,5 +1,5 @@
-"""The built-in eviction policies: full, window, StreamingLLM, H2O, observed attention, TOVA, SnapKV, K-norm, random
-(the LaCache ladder is in ``ladder.py``). Each scores one layer's slots (of one KV head, for per-head policies);
+"""The built-in eviction policies: full, window, StreamingLLM, H2O, observed attention, TOVA, SnapKV, ChunkKV, K-norm,
+random (the LaCache ladder is in ``ladder.py``). Each scores one layer's slots (of one KV head, for per-head policies);
 ``compact`` does the rest.
 
 Slots are packed at the front in position order, so slot rank ``j`` counts tokens from the oldest live one and
@@ -175,6 +175,53 @@ class SnapKV(ScoredPolicy):
 
     def check(self, n_layers, budgets):
         _need_budget_above(self.name, "cache.window", self.window, budgets)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class ChunkKV(SnapKV):
+    """ChunkKV (arXiv 2502.00299): keep whole chunks of ``chunk`` consecutive positions instead of single tokens, so
+    that a kept phrase stays whole. A chunk's score is the mean of its tokens' SnapKV scores (the observation
+    window's attention, pooled; the window protected, so chunks holding it come first); the best chunks are kept
+    while they fit the budget. One keep set per layer, the heads' scores summed (kvpress's ``ChunkKVPress`` over a
+    SnapKV press: the same indices for every head, ``int(chunks x (1 - c))`` chunks). Chunks are fixed by original
+    position (``pos // chunk``), so a chunk a decode-time eviction splits never re-forms."""
+
+    name: ClassVar[str] = "chunkkv"
+    head_mode: ClassVar[str] = "shared"
+    chunk: int = 20
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.chunk < 1:
+            raise ConfigError(f"cache.chunk={self.chunk} is invalid: must be >= 1 (tokens per chunk)")
+        if self.adaptive:
+            raise ConfigError("cache.head_budget='adaptive' is invalid for cache.policy='chunkkv': it keeps whole "
+                              "chunks per keep set; allowed: 'uniform'")
+
+    def select(self, view, budget):
+        slots = view.pos.shape[-1]
+        scores = jnp.where(view.valid, self.scores(view, budget), 0.0)
+        # slots are packed in position order, so a row's chunks are runs of slots: number them 0, 1, ... per row
+        chunk_of = jnp.where(view.valid, view.pos // self.chunk, -1)
+        starts = view.valid & (chunk_of != jnp.pad(chunk_of, ((0, 0), (1, 0)), constant_values=-1)[:, :-1])
+        index = jnp.where(view.valid, jnp.cumsum(starts, axis=-1) - 1, slots)  # [b, C]; dead slots: out of range
+        per_chunk = jax.vmap(lambda x, i: jax.ops.segment_sum(x, i, num_segments=slots + 1)[:slots])
+        sizes = per_chunk(view.valid.astype(jnp.int32), index)  # [b, C] tokens per chunk (0: no such chunk)
+        mean = per_chunk(scores, index) / jnp.maximum(sizes, 1)
+        newer = jnp.broadcast_to(jnp.arange(slots), sizes.shape)
+        order = jnp.lexsort((-newer, -jnp.where(sizes > 0, mean, -jnp.inf)), axis=-1)  # best first, ties: newer
+        fits = jnp.cumsum(jnp.take_along_axis(sizes, order, axis=-1), axis=-1) <= budget
+        kept = jnp.zeros_like(fits).at[jnp.arange(fits.shape[0])[:, None], order].set(fits)  # per chunk
+        keep = view.valid & jnp.take_along_axis(kept, jnp.minimum(index, slots - 1), axis=-1)
+        return keep, view.score
+
+    def check(self, n_layers, budgets):
+        super().check(n_layers, budgets)
+        small = [b for b in budgets if b < self.chunk]
+        if small:
+            raise ConfigError(f"cache.budget={min(small)} is invalid for cache.policy='chunkkv': it must hold one "
+                              f"chunk (cache.chunk={self.chunk})")
 
 
 @register

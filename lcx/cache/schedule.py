@@ -1,7 +1,8 @@
 """When and how much to evict: per-layer budgets, and eviction over all layers (and keep heads) of a slot cache.
 
 Budgets: one number for every layer; a list (one per layer); or the ``pyramid`` schedule (PyramidKV, arXiv
-2406.02069), budgets shrinking linearly with depth from 1.5x to 0.5x the given number (same total).
+2406.02069), budgets shrinking linearly with depth from ``2 - 1 / beta`` to ``1 / beta`` times the given number (same
+total; ``cache.pyramid_beta``, default 2: 1.5x to 0.5x; PyramidKV's reference code and kvpress use 20).
 The capacity of the cache is ``max(budgets) + interval``: decode appends ``interval`` tokens between compactions.
 
 Shapes: L layers, b batch, H keep heads (1 when a layer's KV heads share one set of tokens, kv_heads when each
@@ -36,8 +37,11 @@ def layer_budgets(cache: CacheConfig, n_layers: int) -> tuple[int, ...]:
             raise ConfigError(f"cache.budget has {len(budget)} per-layer values; the model has {n_layers} layers")
         return budget
     if cache.budget_schedule == "pyramid" and n_layers > 1:
-        ramp = 1.5 - np.arange(n_layers) / (n_layers - 1)  # 1.5 .. 0.5, mean 1
-        return tuple(max(1, int(round(budget * r))) for r in ramp)
+        # PyramidKV's reference code: the deepest layer keeps budget / beta, the first 2 x budget - that, linear
+        low = budget / cache.pyramid_beta
+        high = 2 * budget - low
+        step = (high - low) / (n_layers - 1)
+        return tuple(max(1, int(round(high - layer * step))) for layer in range(n_layers))
     return (budget,) * n_layers
 
 
