@@ -1,14 +1,14 @@
 """Every notebook runs top to bottom (as the script its jupytext percent format is), so CI catches one that broke.
 
-Each runs in its own process from ``notebooks/`` with matplotlib's non-interactive backend; the shared tiny model
-(``notebooks/tiny.py``) is trained by the first notebook that needs it and loaded by the others.
+Each runs in the test worker itself (``runpy``, from ``notebooks/``, matplotlib's non-interactive backend, the smoke
+sizes of ``LCX_NOTEBOOK_SMOKE=1``): no interpreter start per notebook, and the programs a notebook compiles are
+shared with the other tests of the worker. The shared tiny model (``notebooks/tiny.py``) is trained by the first
+notebook that needs it and loaded by the others.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import runpy
 from pathlib import Path
 
 import pytest
@@ -22,9 +22,17 @@ def test_notebooks_are_all_found():
 
 
 @pytest.mark.parametrize("name", PAGES)
-def test_notebook_runs_top_to_bottom(name):
-    env = {**os.environ, "MPLBACKEND": "Agg", "LCX_NOTEBOOK_SMOKE": "1", "PYTHONPATH": os.pathsep.join(
-        [str(NOTEBOOKS.parent), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    proc = subprocess.run([sys.executable, name], cwd=NOTEBOOKS, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+def test_notebook_runs_top_to_bottom(name, monkeypatch):
+    import matplotlib
+
+    monkeypatch.setenv("LCX_NOTEBOOK_SMOKE", "1")  # read when notebooks/tiny.py is first imported
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.chdir(NOTEBOOKS)
+    monkeypatch.syspath_prepend(str(NOTEBOOKS))
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    try:
+        runpy.run_path(str(NOTEBOOKS / name), run_name="__main__")
+    finally:
+        plt.close("all")
