@@ -25,6 +25,18 @@ if TYPE_CHECKING:
     import numpy as np
 
 
+def pytest_configure(config):
+    """Byte-compile lcx once, in the controller, before any worker starts: where the environment sets
+    PYTHONDONTWRITEBYTECODE (the development machines do), nothing caches the compiled modules of an editable
+    install, so every test worker and every subprocess (multi-device scenarios, fresh-process resumes, the CLI)
+    would compile lcx's sources again (about 0.5 s each); Python still reads .pyc files that exist."""
+    if not hasattr(config, "workerinput"):
+        import compileall
+        from pathlib import Path
+
+        compileall.compile_dir(Path(__file__).resolve().parents[1] / "lcx", quiet=1)
+
+
 def random_hf_model(family: str, seed: int = 0, std: float = 0.08, **overrides):
     """A tiny random-weight transformers model of ``family`` (llama / mistral / qwen2 / qwen3 / gemma2 / gemma3),
     eager attention, fp32.

@@ -19,7 +19,6 @@ import einops
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from lcx.cache.config import CacheConfig
 from lcx.cache.policy import EvictionPolicy, SlotView, adaptive_keep, compact
