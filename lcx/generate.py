@@ -472,9 +472,9 @@ class Generator:
         prompt; the questions of one haystack): ``(first row, rows, shared tokens)`` per run, every row in one, each
         row keeping at least one token of its own (whose logits start its generation). None when nothing would be
         shared (not a paged cache, or no run of two rows sharing a page) or a row is shorter than a page."""
-        page = getattr(self.kind, "page", None)
         if self.kind.name != "paged" or ids.shape[0] < 2:
             return None
+        page = self.kind.page
         own = (lengths - 1) // page * page  # each row's whole pages before its last token
         if np.any(own == 0):
             return None
@@ -482,7 +482,7 @@ class Generator:
         while row < ids.shape[0]:
             shared, end = int(own[row]), row + 1
             while end < ids.shape[0]:
-                differ = np.flatnonzero(ids[row, :ids.shape[1]] != ids[end])
+                differ = np.flatnonzero(ids[row] != ids[end])
                 common = min(int(differ[0]) if differ.size else ids.shape[1], int(own[end]), shared) // page * page
                 if common == 0:
                     break

@@ -466,8 +466,7 @@ def _tier_numbers(inputs: PlanInputs) -> dict[str, Any]:
         return {"cache_policy": inputs.cache.policy, "cache_device_kv_bytes": pages * kind.page_nbytes(),
                 "cache_device_meta_bytes": kind.nbytes(inputs.batch, capacity, role="meta"),
                 "cache_store_bytes": 0, "cache_slots": capacity, "cache_page_size": kind.page, "cache_pages": pages,
-                "cache_shared_tokens": inputs.shared_prefix if kind.name == "paged" else 0,
-                "cache_keep_sets": None}
+                "cache_shared_tokens": inputs.shared_prefix if kind.name == "paged" else 0}
     return {"cache_policy": inputs.cache.policy, "cache_device_kv_bytes": kind.nbytes(inputs.batch, capacity),
             "cache_device_meta_bytes": kind.nbytes(inputs.batch, capacity, role="meta"),
             "cache_store_bytes": kind.store_nbytes(inputs.batch, capacity), "cache_slots": capacity,

@@ -54,15 +54,13 @@ class CacheConfig:
 
     def __init__(self, policy: str = "full", budget: int | Sequence[int] | None = None,
                  budget_schedule: str = "uniform", pyramid_beta: float = 2.0, dtype: str | None = None,
-                 prefill_chunk: int | None = None,
-                 interval: int = 64, max_bytes: int | None = None, layout: str = "contiguous", page_size: int = 16,
-                 **policy_params):
+                 prefill_chunk: int | None = None, interval: int = 64, max_bytes: int | None = None,
+                 layout: str = "contiguous", page_size: int = 16, **policy_params):
         if isinstance(budget, Sequence) and not isinstance(budget, str):
             budget = tuple(budget)
         values = dict(policy=policy, budget=budget, budget_schedule=budget_schedule, pyramid_beta=pyramid_beta,
-                      dtype=dtype,
-                      prefill_chunk=prefill_chunk, interval=interval, max_bytes=max_bytes, layout=layout,
-                      page_size=page_size, policy_params=tuple(sorted(policy_params.items())))
+                      dtype=dtype, prefill_chunk=prefill_chunk, interval=interval, max_bytes=max_bytes,
+                      layout=layout, page_size=page_size, policy_params=tuple(sorted(policy_params.items())))
         for key, value in values.items():
             object.__setattr__(self, key, value)
         self.__post_init__()

@@ -98,6 +98,14 @@ class PagedCache(PagePool, CacheState):
     kind: "PagedKind" = flax.struct.field(pytree_node=False, default=None)
 
 
+def refuse_windows(model: ModelConfig) -> None:
+    """A ``ConfigError`` for a model with sliding-window layers: paged caches hold global layers only, for now."""
+    windowed = [i for i, s in enumerate(model.attention_specs()) if s.window is not None]
+    if windowed:
+        raise ConfigError(f"cache.layout='paged' on a model with sliding-window layers {windowed[:8]}: not "
+                          "supported yet; allowed: layout 'contiguous' (its sliding layers keep their window)")
+
+
 def check_pool(state, page: int):
     """``state`` on the host after a call: a ``CacheCapacityError`` if a ``make_room`` found too few free pages."""
     if bool(state.overflow):
@@ -193,10 +201,7 @@ class PagedKind(CacheKind):
             raise ConfigError(f"PagedKind with cache.policy={cache.policy!r}: this kind keeps every token; allowed: "
                               "policy 'full' (CacheConfig(layout='paged').kind gives evicting policies a "
                               "lcx.cache.paged_slots.PagedSlotKind)")
-        windowed = [i for i, s in enumerate(model.attention_specs()) if s.window is not None]
-        if windowed:
-            raise ConfigError(f"cache.layout='paged' on a model with sliding-window layers {windowed[:8]}: not "
-                              "supported yet; allowed: layout 'contiguous' (its sliding layers keep their window)")
+        refuse_windows(model)
         return cls(model=model, page=cache.page_size, dtype=cache.dtype or model.dtype, limit=cache.max_budget)
 
     # ------------------------------------------------------------------------------------------- declaration
@@ -272,4 +277,4 @@ class PagedKind(CacheKind):
 
 
 __all__ = ["FIELDS", "PagePool", "PagedCache", "PagedKind", "check_pool", "fork_pages", "grant",
-           "grant_upto"]
+           "grant_upto", "refuse_windows"]

@@ -88,10 +88,7 @@ class PagedSlotKind(SlotCacheKind):
             raise ConfigError(f"cache.layout='paged' with cache.policy={cache.policy!r}: that policy keeps its own "
                               f"cache type ({policy.cache_type!r}); allowed: the slot policies (full, streaming, "
                               "h2o, snapkv, ...), or layout 'contiguous'")
-        windowed = [i for i, s in enumerate(model.attention_specs()) if s.window is not None]
-        if windowed:
-            raise ConfigError(f"cache.layout='paged' on a model with sliding-window layers {windowed[:8]}: not "
-                              "supported yet; allowed: layout 'contiguous' (its sliding layers keep their window)")
+        paged.refuse_windows(model)
         slots = SlotCacheKind.from_config(model, cache, policy)
         return cls(**{f.name: getattr(slots, f.name) for f in dataclasses.fields(slots)}, page=cache.page_size)
 
@@ -121,17 +118,15 @@ class PagedSlotKind(SlotCacheKind):
     # ------------------------------------------------------------------------------------------- attention
     def attend(self, layer: PagedSlotCache, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None):
         capacity, page = layer.pos.shape[-1], self.page
-        view = lambda pool: gather_pages(pool, layer.table)[:, :, :capacity]  # noqa: E731  [b, k, C, d]
-        before = layer.count  # [b, H] each keep head's first new slot
-        slots = KVCache(k=view(layer.k), v=view(layer.v), pos=layer.pos, valid=layer.valid, count=layer.count,
-                        score=layer.score, lengths=None, kind=self.slots)
+        slots = KVCache(k=_slot_view(layer.k, layer.table, capacity), v=_slot_view(layer.v, layer.table, capacity),
+                        pos=layer.pos, valid=layer.valid, count=layer.count, score=layer.score, lengths=None,
+                        kind=self.slots)
         out, slots = slot_attention.attend(self.slots, slots, q, key, val, cos=cos, sin=sin, positions=positions,
                                            ok=ok, stat_weights=stat_weights, spec=spec)
-        # the new tokens' slots (as slot_attention.write put them) back into their pages; padding is dropped
+        # the new tokens' slots (where slot_attention.write put them) back into their pages; padding is dropped
         kv_heads, row_pages = layer.k.shape[1], layer.table.shape[1]
-        rank = jnp.cumsum(ok.astype(jnp.int32), axis=1) - 1  # [b, t]
-        slot = einops.repeat(before, "b H -> b (H j)", j=kv_heads // before.shape[1])[:, :, None] + rank[:, None]
-        slot = jnp.where(ok[:, None, :] & (slot < capacity), slot, capacity)  # [b, k, t]
+        slot = slot_attention.new_slots(layer.count, ok, capacity)  # [b, H, t]
+        slot = jnp.minimum(einops.repeat(slot, "b H t -> b (H j) t", j=kv_heads // slot.shape[1]), capacity)
         ids = jnp.take_along_axis(layer.table, jnp.minimum(slot // page, row_pages - 1).reshape(slot.shape[0], -1),
                                   axis=1).reshape(slot.shape)
         ids = jnp.where((slot < capacity) & (ids >= 0), ids, layer.k.shape[0])
@@ -147,8 +142,8 @@ class PagedSlotKind(SlotCacheKind):
         freed, shared ones the compaction rewrites copied for the row, and every page a row holds written from the
         compacted view (unchanged shared pages with the values they hold)."""
         capacity, page, pages = state.capacity, self.page, state.n_pages
-        batch, row_pages = state.table.shape
-        view = jax.vmap(lambda pool: gather_pages(pool, state.table)[:, :, :capacity])  # [L, b, k, C, d]
+        row_pages = state.table.shape[1]
+        view = jax.vmap(lambda pool: _slot_view(pool, state.table, capacity))  # [L, b, k, C, d]
         before = KVCache(k=view(state.k), v=view(state.v), pos=state.pos, valid=state.valid, count=state.count,
                          score=state.score, lengths=state.lengths, kind=self.slots)
         after, left = evict_cache(self.policy, before, jnp.asarray(self.budgets, jnp.int32))
@@ -193,6 +188,11 @@ class PagedSlotKind(SlotCacheKind):
         out = paged.fork_pages(stacked, n, full, np.full(full.shape, stacked.table.shape[1]))
         counts = np.broadcast_to(np.asarray(n), full.shape)
         return out.replace(**{name: jnp.repeat(getattr(stacked, name), counts, axis=1) for name in METADATA})
+
+
+def _slot_view(pool: jax.Array, table: jax.Array, capacity: int) -> jax.Array:
+    """One layer's pool ``[P, k, g, d]`` as the slot cache's ``[b, k, C, d]`` (each row's pages in order)."""
+    return gather_pages(pool, table)[:, :, :capacity]
 
 
 __all__ = ["FIELDS", "PagedSlotCache", "PagedSlotKind"]

@@ -40,6 +40,13 @@ from lcx.model.rope import apply_rope, rope_tables
 from lcx.sharding import BKS, BSKD, BTHD, ROWS, per_shard
 
 
+def new_slots(count: jax.Array, ok: jax.Array, capacity: int) -> jax.Array:
+    """The slots ``[b, H, t]`` a call's tokens go to: after the ``count [b, H]`` occupied ones, in order, skipping
+    padding (``ok [b, t]`` False: slot ``capacity``, out of range)."""
+    rank = jnp.cumsum(ok.astype(jnp.int32), axis=1) - 1  # [b, t] rank among this call's real tokens
+    return jnp.where(ok[:, None, :], count[:, :, None] + rank[:, None, :], capacity)
+
+
 def write(layer, k: jax.Array, v: jax.Array, positions: jax.Array, ok: jax.Array):
     """Append ``k, v [b, t, k, d]`` at ``positions [b, t]`` where ``ok [b, t]`` (padding is skipped).
 
@@ -48,8 +55,7 @@ def write(layer, k: jax.Array, v: jax.Array, positions: jax.Array, ok: jax.Array
     """
     b, kv_heads, capacity = layer.k.shape[:3]
     heads = layer.pos.shape[1]
-    rank = jnp.cumsum(ok.astype(jnp.int32), axis=1) - 1  # [b, t] rank among this call's real tokens
-    slot = jnp.where(ok[:, None, :], layer.count[:, :, None] + rank[:, None, :], capacity)  # [b, H, t]
+    slot = new_slots(layer.count, ok, capacity)  # [b, H, t]
     rows, keep = jnp.arange(b)[:, None, None], jnp.arange(heads)[None, :, None]
     slot_kv = einops.repeat(slot, "b H t -> b (H j) t", j=kv_heads // heads)  # [b, k, t]: each KV head its keep set's
     head = jnp.arange(kv_heads)[None, :, None]
@@ -137,4 +143,4 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     return out, layer
 
 
-__all__ = ["attend", "rotate_by_rank", "write"]
+__all__ = ["attend", "new_slots", "rotate_by_rank", "write"]

@@ -127,6 +127,7 @@ def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, setti
         fixed = (capacities[(setting, variant.name, length)]
                  if not cache.make_policy().evicts or setting.protocol == "one_shot" else None)
         t0 = time.perf_counter()
+        counts = {}  # retrieval: the prompt tokens asked for and prefilled (shared contexts once)
         if metric == "perplexity":
             pcfg = ev.perplexity
             task = ppl_task if pcfg is not None else tasks[name]
@@ -149,18 +150,15 @@ def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, setti
                 continue
             value, (lo, hi) = math.exp(float(np.mean(nll))), perplexity_interval(nll)
         else:
-            samples, counts = ev.samples, {}
+            samples = ev.samples
             scores = retrieval_scores(
                 model, params, tasks[name], length=length, depth=depth, samples=samples,
                 batch_size=min(ev.batch_size, samples), seed=ev.seed, cache=cache, max_new_tokens=per_task[name],
                 capacity=fixed, protocol=setting.protocol, unroll=ev.unroll,
                 buffer=max_new + (ONE_SHOT_ROOM if setting.protocol == "one_shot" else 0), counts=counts)
             value, (lo, hi) = float(np.mean(scores)), wilson_interval(float(np.sum(scores)), len(scores))
-            rows.append({**_row(cache, variant, length, depth, metric, value, (lo, hi), label, samples,
-                                time.perf_counter() - t0, name, setting, len(tasks)), **counts})
-            continue
-        rows.append(_row(cache, variant, length, depth, metric, value, (lo, hi), label, samples,
-                         time.perf_counter() - t0, name, setting, len(tasks)))
+        rows.append({**_row(cache, variant, length, depth, metric, value, (lo, hi), label, samples,
+                            time.perf_counter() - t0, name, setting, len(tasks)), **counts})
     write_report(rows, out_dir, title)
     return rows
 
