@@ -41,6 +41,9 @@ def _presses():
         # whole chunks of 4 by their mean SnapKV score, one set per layer: 10 chunks, 5 kept
         "chunkkv": (kvpress.ChunkKVPress(kvpress.SnapKVPress(RATIO, window_size=8, kernel_size=5), chunk_length=4),
                     dict(snap, policy="chunkkv", chunk=4), "sdpa"),
+        # keys scored against the mean and covariance of the prompt's queries, rotated to the next 512 positions
+        "expected_attention": (kvpress.ExpectedAttentionPress(RATIO, n_future_positions=512, n_sink=4),
+                               dict(policy="expected_attention", horizon=512, sinks=4), "sdpa"),
     }
 
 

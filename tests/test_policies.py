@@ -18,7 +18,8 @@ CFG = ModelConfig(vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2
 POLICY_PARAMS = {"window": {}, "streaming": {"sinks": 2}, "h2o": {}, "observed": {}, "tova": {},
                  "snapkv": {"window": 4}, "knorm": {}, "random": {"seed": 3},
                  "ladder": {"sinks": 2, "span": 2, "overlap": 0, "recent": 4},
-                 "snapkv-adaptive": {"policy": "snapkv", "window": 4, "head_budget": "adaptive"}}
+                 "snapkv-adaptive": {"policy": "snapkv", "window": 4, "head_budget": "adaptive"},
+                 "expected_attention": {"sinks": 2, "horizon": 16}}
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +216,30 @@ def test_policies_decoding_16x_budget_keeps_cache_at_capacity(name, params):
     assert int(state.cache.count.max()) <= capacity and int(state.cache.lengths[0]) == 20 + new
     live = np.asarray(state.cache.pos[0, 0][state.cache.valid[0, 0]])
     assert live.max() == 20 + new - 1  # the newest token is cached
+
+
+def test_policies_expected_attention_query_moments_run_over_chunks_and_decode(params):
+    """The running query moments after a prefill in chunks of 8 and 16 decode steps are those of one pass over the
+    same 36 tokens (Chan's merge is exact; the first ``sinks`` positions do not count), and with a small budget the
+    policy evicts during decoding, keeping the sinks."""
+    prompt = np.random.default_rng(4).integers(0, 61, (1, 20))
+    cache = dict(policy="expected_attention", interval=8, sinks=2, horizon=16)
+    gen = Generator(CFG, params, max_new_tokens=16, cache=CacheConfig(budget=64, prefill_chunk=8, **cache))
+    state = gen.decode(gen.prefill(prompt))
+    fed = np.concatenate([prompt[0], np.asarray(state.tokens[0])])[None]  # every token the cache has read
+    once = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(budget=64, prefill_chunk=64, **cache))
+    ref = once.prefill(fed).cache
+    assert np.asarray(state.cache.q_count).tolist() == [[36.0 - 2]] * CFG.n_layers
+    for name in ("q_mean", "q_m2"):
+        np.testing.assert_allclose(np.asarray(getattr(state.cache, name)), np.asarray(getattr(ref, name)),
+                                   rtol=1e-4, atol=1e-5, err_msg=name)
+    small = Generator(CFG, params, max_new_tokens=16, cache=CacheConfig(budget=10, **cache))
+    evicted = small.decode(small.prefill(prompt)).cache
+    assert int(evicted.count.max()) <= 10 + 8 and int(evicted.lengths[0]) == 36
+    for layer in range(CFG.n_layers):  # the sinks survive every eviction in every KV head
+        for head in range(CFG.n_kv_heads):
+            live = np.asarray(evicted.pos[layer, 0, head])[np.asarray(evicted.valid[layer, 0, head])]
+            assert {0, 1} <= set(live.tolist()) and live.max() == 35
 
 
 def test_policies_long_prompt_is_compressed_between_chunks(params):

@@ -46,6 +46,14 @@ FIELDS: Mapping[str, Field] = {
     "score": Field(("layers", "batch", "keep_heads", "length"), "float32", 0.0),  # the policy's statistic
     "lengths": Field(("batch",), "int32", 0),  # tokens consumed per sequence
 }
+# The running moments of the queries, per layer and query head, for policies that declare ``query_moments``
+# (``EvictionPolicy.query_moments``: 1 the first two, 2 all three). Queries are scaled by the layer's logit scale and
+# unrotated; ``q_m2`` is the sum of outer products of their deviations from the mean (merged per call: Chan et al.).
+QUERY_FIELDS: Mapping[str, Field] = {
+    "q_count": Field(("layers", "batch"), "float32", 0.0),
+    "q_mean": Field(("layers", "batch", "heads", "head_dim"), "float32", 0.0),
+    "q_m2": Field(("layers", "batch", "heads", "head_dim", "head_dim"), "float32", 0.0),
+}
 
 
 @flax.struct.dataclass
@@ -59,6 +67,9 @@ class KVCache(CacheState):
     count: jax.Array  # [L, b, H] int32
     score: jax.Array  # [L, b, H, C] float32
     lengths: jax.Array | None  # [b] int32 (None in the per-layer view)
+    q_count: jax.Array | None = None  # [L, b] float32 (QUERY_FIELDS; None unless the policy declares them)
+    q_mean: jax.Array | None = None  # [L, b, h, d] float32
+    q_m2: jax.Array | None = None  # [L, b, h, d, d] float32
     kind: "SlotCacheKind" = flax.struct.field(pytree_node=False, default=None)
 
     @property
@@ -104,7 +115,10 @@ class SlotCacheKind(CacheKind):
 
     # ------------------------------------------------------------------------------------------- declaration
     def fields(self) -> Mapping[str, Field]:
-        return FIELDS
+        moments = self.policy.query_moments
+        if not moments:
+            return FIELDS
+        return {**FIELDS, **{n: QUERY_FIELDS[n] for n in ("q_count", "q_mean", "q_m2")[:moments + 1]}}
 
     @property
     def keep_heads(self) -> int:
@@ -122,7 +136,7 @@ class SlotCacheKind(CacheKind):
     def sizes(self, batch: int, capacity: int) -> dict[str, int]:
         m = self.model
         return {"layers": m.n_layers, "batch": batch, "length": capacity, "kv_heads": m.n_kv_heads,
-                "head_dim": m.head_dim, "keep_heads": self.keep_heads}
+                "head_dim": m.head_dim, "keep_heads": self.keep_heads, "heads": m.n_heads}
 
     @property
     def kv_dtype(self) -> str:
@@ -249,5 +263,5 @@ def full_overflow(config: ModelConfig, needed: int, budget: int, batch: int, max
         f"CacheConfig(policy='streaming', budget={budget}, sinks=4), or shorten the request")
 
 
-__all__ = ["FIELDS", "KVCache", "SlotCacheKind", "full_kind", "full_overflow", "init_cache", "kv_bytes",
+__all__ = ["FIELDS", "KVCache", "QUERY_FIELDS", "SlotCacheKind", "full_kind", "full_overflow", "init_cache", "kv_bytes",
            "repeat_rows"]

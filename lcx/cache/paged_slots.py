@@ -39,7 +39,7 @@ import numpy as np
 
 from lcx.cache import paged, slot_attention
 from lcx.cache.base import CacheState, register_kind
-from lcx.cache.kv_cache import FIELDS as SLOT_FIELDS, KVCache, SlotCacheKind
+from lcx.cache.kv_cache import FIELDS as SLOT_FIELDS, QUERY_FIELDS, KVCache, SlotCacheKind
 from lcx.cache.schedule import Left, evict_cache
 from lcx.cache.schema import Field
 from lcx.config_base import ConfigError
@@ -64,6 +64,9 @@ class PagedSlotCache(paged.PagePool, CacheState):
     count: jax.Array  # [L, b, H] int32
     score: jax.Array  # [L, b, H, C] float32
     lengths: jax.Array | None  # [b] int32
+    q_count: jax.Array | None = None  # the policy's query moments (QUERY_FIELDS), when it declares them
+    q_mean: jax.Array | None = None
+    q_m2: jax.Array | None = None
     kind: "PagedSlotKind" = flax.struct.field(pytree_node=False, default=None)
 
     @property
@@ -99,7 +102,11 @@ class PagedSlotKind(SlotCacheKind):
 
     # ------------------------------------------------------------------------------------------- declaration
     def fields(self) -> Mapping[str, Field]:
-        return FIELDS
+        return {**FIELDS, **{n: f for n, f in self.slots.fields().items() if n in QUERY_FIELDS}}
+
+    def _metadata(self) -> tuple[str, ...]:
+        """The slot cache's buffers this kind keeps as they are: positions, masks, scores (and query moments)."""
+        return METADATA + tuple(n for n in self.slots.fields() if n in QUERY_FIELDS)
 
     def sizes(self, batch: int, capacity: int) -> dict[str, int]:
         row_pages = -(-capacity // self.page)
@@ -119,8 +126,7 @@ class PagedSlotKind(SlotCacheKind):
     def attend(self, layer: PagedSlotCache, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None):
         capacity, page = layer.pos.shape[-1], self.page
         slots = KVCache(k=_slot_view(layer.k, layer.table, capacity), v=_slot_view(layer.v, layer.table, capacity),
-                        pos=layer.pos, valid=layer.valid, count=layer.count, score=layer.score, lengths=None,
-                        kind=self.slots)
+                        lengths=None, kind=self.slots, **{n: getattr(layer, n) for n in self._metadata()})
         out, slots = slot_attention.attend(self.slots, slots, q, key, val, cos=cos, sin=sin, positions=positions,
                                            ok=ok, stat_weights=stat_weights, spec=spec)
         # the new tokens' slots (where slot_attention.write put them) back into their pages; padding is dropped
@@ -133,8 +139,8 @@ class PagedSlotKind(SlotCacheKind):
         head = jnp.arange(kv_heads)[None, :, None]
         new = lambda x: jnp.take_along_axis(x, jnp.minimum(slot, capacity - 1)[..., None], axis=2)  # noqa: E731
         put = lambda pool, x: pool.at[ids, head, slot % page].set(new(x).astype(pool.dtype), mode="drop")  # noqa
-        return out, layer.replace(k=put(layer.k, slots.k), v=put(layer.v, slots.v), pos=slots.pos,
-                                  valid=slots.valid, count=slots.count, score=slots.score)
+        return out, layer.replace(k=put(layer.k, slots.k), v=put(layer.v, slots.v),
+                                  **{n: getattr(slots, n) for n in self._metadata()})
 
     # ------------------------------------------------------------------------------------------- between calls
     def evict(self, state: PagedSlotCache) -> tuple[PagedSlotCache, Left]:
@@ -144,8 +150,8 @@ class PagedSlotKind(SlotCacheKind):
         capacity, page, pages = state.capacity, self.page, state.n_pages
         row_pages = state.table.shape[1]
         view = jax.vmap(lambda pool: _slot_view(pool, state.table, capacity))  # [L, b, k, C, d]
-        before = KVCache(k=view(state.k), v=view(state.v), pos=state.pos, valid=state.valid, count=state.count,
-                         score=state.score, lengths=state.lengths, kind=self.slots)
+        before = KVCache(k=view(state.k), v=view(state.v), lengths=state.lengths, kind=self.slots,
+                         **{n: getattr(state, n) for n in self._metadata()})
         after, left = evict_cache(self.policy, before, jnp.asarray(self.budgets, jnp.int32))
         need = -(-jnp.max(after.count, axis=(0, 2)) // page)  # [b] pages each row still holds
         pad = ((0, 0), (0, 0), (0, 0), (0, row_pages * page - capacity))
@@ -187,7 +193,7 @@ class PagedSlotKind(SlotCacheKind):
         full = np.asarray(jnp.min(stacked.count, axis=(0, 2))) // self.page
         out = paged.fork_pages(stacked, n, full, np.full(full.shape, stacked.table.shape[1]))
         counts = np.broadcast_to(np.asarray(n), full.shape)
-        return out.replace(**{name: jnp.repeat(getattr(stacked, name), counts, axis=1) for name in METADATA})
+        return out.replace(**{name: jnp.repeat(getattr(stacked, name), counts, axis=1) for name in self._metadata()})
 
 
 def _slot_view(pool: jax.Array, table: jax.Array, capacity: int) -> jax.Array:

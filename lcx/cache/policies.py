@@ -1,6 +1,6 @@
-"""The built-in eviction policies: full, window, StreamingLLM, H2O, observed attention, TOVA, SnapKV, ChunkKV, K-norm,
-random (the LaCache ladder is in ``ladder.py``). Each scores one layer's slots (of one KV head, for per-head policies);
-``compact`` does the rest.
+"""The built-in eviction policies: full, window, StreamingLLM, H2O, observed attention, TOVA, SnapKV, ChunkKV,
+Expected Attention, K-norm, random (the LaCache ladder is in ``ladder.py``). Each scores one layer's slots (of one KV
+head, for per-head policies); ``compact`` does the rest.
 
 Slots are packed at the front in position order, so slot rank ``j`` counts tokens from the oldest live one and
 ``count - 1 - j`` from the newest. Attention scores are probabilities summed over the counted queries and the query
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from lcx.cache.policy import EvictionPolicy, ScoredPolicy, SlotView, register
 from lcx.config_base import ConfigError
+from lcx.model.rope import apply_rope, rope_tables
 
 _PROTECT = 1e30  # score of slots a policy always keeps (sinks, recent window); finite so ties still sort by age
 
@@ -222,6 +223,78 @@ class ChunkKV(SnapKV):
         if small:
             raise ConfigError(f"cache.budget={min(small)} is invalid for cache.policy='chunkkv': it must hold one "
                               f"chunk (cache.chunk={self.chunk})")
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class ExpectedAttention(ScoredPolicy):
+    """Expected Attention (kvpress ``ExpectedAttentionPress``): score each key by the attention the *future* queries
+    are expected to give it. The queries seen so far (prefill and decode, all but the first ``sinks`` positions) are
+    summarised by their running mean and covariance per query head (``query_moments``, kept by the cache); the
+    rotation of the next ``horizon`` positions is averaged (RoPE is linear in its cos / sin tables, so the average
+    rotation is RoPE with the averaged tables) and applied to both. For a Gaussian query ``q ~ N(mu, S)`` the
+    expected ``exp(q.k)`` is ``exp(mu.k + k S k / 2)``: its softmax over the non-sink keys, averaged over a KV head's
+    query group, times the value's norm (``vnorm``), is the score; the ``sinks`` first positions are always kept.
+    Queries carry the layer's logit scale, so ``mu.k`` is the expected logit. Keys must stay at their original
+    positions (the moments are rotated to the future positions).
+
+    Parameters (kvpress's names): ``horizon`` (``n_future_positions``, 512), ``sinks`` (``n_sink``, 4),
+    ``covariance`` (``use_covariance``), ``vnorm`` (``use_vnorm``), ``epsilon``.
+    """
+
+    name: ClassVar[str] = "expected_attention"
+    sinks: int = 4
+    horizon: int = 512
+    covariance: bool = True
+    vnorm: bool = True
+    epsilon: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sinks < 0:
+            raise ConfigError(f"cache.sinks={self.sinks} is invalid: must be >= 0")
+        if self.horizon < 1:
+            raise ConfigError(f"cache.horizon={self.horizon} is invalid: must be >= 1 (future positions averaged)")
+        if self.mode != "original":
+            raise ConfigError(f"cache.positions={self.positions!r} is invalid for cache.policy='expected_attention': "
+                              "it rotates the query moments to future original positions; allowed: 'original'")
+
+    @property
+    def query_moments(self) -> int:
+        return 2 if self.covariance else 1
+
+    def counts_query(self, positions, ok):
+        return ok & (positions >= self.sinks)  # sink queries are outliers (kvpress drops them too)
+
+    def scores(self, view, budget):
+        if view.q_mean is None or view.model is None:
+            raise ValueError("expected_attention needs the query moments in its view (a slot cache built for it)")
+        # the rotation averaged over the next `horizon` positions, as RoPE with averaged tables
+        future = view.consumed()[:, None] + jnp.arange(self.horizon)[None, :]  # [b, F]
+        cos, sin = rope_tables(view.model, future)
+        cos, sin = jnp.mean(cos, axis=1, keepdims=True), jnp.mean(sin, axis=1, keepdims=True)  # [b, 1, r]
+        rotate = lambda x: apply_rope(x[:, None], cos, sin)[:, 0]  # noqa: E731 - x [b, n, d]: each of n vectors
+        b, g, d = view.q_mean.shape
+        kv_heads = view.k.shape[2]
+        keys = jnp.repeat(view.k.astype(jnp.float32), g // kv_heads, axis=2)  # [b, C, g, d] each query head's KV head
+        # Legend: b batch, C slots, g query heads of these slots, d / e head dim.
+        logits = jnp.einsum("bgd,bCgd->bgC", rotate(view.q_mean), keys)
+        if self.covariance:
+            cov = view.q_m2 / jnp.maximum(view.q_count, 1.0)[:, None, None, None]
+            cov = rotate(cov.reshape(b, g * d, d)).reshape(b, g, d, d)  # S R^T
+            cov = rotate(jnp.swapaxes(cov, -1, -2).reshape(b, g * d, d)).reshape(b, g, d, d)  # R S R^T
+            logits += 0.5 * jnp.einsum("bCgd,bgde,bCge->bgC", keys, cov, keys)
+        scored = view.valid & (view.pos >= self.sinks)
+        probs = jax.nn.softmax(jnp.where(scored[:, None], logits, -jnp.inf), axis=-1)
+        probs = jnp.where(scored[:, None], probs, 0.0)
+        per_kv = jnp.mean(probs.reshape(b, kv_heads, g // kv_heads, -1), axis=2)  # [b, j, C] a group's mean
+        if self.vnorm:
+            norms = jnp.sqrt(jnp.sum(jnp.square(view.v.astype(jnp.float32)), axis=-1))  # [b, C, j]
+            per_kv = (per_kv + self.epsilon) * jnp.swapaxes(norms, 1, 2)
+        return jnp.sum(per_kv, axis=1) + jnp.where(view.valid & (view.pos < self.sinks), _PROTECT, 0.0)
+
+    def check(self, n_layers, budgets):
+        _need_budget_above(self.name, "cache.sinks", self.sinks, budgets)
 
 
 @register

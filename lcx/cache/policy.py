@@ -55,7 +55,14 @@ class SlotView:
     score: jax.Array  # [b, C] the per-slot statistic (attention mass for attention-based policies)
     head: jax.Array | int = 0  # int32 scalar: the keep head (0 when the layer's heads share one set)
     lengths: jax.Array | None = None  # [b] tokens each sequence has consumed (None: the newest position + 1)
+    # The running moments of the (scaled, unrotated) queries of the query heads that read these slots, when the
+    # policy declares ``query_moments`` (None otherwise): count [b], mean [b, g, d], centered second moment [b, g, d,
+    # d] (the sum of outer products of deviations; covariance = m2 / count).
+    q_count: jax.Array | None = None
+    q_mean: jax.Array | None = None
+    q_m2: jax.Array | None = None
     n_layers: int = flax.struct.field(pytree_node=False, default=1)
+    model: Any = flax.struct.field(pytree_node=False, default=None)  # the ModelConfig (RoPE of future queries)
 
     def consumed(self) -> jax.Array:
         """``[b]`` tokens consumed per row: ``lengths``, or the newest cached position + 1 when not given."""
@@ -94,6 +101,11 @@ class EvictionPolicy(CachePolicy):
       (accumulate, H2O) or "replace" (the current query's weights, TOVA). Prefill always sums over the queries the
       generator selects with ``prefill_queries``.
     - ``prefill_queries``: which prompt queries feed the score: "all", "last" or "window" (``self.window``).
+
+    A policy that scores keys against the queries it expects (Expected Attention) declares the running query
+    moments it needs with ``query_moments`` (0: none, 1: the mean, 2: mean and covariance): the cache then stores
+    them per layer and query head and updates them with every query ``counts_query`` selects (prefill and decode),
+    and the policy's view carries them (``SlotView.q_mean`` ...). Nothing is computed or stored otherwise.
     """
 
     position_mode: ClassVar[str] = "original"
@@ -122,6 +134,15 @@ class EvictionPolicy(CachePolicy):
     def head_capacity(self, budget: int, kv_heads: int) -> int:
         """The most slots one keep head holds after an eviction with layer budget ``budget`` (per head)."""
         return budget
+
+    @property
+    def query_moments(self) -> int:
+        """The running query moments the cache keeps for this policy: 0 none, 1 the mean, 2 mean and covariance."""
+        return 0
+
+    def counts_query(self, positions: jax.Array, ok: jax.Array) -> jax.Array:
+        """Which new queries ``[b, t]`` (at ``positions``, real where ``ok``) enter the query moments."""
+        return ok
 
     def scores(self, view: SlotView, budget: jax.Array) -> jax.Array:
         """Per-slot keep scores ``[b, C]``: the ``budget`` highest are kept (ties: newer first)."""

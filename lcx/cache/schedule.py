@@ -60,11 +60,12 @@ def _by_keep_head(x: jax.Array, heads: int) -> jax.Array:
     return einops.rearrange(x, "L b (H j) C d -> L b H C j d", H=heads)
 
 
-def _per_layer_and_head(fn, head_out: Any, n_layers: int):
-    """``fn(view, budget, *per_slot)`` mapped over layers (views ``[L, b, H, ...]``, budgets ``[L]``) and keep heads
+def _per_layer_and_head(fn, head_out: Any, views: SlotView):
+    """``fn(view, budget, *per_slot)`` mapped over layers (``views [L, b, H, ...]``, budgets ``[L]``) and keep heads
     (axis 1 of ``[b, H, ...]``); ``head_out``: the keep-head axis of each output (None: not per head)."""
-    head_axes = SlotView(None, 1, 1, 1, 1, 1, 1, head=0, lengths=None, n_layers=n_layers)
-    layer_axes = SlotView(0, 0, 0, 0, 0, 0, 0, head=None, lengths=None, n_layers=n_layers)
+    static = dict(n_layers=views.n_layers, model=views.model)
+    head_axes = SlotView(None, 1, 1, 1, 1, 1, 1, head=0, lengths=None, q_count=None, q_mean=1, q_m2=1, **static)
+    layer_axes = SlotView(0, 0, 0, 0, 0, 0, 0, head=None, lengths=None, q_count=0, q_mean=0, q_m2=0, **static)
 
     def mapped(views, budgets, *per_slot):
         inner = jax.vmap(fn, in_axes=(head_axes, None, *[1] * len(per_slot)), out_axes=head_out)
@@ -78,22 +79,25 @@ def evict_cache(policy: EvictionPolicy, cache: Any, budgets: jax.Array) -> tuple
 
     Returns ``(cache, left)``."""
     n_layers, heads = cache.pos.shape[0], cache.pos.shape[2]
+    by_head = lambda x: None if x is None else einops.rearrange(x, "L b (H g) ... -> L b H g ...", H=heads)  # noqa
     views = SlotView(layer=jnp.arange(n_layers, dtype=jnp.int32), pos=cache.pos, valid=cache.valid,
                      count=cache.count, k=_by_keep_head(cache.k, heads), v=_by_keep_head(cache.v, heads),
                      score=cache.score, head=jnp.arange(heads, dtype=jnp.int32), lengths=cache.lengths,
-                     n_layers=n_layers)
+                     q_count=getattr(cache, "q_count", None), q_mean=by_head(getattr(cache, "q_mean", None)),
+                     q_m2=by_head(getattr(cache, "q_m2", None)), n_layers=n_layers,
+                     model=getattr(cache.kind, "model", None))
     if policy.adaptive and heads > 1:  # the heads of a layer share its budget: score them, then pick jointly
-        scores = _per_layer_and_head(policy.scores, 1, n_layers)(views, budgets)  # [L, b, H, C]
+        scores = _per_layer_and_head(policy.scores, 1, views)(views, budgets)  # [L, b, H, C]
         rows = jax.vmap(lambda s, ok, pos, budget: adaptive_keep(policy, s, ok, pos, budget), in_axes=(0, 0, 0, None))
         keep, score = jax.vmap(rows)(scores, cache.valid, cache.pos, budgets), cache.score  # over layers
     else:
-        keep, score = _per_layer_and_head(policy.select, (1, 1), n_layers)(views, budgets)  # [L, b, H, C] each
+        keep, score = _per_layer_and_head(policy.select, (1, 1), views)(views, budgets)  # [L, b, H, C] each
 
     def pack(view, budget, keep, score):
         out = compact(view, keep, score)
         return out.pos, out.valid, out.count, out.k, out.v, out.score
 
-    packed = _per_layer_and_head(pack, (1,) * 6, n_layers)(views, budgets, keep, score)
+    packed = _per_layer_and_head(pack, (1,) * 6, views)(views, budgets, keep, score)
     pos, valid, count, k, v, score = packed
     merge = lambda x: einops.rearrange(x, "L b H C j d -> L b (H j) C d")  # noqa: E731
     left = Left(mask=cache.valid & ~keep, pos=cache.pos, k=cache.k, v=cache.v)

@@ -70,6 +70,26 @@ def write(layer, k: jax.Array, v: jax.Array, positions: jax.Array, ok: jax.Array
     )
 
 
+def observe_queries(layer, q: jax.Array, counted: jax.Array, scale: float, moments: int):
+    """Merge the ``counted [b, t]`` queries ``q [b, t, h, d]`` (unrotated), scaled by ``scale``, into the layer's
+    running moments (``QUERY_FIELDS``): the count, the mean and, with ``moments`` 2, the centered second moment -
+    each call's own moments merged with the running ones (Chan et al.'s pairwise update: no cancellation of large
+    raw sums). Legend: b batch, t new tokens, h query heads, d / e head dim."""
+    w = counted.astype(jnp.float32)
+    x = q.astype(jnp.float32) * scale
+    n_new = jnp.sum(w, axis=1)  # [b]
+    mean_new = jnp.einsum("bt,bthd->bhd", w, x) / jnp.maximum(n_new, 1.0)[:, None, None]
+    n_old = layer.q_count
+    n = n_old + n_new
+    delta = mean_new - layer.q_mean  # [b, h, d]
+    updates = dict(q_count=n, q_mean=layer.q_mean + delta * (n_new / jnp.maximum(n, 1.0))[:, None, None])
+    if moments > 1:
+        dev = x - mean_new[:, None]
+        between = jnp.einsum("bhd,bhe->bhde", delta, delta) * (n_old * n_new / jnp.maximum(n, 1.0))[:, None, None, None]
+        updates["q_m2"] = layer.q_m2 + jnp.einsum("bt,bthd,bthe->bhde", w, dev, dev) + between
+    return layer.replace(**updates)
+
+
 def rotate_by_rank(config, x: jax.Array, ranks: jax.Array, *, cache_layout: bool = False, rope=None) -> jax.Array:
     """Rotate ``x [b, T, heads, d]`` (``cache_layout``: ``[b, heads, T, d]``) by per-keep-head positions ``ranks
     [b, H, T]`` (heads grouped by keep head), with ``rope`` (default ``config.rope``)."""
@@ -104,6 +124,8 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     chex.assert_equal_shape([key, val])
     chex.assert_equal_shape_prefix([q, key, positions, ok], 2)
     mode = policy.mode
+    if policy.query_moments:  # before RoPE: the policy rotates the moments to the positions it expects
+        layer = observe_queries(layer, q, policy.counts_query(positions, ok), spec.sm_scale, policy.query_moments)
     if mode == "original":
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
     heads, kv_heads = layer.pos.shape[1], layer.k.shape[1]
@@ -143,4 +165,4 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     return out, layer
 
 
-__all__ = ["attend", "new_slots", "rotate_by_rank", "write"]
+__all__ = ["attend", "new_slots", "observe_queries", "rotate_by_rank", "write"]
