@@ -38,6 +38,7 @@ from lcx.cache.kv_cache import kv_bytes
 from lcx.config import ConfigError, ModelConfig, apply_model_overrides, load_model_config
 from lcx.config_base import canonical_dtype, dtype_bytes, format_bytes, parse_bytes
 from lcx.device_memory import UTILIZATION, usable_bytes
+from lcx.kernels.quant import QUANT_DTYPES
 from lcx.model.placement import param_bytes_per_device
 
 # fp16 keeps finite values up to 65504; past a few thousand tokens attention logits and residual activations of
@@ -51,7 +52,7 @@ STATUSES = ("pass", "warn", "fail")
 # --------------------------------------------------------------------------------------------------- arithmetic
 def kv_bytes_per_token(model: ModelConfig, kv_dtype: str) -> int:
     """Bytes of K and V for one token of one sequence, all layers and all KV heads (no sharding, no replication)."""
-    return kv_bytes(model, 1, 1, canonical_dtype(kv_dtype))
+    return kv_bytes(model, 1, 1, kv_dtype if kv_dtype in QUANT_DTYPES else canonical_dtype(kv_dtype))
 
 
 def local_slots(model: ModelConfig, tokens: int, interval: int, prefill_chunk: int | None = None) -> int:
@@ -175,7 +176,11 @@ class PlanInputs:
         if self.shared_prefix and getattr(self.cache, "layout", None) != "paged":
             raise ConfigError(f"shared_prefix={self.shared_prefix} needs a paged cache to share pages: pass "
                               "--page-size N (or --cache-param layout=paged)")
-        object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype or self.model.dtype, "--kv-dtype"))
+        if self.kv_dtype not in QUANT_DTYPES:  # int8 / fp8: 8-bit codes with float16 scales (lcx.kernels.quant)
+            try:
+                object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype or self.model.dtype, "--kv-dtype"))
+            except ConfigError as err:
+                raise ConfigError(f"{err}, or 8-bit codes {list(QUANT_DTYPES)}") from None
         object.__setattr__(self, "weight_dtype",
                            canonical_dtype(self.weight_dtype or self.model.param_dtype, "--weight-dtype"))
 
@@ -371,6 +376,8 @@ def _precision_checkpoint(inputs: PlanInputs) -> Checkpoint:
     # fp32 and bf16 share an 8-bit exponent; fp16 has 5. Crossing that line either overflows (8 -> 5 bits) or
     # loses mantissa (fp16's 11 significant bits -> bf16's 8).
     for what, dtype in (("KV cache", inputs.kv_dtype), ("weights", inputs.weight_dtype)):
+        if dtype in QUANT_DTYPES:  # scaled per token: no exponent range to cross
+            continue
         if _is_fp16(dtype) != _is_fp16(trained):
             if _is_fp16(dtype):
                 warnings.append(f"{what} in float16 but the model was trained in {trained}: values beyond 65504 "
@@ -459,7 +466,11 @@ def _tier_numbers(inputs: PlanInputs) -> dict[str, Any]:
     """Bytes the cache type of ``inputs.cache`` holds for the context, from its own buffer declaration."""
     if inputs.cache is None:
         return {}
-    kind = inputs.cache.kind(dataclasses.replace(inputs.model, dtype=inputs.kv_dtype))
+    if inputs.kv_dtype in QUANT_DTYPES:  # the 8-bit cache of the run's policy: codes and scales
+        cache = CacheConfig.from_mapping({**inputs.cache.to_dict(), "kv_dtype": inputs.kv_dtype})
+        kind = cache.kind(inputs.model)
+    else:
+        kind = inputs.cache.kind(dataclasses.replace(inputs.model, dtype=inputs.kv_dtype))
     capacity = kind.plan(inputs.batch, inputs.context, 0)
     if kind.name in ("paged", "paged_slots"):  # pages in use (the shared prefix's whole pages once, if kept whole)
         pages = kind.pages_for(inputs.batch, inputs.context, inputs.shared_prefix)
@@ -518,7 +529,8 @@ def render(plan: Plan) -> str:
         f"weights      {plan.num_params / 1e9:.2f}e9 params in {plan.weight_dtype}: {fb(plan.weight_bytes)} total, "
         f"{fb(plan.weight_bytes_per_device)} per device",
         f"KV cache     {fb(plan.kv_bytes_per_token)} per token (2 x {plan.n_layers} layers x {plan.n_kv_heads} KV "
-        f"heads x {plan.head_dim} x {dtype_bytes(plan.kv_dtype)} B, {plan.kv_dtype})",
+        f"heads x " + (f"({plan.head_dim} x 1 B + a 2 B scale), {plan.kv_dtype})" if plan.kv_dtype in QUANT_DTYPES
+                       else f"{plan.head_dim} x {dtype_bytes(plan.kv_dtype)} B, {plan.kv_dtype})"),
         f"             {fb(plan.kv_bytes_total)} total for {plan.context} tokens x batch {plan.batch}; "
         f"{fb(plan.kv_bytes_per_device)} per device ({plan.kv_heads_per_device} KV head(s) per device"
         + (f", each replicated {plan.kv_replication}x" if plan.kv_replication > 1 else "") + ")",
@@ -601,7 +613,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=1, help="devices in all (default 1)")
     p.add_argument("--data", type=int, default=1,
                    help="devices along the data axis, splitting the batch (default 1: all devices on the model axis)")
-    p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: model.dtype)")
+    p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: model.dtype), or int8 / fp8: 8-bit "
+                   "codes with a float16 scale per token and KV head (cache.kv_dtype)")
     p.add_argument("--weight-dtype", default=None, help="weight dtype (default: model.param_dtype)")
     p.add_argument("--budget", type=int, default=None, metavar="TOKENS",
                    help="eviction budget: tokens per sequence the cache keeps")

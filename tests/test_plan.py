@@ -437,8 +437,9 @@ BAD = [
     (["--context", "4096", "--gpu-mem", "80GiB", "--devices", "0"],
      "devices=0 is invalid: must be a positive integer number of devices (--devices)"),
     (["--context", "4096", "--gpu-mem", "80GiB", "--budget", "0"], "budget=0 is invalid"),
-    (["--context", "4096", "--gpu-mem", "80GiB", "--kv-dtype", "int8"],
-     "--kv-dtype='int8' is not a dtype lcx supports"),
+    (["--context", "4096", "--gpu-mem", "80GiB", "--kv-dtype", "int4"],
+     "--kv-dtype='int4' is not a dtype lcx supports; allowed: ['bf16', 'bfloat16', 'f16', 'f32', 'float16', "
+     "'float32', 'fp16', 'fp32'], or 8-bit codes ['int8', 'fp8']"),
     (["--context", "4096", "--gpu-mem", "80GiB", "--weight-dtype", "fp8"],
      "--weight-dtype='fp8' is not a dtype lcx supports"),
     (["--context", "4096", "--gpu-mem", "80GiB", "--utilization", "1.5"],

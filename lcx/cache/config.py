@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from lcx.cache.base import CacheKind, kind_class
 from lcx.cache.policy import CachePolicy, make_policy
 from lcx.config_base import ConfigError, canonical_dtype, check, coerce
+from lcx.kernels.quant import QUANT_DTYPES
 
 # The cache types that serve the global layers of a model with sliding-window layers (lcx.cache.hybrid); any other
 # type is built as it is and must handle every layer's spec itself.
@@ -38,6 +39,8 @@ class CacheConfig:
     the KV memory, checked before anything runs. Policy parameters (``sinks``, ``span``, ...) go to the policy named
     by ``policy`` and are validated by it. ``layout``: ``contiguous`` (each sequence its own slots) or ``paged`` (a
     pool of ``page_size``-token pages; sequences that share a prefix share its pages, ``lcx.cache.paged``).
+    ``kv_dtype``: ``int8`` or ``fp8`` stores keys and values as 8-bit codes with one float16 scale per token and KV
+    head (``lcx.kernels.quant``; composes with every eviction policy); None stores them in ``dtype``.
     """
 
     policy: str = "full"
@@ -50,17 +53,19 @@ class CacheConfig:
     max_bytes: int | None = None
     layout: str = "contiguous"
     page_size: int = 16
+    kv_dtype: str | None = None
     policy_params: tuple[tuple[str, Any], ...] = ()
 
     def __init__(self, policy: str = "full", budget: int | Sequence[int] | None = None,
                  budget_schedule: str = "uniform", pyramid_beta: float = 2.0, dtype: str | None = None,
                  prefill_chunk: int | None = None, interval: int = 64, max_bytes: int | None = None,
-                 layout: str = "contiguous", page_size: int = 16, **policy_params):
+                 layout: str = "contiguous", page_size: int = 16, kv_dtype: str | None = None, **policy_params):
         if isinstance(budget, Sequence) and not isinstance(budget, str):
             budget = tuple(budget)
         values = dict(policy=policy, budget=budget, budget_schedule=budget_schedule, pyramid_beta=pyramid_beta,
                       dtype=dtype, prefill_chunk=prefill_chunk, interval=interval, max_bytes=max_bytes,
-                      layout=layout, page_size=page_size, policy_params=tuple(sorted(policy_params.items())))
+                      layout=layout, page_size=page_size, kv_dtype=kv_dtype,
+                      policy_params=tuple(sorted(policy_params.items())))
         for key, value in values.items():
             object.__setattr__(self, key, value)
         self.__post_init__()
@@ -86,7 +91,14 @@ class CacheConfig:
               "cache.page_size", self.page_size, "must be a positive integer (tokens per page)")
         if self.dtype is not None:
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "cache.dtype"))
+        check(self.kv_dtype is None or self.kv_dtype in QUANT_DTYPES, "cache.kv_dtype", self.kv_dtype,
+              f"must be one of {list(QUANT_DTYPES)} or null (keys and values in cache.dtype)")
         policy = self.make_policy()  # validates the name and the policy's parameters
+        if self.kv_dtype is not None and (policy.cache_type != "slots" or self.layout != "contiguous"):
+            raise ConfigError(f"cache.kv_dtype={self.kv_dtype!r} with cache.policy={self.policy!r} and "
+                              f"cache.layout={self.layout!r}: the 8-bit cache is built for the slot cache (every "
+                              "eviction policy and full) with layout 'contiguous' so far; allowed: those, or "
+                              "kv_dtype null")
         if policy.evicts and policy.needs_budget and self.budget is None:
             raise ConfigError(f"cache.budget=None is invalid for cache.policy={self.policy!r}: an evicting policy "
                               "needs a budget (tokens kept per sequence and layer)")
@@ -124,7 +136,8 @@ class CacheConfig:
         data = dict(data)
         data.pop("policy_params", None)
         hints = {"dtype": str | None, "prefill_chunk": int | None, "interval": int, "max_bytes": int | None,
-                 "policy": str, "budget_schedule": str, "layout": str, "page_size": int, "pyramid_beta": float}
+                 "policy": str, "budget_schedule": str, "layout": str, "page_size": int, "pyramid_beta": float,
+                 "kv_dtype": str | None}
         kwargs = {k: coerce(v, hints[k], f"{prefix}.{k}") if k in hints else v for k, v in data.items()}
         return cls(**kwargs)
 
@@ -136,6 +149,8 @@ class CacheConfig:
             del out["layout"], out["page_size"]
         if self.pyramid_beta == 2.0:  # the default shape: configs written before it stay equal
             del out["pyramid_beta"]
+        if self.kv_dtype is None:
+            del out["kv_dtype"]
         out.update(self.params)
         return out
 

@@ -35,6 +35,7 @@ from lcx.cache.policy import EvictionPolicy, make_policy
 from lcx.cache.schedule import evict_cache, layer_budgets
 from lcx.cache.schema import Field
 from lcx.config_base import ConfigError, canonical_dtype, format_bytes
+from lcx.kernels.quant import QUANT_DTYPES, SCALE_DTYPE, storage_dtype
 from lcx.model.config import ModelConfig
 
 FIELDS: Mapping[str, Field] = {
@@ -45,6 +46,11 @@ FIELDS: Mapping[str, Field] = {
     "count": Field(("layers", "batch", "keep_heads"), "int32", 0),  # occupied slots
     "score": Field(("layers", "batch", "keep_heads", "length"), "float32", 0.0),  # the policy's statistic
     "lengths": Field(("batch",), "int32", 0),  # tokens consumed per sequence
+}
+# The scales of an 8-bit cache (cache.kv_dtype; lcx.kernels.quant): one per slot and KV head, counted as KV bytes.
+SCALE_FIELDS: Mapping[str, Field] = {
+    "k_scale": Field(("layers", "batch", "kv_heads", "length"), SCALE_DTYPE, 0.0, role="kv"),
+    "v_scale": Field(("layers", "batch", "kv_heads", "length"), SCALE_DTYPE, 0.0, role="kv"),
 }
 # The running moments of the queries, per layer and query head, for policies that declare ``query_moments``
 # (``EvictionPolicy.query_moments``: 1 the first two, 2 all three). Queries are scaled by the layer's logit scale and
@@ -67,6 +73,8 @@ class KVCache(CacheState):
     count: jax.Array  # [L, b, H] int32
     score: jax.Array  # [L, b, H, C] float32
     lengths: jax.Array | None  # [b] int32 (None in the per-layer view)
+    k_scale: jax.Array | None = None  # [L, b, k, C] float16 (SCALE_FIELDS; None unless cache.kv_dtype is set)
+    v_scale: jax.Array | None = None  # [L, b, k, C] float16
     q_count: jax.Array | None = None  # [L, b] float32 (QUERY_FIELDS; None unless the policy declares them)
     q_mean: jax.Array | None = None  # [L, b, h, d] float32
     q_m2: jax.Array | None = None  # [L, b, h, d, d] float32
@@ -86,7 +94,8 @@ class KVCache(CacheState):
 class SlotCacheKind(CacheKind):
     """Slots with an eviction policy. ``model``: the config whose KV heads the cache stores; ``budgets``: one per
     layer (None: the policy keeps everything, at most ``limit`` tokens when set); ``interval``: decode steps between
-    compactions."""
+    compactions; ``dtype``: the float dtype of keys and values; ``quant``: ``cache.kv_dtype`` (``int8`` / ``fp8``:
+    8-bit codes with per-slot scales, ``lcx.kernels.quant``; None: stored in ``dtype``)."""
 
     name: ClassVar[str] = "slots"
     state_type: ClassVar[type] = KVCache
@@ -97,6 +106,7 @@ class SlotCacheKind(CacheKind):
     dtype: str = "float32"
     interval: int = 64
     limit: int | None = None
+    quant: str | None = None
 
     @classmethod
     def from_config(cls, model, cache, policy) -> "SlotCacheKind":
@@ -111,14 +121,15 @@ class SlotCacheKind(CacheKind):
             budgets = layer_budgets(cache, model.n_layers)
             policy.check(model.n_layers, budgets)
         return cls(model=model, policy=policy, budgets=budgets, dtype=cache.dtype or model.dtype,
-                   interval=cache.interval, limit=None if policy.evicts else cache.max_budget)
+                   interval=cache.interval, limit=None if policy.evicts else cache.max_budget, quant=cache.kv_dtype)
 
     # ------------------------------------------------------------------------------------------- declaration
     def fields(self) -> Mapping[str, Field]:
         moments = self.policy.query_moments
-        if not moments:
+        if not moments and self.quant is None:
             return FIELDS
-        return {**FIELDS, **{n: QUERY_FIELDS[n] for n in ("q_count", "q_mean", "q_m2")[:moments + 1]}}
+        return {**FIELDS, **(SCALE_FIELDS if self.quant else {}),
+                **{n: QUERY_FIELDS[n] for n in ("q_count", "q_mean", "q_m2")[:moments + 1] if moments}}
 
     @property
     def keep_heads(self) -> int:
@@ -140,7 +151,7 @@ class SlotCacheKind(CacheKind):
 
     @property
     def kv_dtype(self) -> str:
-        return self.dtype
+        return self.dtype if self.quant is None else storage_dtype(self.quant)
 
     # ------------------------------------------------------------------------------------------- planning
     def plan(self, batch: int, max_prompt: int, max_new_tokens: int) -> int:
@@ -148,7 +159,8 @@ class SlotCacheKind(CacheKind):
         if self.budgets is not None:
             return min(needed, max(self.head_budgets) + self.interval)
         if self.limit is not None and needed > self.limit:
-            raise full_overflow(self.model, needed, self.limit, batch, max_prompt, max_new_tokens, self.dtype)
+            raise full_overflow(self.model, needed, self.limit, batch, max_prompt, max_new_tokens, self.dtype,
+                                nbytes=self.nbytes(batch, needed))
         return needed
 
     def prefill_chunk(self, requested: int, max_len: int, capacity: int) -> int:
@@ -249,19 +261,23 @@ def init_cache(config: ModelConfig, batch: int, capacity: int, dtype: str | None
 
 def kv_bytes(config: ModelConfig, capacity: int, batch: int, dtype: str) -> int:
     """Bytes of K and V for ``capacity`` slots: 2 x layers x kv_heads x head_dim x capacity x bytes x batch (from the
-    cache's own declaration)."""
+    cache's own declaration); ``dtype`` ``int8`` / ``fp8``: 8-bit codes plus their float16 scales."""
+    if dtype in QUANT_DTYPES:
+        return dataclasses.replace(full_kind(config), quant=dtype).nbytes(batch, capacity)
     return full_kind(config, dtype).nbytes(batch, capacity)
 
 
 def full_overflow(config: ModelConfig, needed: int, budget: int, batch: int, max_prompt: int, max_new_tokens: int,
-                  dtype: str) -> CacheCapacityError:
-    """The error for a ``full`` cache asked to hold more than its budget."""
+                  dtype: str, nbytes: int | None = None) -> CacheCapacityError:
+    """The error for a ``full`` cache asked to hold more than its budget (``nbytes``: the KV bytes it would take;
+    default: keys and values in ``dtype``)."""
     return CacheCapacityError(
         f"cache.policy='full' needs {needed} tokens per sequence (prompt {max_prompt} + max_new_tokens "
-        f"{max_new_tokens}) = {format_bytes(kv_bytes(config, needed, batch, dtype))} of KV cache for batch {batch}, "
+        f"{max_new_tokens}) = {format_bytes(nbytes or kv_bytes(config, needed, batch, dtype))} of KV cache for batch "
+        f"{batch}, "
         f"but cache.budget={budget} tokens; keep the budget with an eviction policy, e.g. "
         f"CacheConfig(policy='streaming', budget={budget}, sinks=4), or shorten the request")
 
 
-__all__ = ["FIELDS", "KVCache", "QUERY_FIELDS", "SlotCacheKind", "full_kind", "full_overflow", "init_cache", "kv_bytes",
-           "repeat_rows"]
+__all__ = ["FIELDS", "KVCache", "QUERY_FIELDS", "SCALE_FIELDS", "SlotCacheKind", "full_kind", "full_overflow",
+           "init_cache", "kv_bytes", "repeat_rows"]

@@ -34,20 +34,35 @@ class KVView:
     [b, k]``: the live slots are those below it. ``offsets [b] | [b, k]``: the slot of the call's first query
     (``causal``: query i sees slots ``<= offsets + i``; not causal: every live slot, e.g. recalled blocks older
     than every query). ``valid [b, S] | [b, k, S]``: the slots a single decode query sees (holes allowed; a window
-    or the causal limit folded in) - needed only for one-query calls."""
+    or the causal limit folded in) - needed only for one-query calls. ``k_scale, v_scale [b, k, S]``: ``k, v`` are
+    8-bit codes with these per-slot scales (``lcx.kernels.quant``; None: ``k, v`` are values)."""
 
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
     offsets: jax.Array
     valid: jax.Array | None = None
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
     causal: bool = flax.struct.field(pytree_node=False, default=True)
 
     def axes(self) -> "KVView":
         """The view's logical layout (for ``sharding.per_shard``): rows and KV heads shard, slots do not."""
         ints = ROWS if self.lengths.ndim == 1 else BK
         live = None if self.valid is None else (ROWS if self.valid.ndim == 2 else BKS)
-        return self.replace(k=BKSD, v=BKSD, lengths=ints, offsets=ints, valid=live)
+        scales = lambda x: None if x is None else BKS  # noqa: E731
+        return self.replace(k=BKSD, v=BKSD, lengths=ints, offsets=ints, valid=live, k_scale=scales(self.k_scale),
+                            v_scale=scales(self.v_scale))
+
+    def scales(self, layout: str) -> dict:
+        """The backend keywords of an 8-bit view: its scales in the op's layout (``decode``: ``[b, k, S]``;
+        ``chunk``: ``[b, S, k]``); none for a float view, so a float cache calls the ops exactly as before."""
+        out = {}
+        for name in ("k_scale", "v_scale"):
+            x = getattr(self, name)
+            if x is not None:
+                out[name] = x if layout == "decode" else x.swapaxes(1, 2)
+        return out
 
 
 def attend_view(impl: str, q: jax.Array, view: KVView, spec: AttentionSpec, *,
@@ -66,19 +81,22 @@ def attend_view(impl: str, q: jax.Array, view: KVView, spec: AttentionSpec, *,
         if view.valid is None:
             raise ValueError("a one-query attend needs KVView.valid (the slots the query sees)")
         res = backend.decode(q[:, 0], view.k, view.v, valid=view.valid, sm_scale=spec.sm_scale, weights=counted,
-                             residuals=residuals, **{n: x for n, x in extra.items() if n != "window"})
+                             residuals=residuals, **{n: x for n, x in extra.items() if n != "window"},
+                             **view.scales("decode"))
         weights = res.weights * (stat_weights[:, :1, None] > 0) if counted else None
         expand = lambda x: None if x is None else x[:, None]  # noqa: E731
         return Attended(out=res.out[:, None], weights=weights, m=expand(res.m), l=expand(res.l))
     # the prefill kernels read [b, S, k, d]: one transpose per chunk
     k, v = view.k.swapaxes(1, 2), view.v.swapaxes(1, 2)
+    scales = view.scales("chunk")
     res = backend.chunk(q, k, v, q_offsets=view.offsets, kv_lengths=view.lengths, sm_scale=spec.sm_scale,
-                        causal=view.causal, residuals=residuals, **extra)
+                        causal=view.causal, residuals=residuals, **extra, **scales)
     if counted:
         if not view.causal:
             raise ValueError("attention statistics are defined for causal views (a cache's own slots)")
         sums = backend.column_sums(q, k, q_offsets=view.offsets, kv_lengths=view.lengths,
-                                   query_weights=stat_weights, sm_scale=spec.sm_scale, **extra)
+                                   query_weights=stat_weights, sm_scale=spec.sm_scale, **extra,
+                                   **{n: x for n, x in scales.items() if n == "k_scale"})
         res = res.replace(weights=sums)
     return res
 

@@ -276,7 +276,7 @@ class ExpectedAttention(ScoredPolicy):
         rotate = lambda x: apply_rope(x[:, None], cos, sin)[:, 0]  # noqa: E731 - x [b, n, d]: each of n vectors
         b, g, d = view.q_mean.shape
         kv_heads = view.k.shape[2]
-        keys = jnp.repeat(view.k.astype(jnp.float32), g // kv_heads, axis=2)  # [b, C, g, d] each query head's KV head
+        keys = jnp.repeat(view.keys(), g // kv_heads, axis=2)  # [b, C, g, d] each query head's KV head
         # Legend: b batch, C slots, g query heads of these slots, d / e head dim.
         logits = jnp.einsum("bgd,bCgd->bgC", rotate(view.q_mean), keys)
         if self.covariance:
@@ -289,7 +289,7 @@ class ExpectedAttention(ScoredPolicy):
         probs = jnp.where(scored[:, None], probs, 0.0)
         per_kv = jnp.mean(probs.reshape(b, kv_heads, g // kv_heads, -1), axis=2)  # [b, j, C] a group's mean
         if self.vnorm:
-            norms = jnp.sqrt(jnp.sum(jnp.square(view.v.astype(jnp.float32)), axis=-1))  # [b, C, j]
+            norms = jnp.sqrt(jnp.sum(jnp.square(view.values()), axis=-1))  # [b, C, j]
             per_kv = (per_kv + self.epsilon) * jnp.swapaxes(norms, 1, 2)
         return jnp.sum(per_kv, axis=1) + jnp.where(view.valid & (view.pos < self.sinks), _PROTECT, 0.0)
 
@@ -306,7 +306,7 @@ class KNorm(ScoredPolicy):
     name: ClassVar[str] = "knorm"
 
     def scores(self, view, budget):
-        norms = jnp.sqrt(jnp.sum(jnp.square(view.k.astype(jnp.float32)), axis=-1))  # [b, C, k]
+        norms = jnp.sqrt(jnp.sum(jnp.square(view.keys()), axis=-1))  # [b, C, k]
         return -jnp.mean(norms, axis=-1)
 
 

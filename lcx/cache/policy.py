@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from lcx.config_base import ConfigError, from_dict, name_registry
+from lcx.kernels.quant import dequantize
 
 _REGISTRY: dict[str, type["CachePolicy"]] = {}
 POSITION_MODES = ("original", "cache")
@@ -50,11 +51,13 @@ class SlotView:
     pos: jax.Array  # [b, C] original token positions, -1 in empty slots
     valid: jax.Array  # [b, C] live slots
     count: jax.Array  # [b] live slots
-    k: jax.Array  # [b, C, j, d] the j KV heads that share these slots (zero heads in simulations)
-    v: jax.Array  # [b, C, j, d]
+    k: jax.Array  # [b, C, j, d] the j KV heads that share these slots (zero heads in simulations); 8-bit codes
+    v: jax.Array  # [b, C, j, d]                                      in a quantized cache: read keys() / values()
     score: jax.Array  # [b, C] the per-slot statistic (attention mass for attention-based policies)
     head: jax.Array | int = 0  # int32 scalar: the keep head (0 when the layer's heads share one set)
     lengths: jax.Array | None = None  # [b] tokens each sequence has consumed (None: the newest position + 1)
+    k_scale: jax.Array | None = None  # [b, C, j] the scales of an 8-bit cache (cache.kv_dtype), else None
+    v_scale: jax.Array | None = None
     # The running moments of the (scaled, unrotated) queries of the query heads that read these slots, when the
     # policy declares ``query_moments`` (None otherwise): count [b], mean [b, g, d], centered second moment [b, g, d,
     # d] (the sum of outer products of deviations; covariance = m2 / count).
@@ -63,6 +66,14 @@ class SlotView:
     q_m2: jax.Array | None = None
     n_layers: int = flax.struct.field(pytree_node=False, default=1)
     model: Any = flax.struct.field(pytree_node=False, default=None)  # the ModelConfig (RoPE of future queries)
+
+    def keys(self) -> jax.Array:
+        """``[b, C, j, d]`` float32 keys (dequantized in an 8-bit cache)."""
+        return dequantize(self.k, self.k_scale)
+
+    def values(self) -> jax.Array:
+        """``[b, C, j, d]`` float32 values (dequantized in an 8-bit cache)."""
+        return dequantize(self.v, self.v_scale)
 
     def consumed(self) -> jax.Array:
         """``[b]`` tokens consumed per row: ``lengths``, or the newest cached position + 1 when not given."""
@@ -255,9 +266,10 @@ def compact(view: SlotView, keep: jax.Array, score: jax.Array) -> SlotView:
         return jnp.take_along_axis(x, idx, axis=1)
 
     valid = gather(keep)
+    scales = {n: gather(getattr(view, n)) for n in ("k_scale", "v_scale") if getattr(view, n) is not None}
     return view.replace(pos=jnp.where(valid, gather(view.pos), -1), valid=valid,
                         count=jnp.sum(keep, axis=-1, dtype=jnp.int32), k=gather(view.k), v=gather(view.v),
-                        score=jnp.where(valid, gather(score), 0.0))
+                        score=jnp.where(valid, gather(score), 0.0), **scales)
 
 
 def evict(policy: EvictionPolicy, view: SlotView, budget: jax.Array) -> SlotView:

@@ -55,17 +55,20 @@ class Left:
     v: jax.Array
 
 
-def _by_keep_head(x: jax.Array, heads: int) -> jax.Array:
-    """``[L, b, k, C, d]`` (stored) -> ``[L, b, H, C, k / H, d]`` (the policies' view)."""
-    return einops.rearrange(x, "L b (H j) C d -> L b H C j d", H=heads)
+def _by_keep_head(x: jax.Array | None, heads: int) -> jax.Array | None:
+    """``[L, b, k, C, ...]`` (stored; ``...``: the head dim, none for scales) -> ``[L, b, H, C, k / H, ...]`` (the
+    policies' view)."""
+    return None if x is None else einops.rearrange(x, "L b (H j) C ... -> L b H C j ...", H=heads)
 
 
 def _per_layer_and_head(fn, head_out: Any, views: SlotView):
     """``fn(view, budget, *per_slot)`` mapped over layers (``views [L, b, H, ...]``, budgets ``[L]``) and keep heads
     (axis 1 of ``[b, H, ...]``); ``head_out``: the keep-head axis of each output (None: not per head)."""
     static = dict(n_layers=views.n_layers, model=views.model)
-    head_axes = SlotView(None, 1, 1, 1, 1, 1, 1, head=0, lengths=None, q_count=None, q_mean=1, q_m2=1, **static)
-    layer_axes = SlotView(0, 0, 0, 0, 0, 0, 0, head=None, lengths=None, q_count=0, q_mean=0, q_m2=0, **static)
+    head_axes = SlotView(None, 1, 1, 1, 1, 1, 1, head=0, lengths=None, k_scale=1, v_scale=1, q_count=None, q_mean=1,
+                         q_m2=1, **static)
+    layer_axes = SlotView(0, 0, 0, 0, 0, 0, 0, head=None, lengths=None, k_scale=0, v_scale=0, q_count=0, q_mean=0,
+                          q_m2=0, **static)
 
     def mapped(views, budgets, *per_slot):
         inner = jax.vmap(fn, in_axes=(head_axes, None, *[1] * len(per_slot)), out_axes=head_out)
@@ -83,6 +86,8 @@ def evict_cache(policy: EvictionPolicy, cache: Any, budgets: jax.Array) -> tuple
     views = SlotView(layer=jnp.arange(n_layers, dtype=jnp.int32), pos=cache.pos, valid=cache.valid,
                      count=cache.count, k=_by_keep_head(cache.k, heads), v=_by_keep_head(cache.v, heads),
                      score=cache.score, head=jnp.arange(heads, dtype=jnp.int32), lengths=cache.lengths,
+                     k_scale=_by_keep_head(getattr(cache, "k_scale", None), heads),
+                     v_scale=_by_keep_head(getattr(cache, "v_scale", None), heads),
                      q_count=getattr(cache, "q_count", None), q_mean=by_head(getattr(cache, "q_mean", None)),
                      q_m2=by_head(getattr(cache, "q_m2", None)), n_layers=n_layers,
                      model=getattr(cache.kind, "model", None))
@@ -95,13 +100,14 @@ def evict_cache(policy: EvictionPolicy, cache: Any, budgets: jax.Array) -> tuple
 
     def pack(view, budget, keep, score):
         out = compact(view, keep, score)
-        return out.pos, out.valid, out.count, out.k, out.v, out.score
+        return out.pos, out.valid, out.count, out.k, out.v, out.score, out.k_scale, out.v_scale
 
-    packed = _per_layer_and_head(pack, (1,) * 6, views)(views, budgets, keep, score)
-    pos, valid, count, k, v, score = packed
-    merge = lambda x: einops.rearrange(x, "L b H C j d -> L b (H j) C d")  # noqa: E731
+    packed = _per_layer_and_head(pack, (1,) * 8, views)(views, budgets, keep, score)
+    pos, valid, count, k, v, score, k_scale, v_scale = packed
+    merge = lambda x: einops.rearrange(x, "L b H C j ... -> L b (H j) C ...")  # noqa: E731
+    scales = {} if k_scale is None else dict(k_scale=merge(k_scale), v_scale=merge(v_scale))
     left = Left(mask=cache.valid & ~keep, pos=cache.pos, k=cache.k, v=cache.v)
-    return cache.replace(k=merge(k), v=merge(v), pos=pos, valid=valid, count=count, score=score), left
+    return cache.replace(k=merge(k), v=merge(v), pos=pos, valid=valid, count=count, score=score, **scales), left
 
 
 __all__ = ["Left", "evict_cache", "layer_budgets"]

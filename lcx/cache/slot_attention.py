@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from lcx.cache.kv_view import KVView, attend_view
 from lcx.kernels import Attended
+from lcx.kernels.quant import dequantize, quantize
 from lcx.model.config import AttentionSpec
 from lcx.model.rope import apply_rope, rope_tables
 from lcx.sharding import BKS, BSKD, BTHD, ROWS, per_shard
@@ -60,7 +61,11 @@ def write(layer, k: jax.Array, v: jax.Array, positions: jax.Array, ok: jax.Array
     slot_kv = einops.repeat(slot, "b H t -> b (H j) t", j=kv_heads // heads)  # [b, k, t]: each KV head its keep set's
     head = jnp.arange(kv_heads)[None, :, None]
     put = lambda buf, x: buf.at[rows, head, slot_kv].set(  # noqa: E731
-        einops.rearrange(x, "b t k d -> b k t d").astype(buf.dtype), mode="drop")
+        einops.rearrange(x, "b t k ... -> b k t ...").astype(buf.dtype), mode="drop")
+    quant = getattr(layer.kind, "quant", None)
+    if quant is not None:  # 8-bit codes and one scale per token and KV head (lcx.kernels.quant)
+        (k, k_scale), (v, v_scale) = quantize(k, quant), quantize(v, quant)
+        layer = layer.replace(k_scale=put(layer.k_scale, k_scale), v_scale=put(layer.v_scale, v_scale))
     return layer.replace(
         k=put(layer.k, k), v=put(layer.v, v),
         pos=layer.pos.at[rows, keep, slot].set(positions[:, None, :].astype(jnp.int32), mode="drop"),
@@ -135,17 +140,20 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     mask = layer.valid[:, :, None, :] & (layer.pos[:, :, None, :] <= positions[:, None, :, None])  # [b, H, t, C]
     if spec.window is not None:
         mask &= layer.pos[:, :, None, :] > positions[:, None, :, None] - spec.window
-    k_att = layer.k
-    if mode == "cache":
-        k_att = rotate_by_rank(config, layer.k, jnp.maximum(jnp.cumsum(layer.valid, axis=-1, dtype=jnp.int32) - 1, 0),
+    k_att, k_scale = layer.k, getattr(layer, "k_scale", None)
+    if mode == "cache":  # keys rotated here, whole: an 8-bit cache's are dequantized first (in the query's dtype)
+        keys = layer.k if k_scale is None else dequantize(layer.k, k_scale, q.dtype)
+        k_att = rotate_by_rank(config, keys, jnp.maximum(jnp.cumsum(layer.valid, axis=-1, dtype=jnp.int32) - 1, 0),
                                cache_layout=True, rope=spec.rope)
+        k_scale = None
         q = rotate_by_rank(config, q, jnp.maximum(jnp.sum(mask, axis=-1, dtype=jnp.int32) - 1, 0), rope=spec.rope)
 
     # The view's row ints and live masks: per row with one shared keep set, else per row and KV head.
     per_kv = (lambda x: x[:, 0]) if heads == 1 else (  # noqa: E731
         lambda x: einops.repeat(x, "b H ... -> b (H j) ...", j=kv_heads // heads))
     view = KVView(k=k_att, v=layer.v, lengths=per_kv(layer.count), offsets=per_kv(q_offsets),
-                  valid=per_kv(mask[:, :, 0]) if q.shape[1] == 1 else None)
+                  valid=per_kv(mask[:, :, 0]) if q.shape[1] == 1 else None, k_scale=k_scale,
+                  v_scale=getattr(layer, "v_scale", None))
     counted = stat_weights is not None and policy.attention_stat is not None
     core = functools.partial(attend_view, config.attention.impl, spec=spec)
     if counted:

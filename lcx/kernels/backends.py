@@ -21,6 +21,11 @@ Einsum legend: b batch, t queries, s keys / cache slots, h query heads, k kv hea
                 layout (a row that omits it gets that gather path)
 =============  =====================================================================================================
 
+``chunk``, ``decode``, ``column_sums`` and ``paged_decode`` also take ``k_scale, v_scale`` (``column_sums``: only
+``k_scale``): ``k, v`` are then 8-bit codes of a quantized cache (``lcx.kernels.quant``) and the scales, one per slot
+and KV head (``[b, s, k]`` in the chunk layout, ``[b, k, s]`` in the decode layout, ``[P, k, c]`` per page), are
+folded into the logits and probabilities.
+
 Every op also takes a layer's ``AttentionSpec`` settings (``spec_kwargs``): ``softcap`` (logits ``z`` -> ``softcap *
 tanh(z / softcap)``, also in the statistics) and, for ``causal`` / ``chunk`` / ``column_sums``, ``window`` (a query
 sees the ``window`` most recent positions, its own included). ``decode`` has no ``window``: its caller folds the
@@ -56,6 +61,7 @@ from lcx.kernels.attended import Attended, attended
 from lcx.kernels.decode import decode_attention
 from lcx.kernels.flash import flash_attention
 from lcx.kernels.paged_decode import gather_pages, paged_decode_attention
+from lcx.kernels.quant import dequantize
 from lcx.kernels.reference import (attention_column_sums_reference, attention_mask, attention_reference,
                                    decode_attention_reference, masked_attention_parts)
 from lcx.kernels.tiled import tiled_attention, tiled_column_sums
@@ -99,8 +105,10 @@ def _chunk_mask(q, k, q_offsets, kv_lengths, causal, window=None):
 
 
 def _jnp_chunk(q, k, v, *, q_offsets, kv_lengths, sm_scale, causal=True, residuals=False, precision, window=None,
-               softcap=None):
+               softcap=None, k_scale=None, v_scale=None):
     dtype = q.dtype
+    if k_scale is not None:  # the oracle: the values the codes stand for
+        k, v = dequantize(k, k_scale), dequantize(v, v_scale)
     q, k, v = _compute_dtype(q, k, v)
     o, m, l = masked_attention_parts(q, k, v, _chunk_mask(q, k, q_offsets, kv_lengths, causal, window),
                                      sm_scale=sm_scale, precision=precision, softcap=softcap)
@@ -108,25 +116,30 @@ def _jnp_chunk(q, k, v, *, q_offsets, kv_lengths, sm_scale, causal=True, residua
     return (o, m, l) if residuals else o
 
 
-def _xla_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale, window=None, softcap=None):
+def _xla_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale, window=None, softcap=None,
+                     k_scale=None):
     # In float32 tiles (a prefill chunk's statistics over the whole cache would otherwise be a [b, k, g, t, C] float32
-    # array); the same sums as the reference up to summation order.
-    return tiled_column_sums(q.astype(jnp.float32), k.astype(jnp.float32), q_offsets=q_offsets,
-                             kv_lengths=kv_lengths, query_weights=query_weights, sm_scale=sm_scale, window=window,
-                             softcap=softcap)
+    # array); the same sums as the reference up to summation order. 8-bit codes are widened tile by tile.
+    return tiled_column_sums(q.astype(jnp.float32), k if k_scale is not None else k.astype(jnp.float32),
+                             q_offsets=q_offsets, kv_lengths=kv_lengths, query_weights=query_weights,
+                             sm_scale=sm_scale, window=window, softcap=softcap, k_scale=k_scale)
 
 
-def _jnp_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale, window=None, softcap=None):
+def _jnp_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale, window=None, softcap=None,
+                     k_scale=None):
+    k = dequantize(k, k_scale) if k_scale is not None else k
     return attention_column_sums_reference(q, k, causal=True, sm_scale=sm_scale, kv_lengths=kv_lengths,
                                            q_offsets=q_offsets, query_weights=query_weights, window=window,
                                            softcap=softcap)
 
 
-def _jnp_decode(q, k, v, *, valid, sm_scale, weights=False, residuals=False, precision, softcap=None):
+def _jnp_decode(q, k, v, *, valid, sm_scale, weights=False, residuals=False, precision, softcap=None, k_scale=None,
+                v_scale=None):
     dtype = q.dtype
     q, k, v = _compute_dtype(q, k, v)
     out = decode_attention_reference(q, k, v, valid=valid, sm_scale=sm_scale, return_weights=weights,
-                                     return_residuals=residuals, precision=precision, softcap=softcap)
+                                     return_residuals=residuals, precision=precision, softcap=softcap,
+                                     k_scale=k_scale, v_scale=v_scale)
     if isinstance(out, tuple):
         return (out[0].astype(dtype), *out[1:])
     return out.astype(dtype)
@@ -174,19 +187,22 @@ def _xla_causal(q, k, v, *, sm_scale, segment_ids=None, window=None, softcap=Non
 
 
 def _pallas_chunk(q, k, v, *, q_offsets, kv_lengths, sm_scale, causal=True, residuals=False, window=None,
-                  softcap=None):
+                  softcap=None, k_scale=None, v_scale=None):
     return flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, kv_lengths=kv_lengths, q_offsets=q_offsets,
-                           return_residuals=residuals, window=window, softcap=softcap)
+                           return_residuals=residuals, window=window, softcap=softcap, k_scale=k_scale,
+                           v_scale=v_scale)
 
 
-def _pallas_decode(q, k, v, *, valid, sm_scale, weights=False, residuals=False, softcap=None):
+def _pallas_decode(q, k, v, *, valid, sm_scale, weights=False, residuals=False, softcap=None, k_scale=None,
+                   v_scale=None):
     return decode_attention(q, k, v, valid=valid, sm_scale=sm_scale, return_weights=weights,
-                            return_residuals=residuals, softcap=softcap)
+                            return_residuals=residuals, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
 
 
-def _pallas_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale, window=None, softcap=None):
+def _pallas_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale, window=None, softcap=None,
+                        k_scale=None):
     return attention_column_sums(q, k, causal=True, sm_scale=sm_scale, kv_lengths=kv_lengths, q_offsets=q_offsets,
-                                 query_weights=query_weights, window=window, softcap=softcap)
+                                 query_weights=query_weights, window=window, softcap=softcap, k_scale=k_scale)
 
 
 def _gathered_paged_decode(decode: Callable) -> Callable:

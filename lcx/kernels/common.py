@@ -92,8 +92,9 @@ def row_ints(x, batch: int, kv_heads: int, name: str) -> jax.Array | None:
     return jnp.broadcast_to(x.astype(jnp.int32), (batch, kv_heads))
 
 
-def check_qkv(q, k, v) -> int:
-    """Validate ``q [b, t, h, d]``, ``k, v [b, s, k, d]``; return g = h // k."""
+def check_qkv(q, k, v, codes: bool = False) -> int:
+    """Validate ``q [b, t, h, d]``, ``k, v [b, s, k, d]`` (``codes``: ``k, v`` may be 8-bit codes of a quantized
+    cache); return g = h // k."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [batch, len, heads, head_dim]; got {q.shape=}, {k.shape=}, {v.shape=}")
     if k.shape != v.shape:
@@ -103,30 +104,42 @@ def check_qkv(q, k, v) -> int:
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"q_heads={q.shape[2]} must be a multiple of kv_heads={k.shape[2]}")
     for name, x in (("q", q), ("k", k), ("v", v)):
+        if codes and name != "q" and x.dtype.itemsize == 1:
+            continue
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"{name}.dtype={x.dtype} must be a floating type")
     return q.shape[2] // k.shape[2]
 
 
 # --------------------------------------------------------------------------------------------------- merging
-def scaled_logits(q: jax.Array, k: jax.Array, sm_scale: float, softcap: float | None) -> jax.Array:
+def scaled_logits(q: jax.Array, k: jax.Array, sm_scale: float, softcap: float | None,
+                  k_scale: jax.Array | None = None) -> jax.Array:
     """A decode kernel tile's logits ``q [r, d] k [n, d]^T`` in base 2 (``* log2 e``), soft-capped when asked:
-    ``[r, n]``."""
-    s = dot_nt(q, k)
+    ``[r, n]``. ``k_scale [n]``: ``k`` holds 8-bit codes (widened here to ``q``'s dtype) of these scales."""
+    if k_scale is None:
+        s = dot_nt(q, k)
+    else:
+        s = dot_nt(q, k.astype(q.dtype)) * k_scale.astype(jnp.float32)[None, :]
     if softcap is None:
         return s * (sm_scale * LOG2E)
     return jnp.tanh(s * (sm_scale / softcap)) * (softcap * LOG2E)
 
 
-def online_update(carry, s: jax.Array, live: jax.Array, v: jax.Array):
+def online_update(carry, s: jax.Array, live: jax.Array, v: jax.Array, v_scale: jax.Array | None = None,
+                  dtype=None):
     """One tile of the online softmax of the decode kernels: ``carry = (acc [r, d], m [r], l [r])`` (base 2), ``s
-    [r, n]`` scaled logits, ``live [n]``, ``v [n, d]`` -> the new carry."""
+    [r, n]`` scaled logits, ``live [n]``, ``v [n, d]`` -> the new carry. ``v_scale [n]``: ``v`` holds 8-bit codes,
+    widened to ``dtype``; the scales weigh the probabilities of the product (the row sum takes them unweighted)."""
     acc, m, l = carry
     s = jnp.where(live[None, :], s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     p = jnp.where(live[None, :], jnp.exp2(s - m_new[:, None]), 0.0)
     alpha = jnp.exp2(m - m_new)
-    return acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v), m_new, l * alpha + jnp.sum(p, axis=1)
+    if v_scale is None:
+        pv = dot_nn(p.astype(v.dtype), v)
+    else:
+        pv = dot_nn((p * v_scale.astype(jnp.float32)[None, :]).astype(dtype), v.astype(dtype))
+    return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)
 
 
 def online_softmax(body, n_tiles, q: jax.Array, acc_ref, m_ref, l_ref) -> None:

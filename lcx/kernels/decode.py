@@ -65,6 +65,7 @@ class _Static:
     has_lengths: bool
     return_weights: bool
     softcap: float | None = None  # logits z -> softcap * tanh(z / softcap)
+    quantized: bool = False  # K/V are 8-bit codes with per-slot scales (two more refs)
 
 
 def _num_splits(n_tiles: int, want: int) -> int:
@@ -75,12 +76,13 @@ def _num_splits(n_tiles: int, want: int) -> int:
 
 def decode_kernel(*refs, st: _Static):
     """One cache split of one KV group. Refs: [lens [] of this row and KV head], q [r, d], k, v [split, d], live
-    [split] int32
-    -> acc [r, d], m [r], l [r], [scores [r', split]]."""
+    [split] int32, [k scale, v scale [split] of 8-bit K/V] -> acc [r, d], m [r], l [r], [scores [r', split]]."""
     refs = list(refs)
     kv_len_b = refs.pop(0)[()] if st.has_lengths else None
-    q_ref, k_ref, v_ref, live_ref, acc_ref, m_ref, l_ref = refs[:7]
-    s_ref = refs[7] if st.return_weights else None
+    q_ref, k_ref, v_ref, live_ref = refs[:4]
+    ks_ref, vs_ref = refs[4:6] if st.quantized else (None, None)
+    acc_ref, m_ref, l_ref = refs[6:9] if st.quantized else refs[4:7]
+    s_ref = refs[-1] if st.return_weights else None
     bk = st.block_k
     start = pl.program_id(0) * st.split_len
     q = q_ref[...]  # [r, d]
@@ -91,11 +93,12 @@ def decode_kernel(*refs, st: _Static):
     def body(i, carry):  # carry: acc [r, d], m [r], l [r]
         k0 = pl.multiple_of(i * bk, bk)
         live = live_ref[pl.ds(k0, bk)] != 0  # [bk]
-        s = scaled_logits(q, k_ref[pl.ds(k0, bk), :], st.sm_scale, st.softcap)  # [r, bk]
+        scale = (lambda ref: ref[pl.ds(k0, bk)]) if st.quantized else (lambda ref: None)  # noqa: E731
+        s = scaled_logits(q, k_ref[pl.ds(k0, bk), :], st.sm_scale, st.softcap, scale(ks_ref))  # [r, bk]
         if s_ref is not None:
             parts = st.rows // st.score_rows  # Triton splits into equal power-of-two parts only
             s_ref[:, pl.ds(k0, bk)] = s if parts == 1 else lax.split(s, [st.score_rows] * parts, axis=0)[0]
-        return online_update(carry, s, live, v_ref[pl.ds(k0, bk), :])
+        return online_update(carry, s, live, v_ref[pl.ds(k0, bk), :], scale(vs_ref), q.dtype)
 
     online_softmax(body, hi, q, acc_ref, m_ref, l_ref)
 
@@ -103,7 +106,8 @@ def decode_kernel(*refs, st: _Static):
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Array | None = None,
                      lengths: jax.Array | None = None, return_weights: bool = False, sm_scale: float | None = None,
                      block_sizes: DecodeBlockSizes | None = None, interpret: bool | None = None,
-                     return_residuals: bool = False, softcap: float | None = None):
+                     return_residuals: bool = False, softcap: float | None = None, k_scale: jax.Array | None = None,
+                     v_scale: jax.Array | None = None):
     """Attention of one new token per sequence over a KV cache.
 
     Args:
@@ -119,6 +123,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
       softcap: cap the scaled logits at ``softcap * tanh(z / softcap)`` (the weights are those of the capped logits).
       block_sizes: :class:`DecodeBlockSizes`.
       interpret: None = interpret unless the default backend is a GPU (``mode.py``).
+      k_scale, v_scale: ``[batch, kv_heads, cache_len]``: ``k, v`` are 8-bit codes (``lcx.kernels.quant``) with
+        these per-slot scales; each tile is widened in registers and the scales weigh its logits and probabilities.
       return_residuals: also return the row max ``m`` of the logits and the sum of exponentials ``l = sum exp(s -
         m)`` (``[batch, q_heads]`` float32, natural log base; ``-inf`` and 0 for a sequence with no live slot), the
         partial-attention state :func:`lcx.kernels.merge_partials` combines.
@@ -139,6 +145,10 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
         raise ValueError(f"q_heads={h} must be a multiple of kv_heads={kvh}")
     if valid is not None and valid.shape not in ((b, s), (b, kvh, s)):
         raise ValueError(f"{valid.shape=} must be ({b}, {s}) or ({b}, {kvh}, {s})")
+    quantized = k_scale is not None
+    if quantized and (v_scale is None or k_scale.shape != (b, kvh, s) or v_scale.shape != (b, kvh, s)):
+        raise ValueError(f"k_scale and v_scale must both be [batch, kv_heads, cache_len] = {(b, kvh, s)}; got "
+                         f"{k_scale.shape=}, {None if v_scale is None else v_scale.shape}")
     # 4-byte caches: half the tile, so two pipelined K/V tiles fit the shared memory that bf16 ones use.
     bs = block_sizes or DecodeBlockSizes(block_k=64 if k.dtype.itemsize >= 4 else 128)
     g = h // kvh
@@ -150,7 +160,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
     rows = max(16, pl.next_power_of_2(g))
     st = _Static(block_k=bk, split_len=s_pad // n_splits, rows=rows, score_rows=pl.next_power_of_2(g),
                  sm_scale=float(d ** -0.5 if sm_scale is None else sm_scale), has_lengths=lengths is not None,
-                 return_weights=bool(return_weights), softcap=None if softcap is None else float(softcap))
+                 return_weights=bool(return_weights), softcap=None if softcap is None else float(softcap),
+                 quantized=quantized)
 
     lengths = row_ints(lengths, b, kvh, "lengths")  # [b, k]
     live = jnp.ones((b, 1, s), bool) if valid is None else valid.astype(bool).reshape(b, -1, s)
@@ -158,11 +169,12 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
         live = live & (jnp.arange(s)[None, None, :] < lengths[:, :, None])
     live = jnp.broadcast_to(live, (b, kvh, s))
     live = pad_axis(live.astype(jnp.int32), 2, s_pad)  # [b, k, s_pad]; padded slots are dead
-    # The query is cast to the cache dtype, not the cache to the query's: that would copy the whole cache.
-    qg = einops.rearrange(q.astype(k.dtype), "b (k g) d -> b k g d", k=kvh)  # heads grouped by KV head
+    # The query is cast to the cache dtype, not the cache to the query's: that would copy the whole cache (8-bit
+    # codes are widened to the query's dtype tile by tile instead).
+    qg = einops.rearrange(q if quantized else q.astype(k.dtype), "b (k g) d -> b k g d", k=kvh)
     qg = pad_axis(pad_axis(qg, 3, dp), 2, rows)  # [b, k, r, dp]
     kp = pad_axis(pad_axis(k, 3, dp), 2, s_pad)  # [b, k, s_pad, dp]
-    vp = pad_axis(pad_axis(v.astype(k.dtype), 3, dp), 2, s_pad)
+    vp = pad_axis(pad_axis(v if quantized else v.astype(k.dtype), 3, dp), 2, s_pad)
 
     split = st.split_len
     in_specs = [
@@ -172,6 +184,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
         pl.BlockSpec((None, None, split), lambda n, bi, ki: (bi, ki, n)),
     ]
     args = [qg, kp, vp, live]
+    if quantized:
+        in_specs += [pl.BlockSpec((None, None, split), lambda n, bi, ki: (bi, ki, n))] * 2
+        args += [pad_axis(k_scale, 2, s_pad), pad_axis(v_scale, 2, s_pad)]
     if st.has_lengths:
         in_specs.insert(0, pl.BlockSpec((None, None), lambda n, bi, ki: (bi, ki)))
         args.insert(0, lengths)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from lcx.kernels.common import LN2, LOG2E, MASK_VALUE, check_qkv, dot_nn, dot_nt, dot_tn, row_ints
+from lcx.kernels.common import LN2, LOG2E, MASK_VALUE, check_qkv, dot_nn, dot_nt, dot_tn, pad_axis, row_ints
 from lcx.kernels.flash_masks import (FlashBlockSizes, FlashStatic, key_block_ranges, make_static, pad_inputs,
                                      pad_segments, query_block_ranges, row_args, row_specs, segment_specs,
                                      split_row_refs, three_loops, tile_mask)
@@ -48,8 +48,12 @@ from lcx.kernels.reference import attention_reference
 
 def flash_forward_kernel(*refs, st: FlashStatic):
     """One ``[block_q]`` tile of one query head. Refs: [lens []], [offs []], [q segs [bq], k segs [s]], q [bq, d],
-    k, v [s, d] -> o [bq, d], lse [bq]."""
-    kv_len_b, off, segs, (q_ref, k_ref, v_ref, o_ref, lse_ref) = split_row_refs(st, refs)
+    k, v [s, d], [k scale, v scale [s] of 8-bit K/V] -> o [bq, d], lse [bq]."""
+    kv_len_b, off, segs, rest = split_row_refs(st, refs)
+    if st.quantized:
+        q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_ref = rest
+    else:
+        (q_ref, k_ref, v_ref, o_ref, lse_ref), ks_ref, vs_ref = rest, None, None
     bq, bk = st.block_q, st.block_k
     q0 = pl.program_id(0) * bq
     q = q_ref[...]  # [bq, d]
@@ -58,7 +62,11 @@ def flash_forward_kernel(*refs, st: FlashStatic):
     def body(kb, carry, masked):
         acc, m, l = carry  # [bq, d], [bq], [bq]
         k0 = pl.multiple_of(kb * bk, bk)
-        s, _ = logits2(st, dot_nt(q, k_ref[pl.ds(k0, bk), :]))  # [bq, bk] base-2
+        if st.quantized:  # 8-bit codes widened in registers; the scales weigh the logit columns
+            qk = dot_nt(q, k_ref[pl.ds(k0, bk), :].astype(q.dtype)) * ks_ref[pl.ds(k0, bk)].astype(jnp.float32)
+        else:
+            qk = dot_nt(q, k_ref[pl.ds(k0, bk), :])
+        s, _ = logits2(st, qk)  # [bq, bk] base-2
         if masked:
             mask = tile_mask(st, rows, k0 + jnp.arange(bk), kv_len_b, off=off, segs=tile_segs(segs, k0, bk))
             s = jnp.where(mask, s, MASK_VALUE)
@@ -68,7 +76,11 @@ def flash_forward_kernel(*refs, st: FlashStatic):
             p = jnp.where(mask, p, 0.0)
         alpha = jnp.exp2(m - m_new)
         v = v_ref[pl.ds(k0, bk), :]
-        acc = acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v)
+        if st.quantized:  # ... and the value scales the probability columns of the product
+            pv = dot_nn((p * vs_ref[pl.ds(k0, bk)].astype(jnp.float32)[None, :]).astype(q.dtype), v.astype(q.dtype))
+        else:
+            pv = dot_nn(p.astype(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
     carry = (jnp.zeros((bq, q_ref.shape[-1]), jnp.float32), jnp.full((bq,), MASK_VALUE, jnp.float32),
@@ -96,9 +108,10 @@ def tile_segs(segs, k0, bk):
     return segs[0][...], segs[1][pl.ds(k0, bk)]
 
 
-def flash_forward(q, k, v, lens, st: FlashStatic, offs=None, segs=None):
+def flash_forward(q, k, v, lens, st: FlashStatic, offs=None, segs=None, scales=None):
     """Padded ``q [b, t, h, d]``, ``k, v [b, s, k, d]``, ``lens, offs [b]`` int32 or None, ``segs`` (query, key
-    segment ids) or None -> ``o [b, t, h, d]``, base-2 ``lse [b, h, t]`` (fp32)."""
+    segment ids) or None, ``scales`` (k, v scales ``[b, s, k]`` of 8-bit K/V; ``st.quantized``) or None -> ``o [b,
+    t, h, d]``, base-2 ``lse [b, h, t]`` (fp32)."""
     b, t, h, d = q.shape
     s = k.shape[1]
     bq, g = st.block_q, st.groups
@@ -109,6 +122,9 @@ def flash_forward(q, k, v, lens, st: FlashStatic, offs=None, segs=None):
         pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, lax.div(hi, g), 0)),
     ]
     args = row_args(st, lens, offs) + list(segs or ()) + [q, k, v]
+    if st.quantized:
+        in_specs += [pl.BlockSpec((None, s, None), lambda i, bi, hi: (bi, 0, lax.div(hi, g)))] * 2
+        args += list(scales)
     return pl.pallas_call(
         functools.partial(flash_forward_kernel, st=st),
         grid=(t // bq, b, h),  # query tiles fastest: neighbouring programs share the same K/V in L2
@@ -277,7 +293,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
                     window: int | None = None, kv_lengths: jax.Array | None = None,
                     q_offsets: jax.Array | None = None, segment_ids: jax.Array | None = None,
                     block_sizes: FlashBlockSizes | None = None, interpret: bool | None = None,
-                    return_residuals: bool = False, softcap: float | None = None):
+                    return_residuals: bool = False, softcap: float | None = None, k_scale: jax.Array | None = None,
+                    v_scale: jax.Array | None = None):
     """Tiled softmax attention with a Pallas forward and backward (``jax.grad`` works through it).
 
     Args:
@@ -301,11 +318,15 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
       return_residuals: also return each row's logit max ``m`` and sum of exponentials ``l`` (``[batch, q_len,
         q_heads]`` float32, natural log base; here ``m`` is the log-sum-exp and ``l`` is 1, or ``-inf`` and 0 for a
         row that sees no key) for :func:`lcx.kernels.merge_partials`. Forward only (inference).
+      k_scale, v_scale: ``[batch, kv_len, kv_heads]``: ``k, v`` are 8-bit codes of a quantized cache
+        (``lcx.kernels.quant``) with these per-slot scales, folded into each tile's logits and probabilities.
+        Forward only (a cache is not differentiated).
 
     Returns:
       ``[batch, q_len, q_heads, head_dim]`` in ``q.dtype``; rows with no visible key are 0.
     """
-    g = check_qkv(q, k, v)
+    quantized = k_scale is not None
+    g = check_qkv(q, k, v, codes=quantized)
     b, t, _, d = q.shape
     kv_lengths = row_ints(kv_lengths, b, k.shape[2], "kv_lengths")
     q_offsets = row_ints(q_offsets, b, k.shape[2], "q_offsets")
@@ -314,7 +335,18 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
                          f"self-attention (kv_len={k.shape[1]} == q_len={t}, no q_offsets)")
     st = make_static(t, k.shape[1], g, d, q.dtype, causal=causal, sm_scale=sm_scale, window=window,
                      has_lengths=kv_lengths is not None, block_sizes=block_sizes, interpret=interpret,
-                     has_offsets=q_offsets is not None, has_segments=segment_ids is not None, softcap=softcap)
+                     has_offsets=q_offsets is not None, has_segments=segment_ids is not None, softcap=softcap,
+                     quantized=quantized)
+    if quantized:
+        if v_scale is None or k_scale.shape != k.shape[:3] or v_scale.shape != k.shape[:3] or segment_ids is not None:
+            raise ValueError(f"k_scale and v_scale must both be [batch, kv_len, kv_heads] = {k.shape[:3]}, without "
+                             "segment_ids (a quantized cache is attended by chunks of queries)")
+        with jax.named_scope("lcx_flash_attention"):
+            qp, kp, vp = pad_inputs(q, k, v, st)
+            s_pad = kp.shape[1]
+            scales = [pad_axis(x, 1, s_pad) for x in (k_scale, v_scale)]
+            o, lse = flash_forward(qp, kp, vp, kv_lengths, st, q_offsets, None, scales)
+        return _outputs(o, lse, t, d, return_residuals)
     with jax.named_scope("lcx_flash_attention"):
         # One dtype for the dots (a cache kept in another dtype than the activations); a no-op when they agree.
         qp, kp, vp = pad_inputs(q, k.astype(q.dtype), v.astype(q.dtype), st)
@@ -322,6 +354,15 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
         if not return_residuals:
             return _flash(qp, kp, vp, kv_lengths, q_offsets, segs, st)[:, :t, :, :d]
         o, lse = flash_forward(qp, kp, vp, kv_lengths, st, q_offsets, segs)  # lse [b, h, t_pad], base 2
+    return _outputs(o, lse, t, d, True)
+
+
+def _outputs(o, lse, t: int, d: int, residuals: bool):
+    """The forward's padded ``o`` and base-2 ``lse [b, h, t_pad]`` as the caller's output: ``o`` cut to ``t`` rows and
+    ``d`` dims, with residuals ``(o, m, l)`` (``m`` the natural log-sum-exp, ``l`` 1; ``-inf`` and 0 for a row that
+    saw no key)."""
+    if not residuals:
+        return o[:, :t, :, :d]
     lse = jnp.swapaxes(lse[:, :, :t], 1, 2)  # [b, t, h]
     seen = jnp.isfinite(lse)
     return (o[:, :t, :, :d], jnp.where(seen, lse * LN2, -jnp.inf), seen.astype(jnp.float32))

@@ -88,6 +88,7 @@ class FlashStatic:
     has_offsets: bool = False  # per-row q_offsets [b] replace ``offset`` (a traced scalar in the kernels)
     has_segments: bool = False  # segment ids [b, t] of packed documents: queries see keys of their own segment
     softcap: float | None = None  # logits z -> softcap * tanh(z / softcap)
+    quantized: bool = False  # K/V are 8-bit codes with per-slot scales (forward only: a quantized cache)
 
     @property
     def offset(self) -> int:
@@ -103,7 +104,7 @@ class FlashStatic:
 def make_static(q_len: int, kv_len: int, groups: int, head_dim: int, dtype, *, causal: bool, sm_scale: float | None,
                 window: int | None, has_lengths: bool, block_sizes: FlashBlockSizes | None,
                 interpret: bool | None, has_offsets: bool = False, has_segments: bool = False,
-                softcap: float | None = None) -> FlashStatic:
+                softcap: float | None = None, quantized: bool = False) -> FlashStatic:
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"{window=} must be None or a positive int")
     if softcap is not None and not softcap > 0:
@@ -120,7 +121,7 @@ def make_static(q_len: int, kv_len: int, groups: int, head_dim: int, dtype, *, c
         block_q_dq=fit_block(bs.block_q_dq, q_len), block_k_dq=fit_block(bs.block_k_dq, kv_len),
         num_warps=bs.num_warps or (4 if dp <= 64 else 8), num_stages=bs.num_stages,
         num_stages_bwd=bs.num_stages_bwd, interpret=interpret, has_offsets=has_offsets, has_segments=has_segments,
-        softcap=None if softcap is None else float(softcap))
+        softcap=None if softcap is None else float(softcap), quantized=quantized)
 
 
 def pad_inputs(q, k, v, st: FlashStatic):

@@ -158,7 +158,8 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
 def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Array | None = None,
                                lengths: jax.Array | None = None, return_weights: bool = False,
                                sm_scale: float | None = None, return_residuals: bool = False, precision=_HI,
-                               softcap: float | None = None):
+                               softcap: float | None = None, k_scale: jax.Array | None = None,
+                               v_scale: jax.Array | None = None):
     """Reference for ``decode_attention``: ``q [b, h, d]``, ``k, v [b, k, s, d]`` (the slot cache's layout: each KV
     head's slots contiguous), ``valid [b, s]`` or ``[b, k, s]``, ``lengths [b]`` or ``[b, k]``.
 
@@ -168,6 +169,9 @@ def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, vali
 
     Both products contract with K / V in their stored layout (batch dims b, k leading), which XLA runs without
     copying the cache: with ``[b, s, k, d]`` it transposed every layer's keys and values on every decode step.
+
+    ``k_scale, v_scale [b, k, s]``: 8-bit ``k, v`` codes (``lcx.kernels.quant``); the scales multiply the logit and
+    probability columns, so no float copy of the cache is made (the codes are widened inside the products).
     """
     b, kv_heads, s, d = k.shape
     mask = jnp.ones((b, 1, s), bool) if valid is None else valid.astype(bool).reshape(b, -1, s)  # [b, k | 1, s]
@@ -182,10 +186,14 @@ def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, vali
     if precision == _HI:
         q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
     qg = einops.rearrange(q, "b (k g) d -> b k g d", k=kv_heads)
-    scores = capped(_product("bkgd,bksd->bkgs", qg, k.astype(q.dtype), precision) * scale, softcap)
-    scores = jnp.where(mask[:, :, None, :], scores, -jnp.inf)  # [b, k, g, s]
+    scores = _product("bkgd,bksd->bkgs", qg, k.astype(q.dtype), precision) * scale
+    if k_scale is not None:
+        scores = scores * k_scale.astype(jnp.float32)[:, :, None, :]
+    scores = jnp.where(mask[:, :, None, :], capped(scores, softcap), -jnp.inf)  # [b, k, g, s]
     p, m, l = _softmax_parts(scores)  # [b, k, g, s], [b, k, g], [b, k, g]
-    o = _product("bkgs,bksd->bkgd", p.astype(v.dtype) if precision != _HI else p, v.astype(q.dtype), precision)
+    pv = p if v_scale is None else p * v_scale.astype(jnp.float32)[:, :, None, :]
+    low = v.dtype if v_scale is None else q.dtype  # 8-bit codes: the products run in the query's dtype
+    o = _product("bkgs,bksd->bkgd", pv.astype(low) if precision != _HI else pv, v.astype(q.dtype), precision)
     denom = jnp.where(l == 0, 1.0, l)[..., None]
     to_heads = lambda x: einops.rearrange(x, "b k g ... -> b (k g) ...")  # noqa: E731
     results = [to_heads(o / denom).astype(dtype)]

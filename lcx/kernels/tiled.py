@@ -12,6 +12,10 @@ chunk of a prompt: the causal triangle, no more). The largest float32 score arra
 the tiles below every query of the block (and below every row's length) take no mask at all, only the diagonal
 ones do.
 
+``k_scale, v_scale [b, s, k]`` (a cache of 8-bit codes, ``lcx.kernels.quant``): each key tile is widened in place and
+its scales multiply the tile's logit columns; value scales multiply the probability columns before the product. No
+float copy of the cache exists beyond one tile.
+
 ``window`` (a sliding-window layer) hides slots more than ``window - 1`` before a query's own: the walk starts at the
 first tile some query of the block can see, and every visited tile takes the mask. ``softcap`` caps the scaled logits
 (``softcap * tanh(z / softcap)``) in every tile.
@@ -50,7 +54,8 @@ class _Tiles:
     block visits. ``walk(i, init, step)`` runs ``step(carry, j, scores)`` over query block ``i``'s visible key tiles
     ``j`` with their scaled logits ``[b, k, Q, g, S]`` (-inf where hidden)."""
 
-    def __init__(self, q, k, *, q_offsets, kv_lengths, sm_scale, causal, block_q, block_k, window=None, softcap=None):
+    def __init__(self, q, k, *, q_offsets, kv_lengths, sm_scale, causal, block_q, block_k, window=None, softcap=None,
+                 k_scale=None):
         b, t, h, d = q.shape
         s, kv_heads = k.shape[1], k.shape[2]
         if h % kv_heads:
@@ -66,6 +71,8 @@ class _Tiles:
         self.qg = jnp.pad(qg, ((0, 0), (0, 0), (0, self.n_q * self.block_q - t), (0, 0), (0, 0)))
         self.pad_keys = lambda x: jnp.pad(x, ((0, 0), (0, n_k * self.block_k - s), (0, 0), (0, 0)))
         self.kt = self.pad_keys(k)
+        self.pad_scales = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, n_k * self.block_k - s), (0, 0)))
+        self.k_scale = self.pad_scales(k_scale)
         self.dtype = q.dtype if q.dtype in _LOW else jnp.float32
         self.sm_scale, self.causal, self.window, self.softcap = sm_scale, causal, window, softcap
         offsets = jnp.broadcast_to(jnp.asarray(q_offsets, jnp.int32), jnp.shape(q_offsets))
@@ -81,6 +88,8 @@ class _Tiles:
     def scores(self, j, q_blk, q_slot, masked: bool):
         k_blk = jax.lax.dynamic_slice_in_dim(self.kt, j * self.block_k, self.block_k, axis=1)  # [b, S, k, d]
         scores = _product("bkqgd,bskd->bkqgs", q_blk, k_blk.astype(q_blk.dtype))  # [b, k, Q, g, S]
+        if self.k_scale is not None:
+            scores = scores * self.scale_tile(self.k_scale, j)
         if self.softcap is not None:
             scores = self.softcap * jnp.tanh(scores / self.softcap)
         if masked:
@@ -92,6 +101,11 @@ class _Tiles:
                 visible &= k_slot > q_slot - self.window
             scores = jnp.where(visible, scores, -jnp.inf)
         return scores
+
+    def scale_tile(self, scales, j):
+        """Key tile ``j`` of per-slot scales ``[b, s_pad, k]`` as ``[b, k, 1, 1, S]`` float32 (against score tiles)."""
+        tile = jax.lax.dynamic_slice_in_dim(scales, j * self.block_k, self.block_k, axis=1)
+        return einops.rearrange(tile.astype(jnp.float32), "b S k -> b k 1 1 S")
 
     def walk(self, i, init, step):
         q_blk = jax.lax.dynamic_slice_in_dim(self.qg, i * self.block_q, self.block_q, axis=2)
@@ -116,35 +130,43 @@ class _Tiles:
         return einops.rearrange(x, "n b k q g ... -> b (n q) (k g) ...")[:, :self.t]
 
 
-def _online_softmax_step(carry, scores, v_blk=None):
-    """One key tile of the flash recurrence: running max, sum and (with ``v_blk [b, S, k, d]``) output."""
+def _online_softmax_step(carry, scores, v_blk=None, v_scale=None, dtype=None):
+    """One key tile of the flash recurrence: running max, sum and (with ``v_blk [b, S, k, d]``) output; ``v_scale
+    [b, k, 1, 1, S]``: the tile holds 8-bit codes, widened to ``dtype``, whose scales weigh the probabilities."""
     m, l, acc = carry  # [b, k, Q, g], [b, k, Q, g], [b, k, Q, g, d] float32 (acc None without values)
     m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
     safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row that saw only masked keys: exp(-inf) = 0
     p = jnp.exp(scores - safe[..., None])
     alpha = jnp.exp(m - safe)
     if v_blk is not None:
-        pv = _product("bkqgs,bskd->bkqgd", p.astype(v_blk.dtype) if v_blk.dtype in _LOW else p, v_blk)
+        if v_scale is not None:
+            pv = _product("bkqgs,bskd->bkqgd", (p * v_scale).astype(dtype), v_blk.astype(dtype))
+        else:
+            pv = _product("bkqgs,bskd->bkqgd", p.astype(v_blk.dtype) if v_blk.dtype in _LOW else p, v_blk)
         acc = alpha[..., None] * acc + pv
     return m_new, alpha * l + jnp.sum(p, axis=-1), acc
 
 
 def tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offsets: jax.Array, kv_lengths: jax.Array,
                     sm_scale: float, causal: bool = True, residuals: bool = False, block_q: int = BLOCK_Q,
-                    block_k: int = BLOCK_K, window: int | None = None, softcap: float | None = None):
+                    block_k: int = BLOCK_K, window: int | None = None, softcap: float | None = None,
+                    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None):
     """``q [b, t, h, d]`` against ``k, v [b, s, k, d]``: query i of row b sits at key slot ``q_offsets[b] + i`` and
     sees the slots ``<= q_offsets[b] + i`` (``causal``) and ``< kv_lengths[b]``; ``q_offsets`` / ``kv_lengths`` are
     ``[b]`` or, per KV head, ``[b, k]``. Returns ``out [b, t, h, d]`` in ``q``'s dtype, or with ``residuals``
     ``(out float32, m, l)``: each row's logit max and sum of exponentials ``[b, t, h]`` (empty rows: 0, -inf, 0),
-    as :func:`lcx.kernels.merge_partials` takes them. ``window`` / ``softcap``: see the module docstring."""
+    as :func:`lcx.kernels.merge_partials` takes them. ``window`` / ``softcap`` / ``k_scale, v_scale``: see the
+    module docstring."""
     tiles = _Tiles(q, k, q_offsets=q_offsets, kv_lengths=kv_lengths, sm_scale=sm_scale, causal=causal,
-                   block_q=block_q, block_k=block_k, window=window, softcap=softcap)
-    vt = tiles.pad_keys(v)
+                   block_q=block_q, block_k=block_k, window=window, softcap=softcap, k_scale=k_scale)
+    vt, vs = tiles.pad_keys(v), tiles.pad_scales(v_scale)
     b, kv, bq, g = tiles.b, tiles.kv_heads, tiles.block_q, tiles.g
 
     def step(carry, j, scores):
         v_blk = jax.lax.dynamic_slice_in_dim(vt, j * tiles.block_k, tiles.block_k, axis=1)
-        return _online_softmax_step(carry, scores, v_blk)
+        if vs is None:
+            return _online_softmax_step(carry, scores, v_blk)
+        return _online_softmax_step(carry, scores, v_blk, tiles.scale_tile(vs, j), tiles.dtype)
 
     def query_block(_, i):
         init = (jnp.full((b, kv, bq, g), -jnp.inf), jnp.zeros((b, kv, bq, g)), jnp.zeros((b, kv, bq, g, tiles.d)))
@@ -160,7 +182,8 @@ def tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_offsets: jax.
 
 def tiled_column_sums(q: jax.Array, k: jax.Array, *, q_offsets: jax.Array, kv_lengths: jax.Array, sm_scale: float,
                       query_weights: jax.Array | None = None, causal: bool = True, block_q: int = BLOCK_Q,
-                      block_k: int = BLOCK_K, window: int | None = None, softcap: float | None = None) -> jax.Array:
+                      block_k: int = BLOCK_K, window: int | None = None, softcap: float | None = None,
+                      k_scale: jax.Array | None = None) -> jax.Array:
     """The attention each key receives from the queries with ``query_weights [b, t] > 0`` (None: all), summed over
     the queries and each KV head's query group: ``[b, k, s]`` float32 (masks as :func:`tiled_attention`).
 
@@ -168,7 +191,7 @@ def tiled_column_sums(q: jax.Array, k: jax.Array, *, q_offsets: jax.Array, kv_le
     the normalized probabilities per key tile - the dense formulation's ``[b, k, g, t, s]`` probabilities never
     exist at once."""
     tiles = _Tiles(q, k, q_offsets=q_offsets, kv_lengths=kv_lengths, sm_scale=sm_scale, causal=causal,
-                   block_q=block_q, block_k=block_k, window=window, softcap=softcap)
+                   block_q=block_q, block_k=block_k, window=window, softcap=softcap, k_scale=k_scale)
     b, kv, bq, g, bk = tiles.b, tiles.kv_heads, tiles.block_q, tiles.g, tiles.block_k
     t_pad = tiles.n_q * bq
     counted = jnp.ones((b, tiles.t), bool) if query_weights is None else jnp.asarray(query_weights) > 0

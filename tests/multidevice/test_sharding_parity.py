@@ -21,8 +21,9 @@ def kv4_on_model8(run_worker):
 
 @pytest.fixture(scope="module")
 def kv8_per_head(run_worker):
-    """SnapKV with per-KV-head keep sets and a head-adaptive budget (the heads of a layer share it), evicting."""
-    cache = {"policy": "snapkv", "budget": 4, "window": 2, "interval": 2, "head_budget": "adaptive"}
+    """SnapKV with per-KV-head keep sets and a head-adaptive budget (the heads of a layer share it), evicting, in an
+    8-bit cache (codes and scales sharded with their KV heads)."""
+    cache = {"policy": "snapkv", "budget": 4, "window": 2, "interval": 2, "head_budget": "adaptive", "kv_dtype": "int8"}
     return run_worker("parity", impl="pallas", n_kv_heads=8, meshes=[[2, 4]], new_tokens=8, cache=cache)[0]
 
 

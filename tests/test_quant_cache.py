@@ -1,0 +1,83 @@
+"""The 8-bit working cache (``cache.kv_dtype``): real bytes, the write path's rounding, decode equal to prefill over
+the same codes, eviction carrying codes and scales together, and errors at config load."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import lcx
+from lcx.config import CacheConfig, ConfigError, ModelConfig
+from lcx.generate import Generator
+from lcx.kernels.quant import dequantize
+
+CFG = ModelConfig(vocab_size=61, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48, init_std=0.1)
+PROMPT = np.random.default_rng(5).integers(0, 61, 45).tolist()
+
+
+@pytest.fixture(scope="module")
+def params():
+    return lcx.init_params(CFG, jax.random.key(0))
+
+
+def test_int8_cache_bytes_rounding_and_decode_equal_to_prefill(params):
+    """Keys and values take 1 byte per element plus a 2-byte scale per token and KV head: x (d + 2) / 2d of
+    bfloat16. Layer 0's keys (which no earlier attention shapes) are the float cache's within half a step of their
+    scale. A decode step over the codes gives the logits of a prefill over the same tokens (the scales are folded
+    into the decode op's products exactly as into the chunk op's tiles)."""
+    runs = {}
+    for kv_dtype, dtype in ((None, "bfloat16"), (None, None), ("int8", None)):
+        gen = Generator(CFG, params, max_new_tokens=3, cache=CacheConfig(kv_dtype=kv_dtype, dtype=dtype))
+        runs[kv_dtype, dtype] = gen, gen.decode(gen.prefill([PROMPT]))
+    d = CFG.head_dim
+    q_bytes, bf16_bytes = runs["int8", None][1].cache.kv_bytes(), runs[None, "bfloat16"][1].cache.kv_bytes()
+    assert q_bytes * 2 * d == bf16_bytes * (d + 2)
+    fl, q8 = runs[None, None][1].cache, runs["int8", None][1].cache
+    assert q8.k.dtype == np.int8 and q8.k_scale.dtype == np.float16
+    n = len(PROMPT)
+    keys = np.asarray(dequantize(q8.k[0, :, :, :n], q8.k_scale[0, :, :, :n]))
+    step = np.asarray(q8.k_scale[0, :, :, :n], np.float32)[..., None]
+    assert np.all(np.abs(keys - np.asarray(fl.k[0, :, :, :n])) <= 0.5 * step * 1.001 + 1e-6)
+
+    gen, state = runs["int8", None]
+    fed = [PROMPT + [int(t) for t in state.tokens[0]]]
+    once = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(kv_dtype="int8"))
+    np.testing.assert_allclose(np.asarray(state.logits), np.asarray(once.prefill(fed).logits), atol=2e-5)
+
+
+@pytest.mark.parametrize("policy", [dict(policy="snapkv", window=4), dict(policy="streaming", sinks=2)])
+def test_eviction_moves_codes_and_scales_together(policy, params):
+    """After a compression and decode-time evictions, every kept slot of layer 0 holds the codes and scale the
+    uncompressed 8-bit cache holds at that position (layer 0's keys depend on the token alone)."""
+    gen = Generator(CFG, params, max_new_tokens=12,
+                    cache=CacheConfig(kv_dtype="int8", budget=16, interval=8, **policy))
+    state = gen.decode(gen.prefill([PROMPT]))
+    mode = gen.kind.policy.mode  # streaming stores its keys unrotated ("cache" positions): so does the reference
+    full = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(kv_dtype="int8", positions=mode))
+    ref = full.prefill([PROMPT + [int(t) for t in state.tokens[0]]]).cache
+    c = state.cache
+    heads = c.pos.shape[2]
+    assert int(c.count.max()) <= 16 + 8
+    for kv_head in range(CFG.n_kv_heads):
+        keep = kv_head if heads > 1 else 0
+        live = np.asarray(c.valid[0, 0, keep])
+        pos = np.asarray(c.pos[0, 0, keep])[live]
+        assert len(pos) < len(PROMPT)  # something was evicted
+        for name in ("k", "v", "k_scale", "v_scale"):
+            np.testing.assert_array_equal(np.asarray(getattr(c, name)[0, 0, kv_head])[live],
+                                          np.asarray(getattr(ref, name)[0, 0, kv_head])[pos], err_msg=name)
+
+
+@pytest.mark.parametrize("cache, message", [
+    (dict(kv_dtype="int4"), "cache.kv_dtype='int4' is invalid: must be one of ['int8', 'fp8'] or null"),
+    (dict(kv_dtype="int8", layout="paged"), "cache.kv_dtype='int8' with cache.policy='full' and cache.layout="
+                                            "'paged'"),
+    (dict(kv_dtype="fp8", policy="memory", budget=64), "cache.kv_dtype='fp8' with cache.policy='memory'"),
+])
+def test_kv_dtype_errors_name_the_field_and_what_is_allowed(cache, message):
+    with pytest.raises(ConfigError) as err:
+        CacheConfig(**cache)
+    assert message in str(err.value)
+    assert CacheConfig.from_mapping({"kv_dtype": "int8"}).to_dict()["kv_dtype"] == "int8"
+    assert "kv_dtype" not in CacheConfig().to_dict()  # configs written before it stay equal
