@@ -5,8 +5,8 @@ a real checkpoint (SmolLM2-135M-Instruct: 30 layers, 9 query heads, 3 KV heads) 
 ``pydoc_data.topics``, ``lcx.data.haystack.prose_text()``, its first ``--length`` tokens, BOS first), where the
 scores are no longer random and float32 differences between PyTorch and XLA can flip near-ties.
 
-For each press (StreamingLLM, SnapKV, K-norm, TOVA, observed attention) and compression ratio, both sides compress
-once, after a full-attention prefill, to ``int(P x (1 - ratio))`` tokens per layer and KV head:
+For each press (StreamingLLM, SnapKV, K-norm, TOVA, observed attention, Expected Attention) and compression ratio,
+both sides compress once, after a full-attention prefill, to ``int(P x (1 - ratio))`` tokens per layer and KV head:
 
 - kvpress: the press as a context manager around one forward of the prompt (transformers, eager attention,
   float32); the kept positions are read from the compressed cache (each kept key row is matched to the full keys
@@ -41,7 +41,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")  # compare float32 with float32
 
-PRESSES = ("streaming", "snapkv", "knorm", "tova", "observed")
+PRESSES = ("streaming", "snapkv", "knorm", "tova", "observed", "expected_attention")
 
 
 # --------------------------------------------------------------------------------------------------- setup
@@ -68,6 +68,8 @@ def press_and_policy(name: str, ratio: float, args) -> tuple[object, dict]:
         "knorm": (kvpress.KnormPress(ratio), dict(policy="knorm")),
         "tova": (kvpress.TOVAPress(ratio), dict(policy="tova")),
         "observed": (kvpress.ObservedAttentionPress(ratio), dict(policy="observed")),
+        "expected_attention": (kvpress.ExpectedAttentionPress(ratio, n_future_positions=512, n_sink=args.sinks),
+                               dict(policy="expected_attention", horizon=512, sinks=args.sinks)),
     }[name]
 
 
@@ -197,14 +199,18 @@ def lcx_scores(config, weights, params: dict, prompt: list[int], budget: int):
     policy = cache_cfg.make_policy()
     n_layers, keep_heads = c.pos.shape[0], c.pos.shape[2]
     group = config.n_kv_heads // keep_heads  # KV heads that share one keep set
+    q_group = group * config.n_heads // config.n_kv_heads  # ... and the query heads that read them
     out = np.zeros((n_layers, config.n_kv_heads, length), np.float32)
     for layer in range(n_layers):
         for h in range(keep_heads):
-            heads = slice(h * group, (h + 1) * group)
+            heads, q_heads = slice(h * group, (h + 1) * group), slice(h * q_group, (h + 1) * q_group)
+            moments = {} if c.q_count is None else dict(  # Expected Attention's running query moments
+                q_count=c.q_count[layer], q_mean=c.q_mean[layer][:, q_heads],
+                q_m2=None if c.q_m2 is None else c.q_m2[layer][:, q_heads], model=config)
             view = SlotView(layer=jnp.int32(layer), pos=c.pos[layer][:, h], valid=c.valid[layer][:, h],
                             count=c.count[layer][:, h], k=c.k[layer][:, heads].transpose(0, 2, 1, 3),
                             v=c.v[layer][:, heads].transpose(0, 2, 1, 3), score=c.score[layer][:, h],
-                            head=jnp.int32(h), lengths=c.lengths, n_layers=n_layers)
+                            head=jnp.int32(h), lengths=c.lengths, n_layers=n_layers, **moments)
             s = np.asarray(policy.scores(view, jnp.int32(budget)))[0]
             pos, valid = np.asarray(c.pos[layer][0, h]), np.asarray(c.valid[layer][0, h])
             out[layer, heads][:, pos[valid]] = s[valid]  # a view of the group's rows
