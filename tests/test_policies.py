@@ -18,8 +18,7 @@ CFG = ModelConfig(vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2
 POLICY_PARAMS = {"window": {}, "streaming": {"sinks": 2}, "h2o": {}, "observed": {}, "tova": {},
                  "snapkv": {"window": 4}, "knorm": {}, "random": {"seed": 3},
                  "ladder": {"sinks": 2, "span": 2, "overlap": 0, "recent": 4},
-                 "snapkv-adaptive": {"policy": "snapkv", "window": 4, "head_budget": "adaptive"},
-                 "expected_attention": {"sinks": 2, "horizon": 16}}
+                 "snapkv-adaptive": {"policy": "snapkv", "window": 4, "head_budget": "adaptive"}}
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +27,8 @@ def params():
 
 
 # built-in policies whose generation another test exercises: the kept positions and greedy tokens of kvpress's press
-EXERCISED_ELSEWHERE = {"chunkkv": "tests/test_kvpress_parity.py"}
+EXERCISED_ELSEWHERE = {"chunkkv": "tests/test_kvpress_parity.py",
+                       "expected_attention": "tests/test_kvpress_parity.py and the query-moments test below"}
 
 
 def test_policies_registry_lists_every_builtin():
@@ -219,27 +219,27 @@ def test_policies_decoding_16x_budget_keeps_cache_at_capacity(name, params):
 
 
 def test_policies_expected_attention_query_moments_run_over_chunks_and_decode(params):
-    """The running query moments after a prefill in chunks of 8 and 16 decode steps are those of one pass over the
-    same 36 tokens (Chan's merge is exact; the first ``sinks`` positions do not count), and with a small budget the
-    policy evicts during decoding, keeping the sinks."""
+    """The running query moments after a prefill in chunks of 8 and 16 decode steps, evicting to a budget of 10
+    (the sinks kept), are those of one pass over the same 36 tokens: in layer 0, whose queries no eviction shapes,
+    mean and covariance alike (Chan's merge is exact); the count (the first ``sinks`` positions excluded) in every
+    layer."""
     prompt = np.random.default_rng(4).integers(0, 61, (1, 20))
     cache = dict(policy="expected_attention", interval=8, sinks=2, horizon=16)
-    gen = Generator(CFG, params, max_new_tokens=16, cache=CacheConfig(budget=64, prefill_chunk=8, **cache))
+    gen = Generator(CFG, params, max_new_tokens=16, cache=CacheConfig(budget=10, prefill_chunk=8, **cache))
     state = gen.decode(gen.prefill(prompt))
+    c = state.cache
     fed = np.concatenate([prompt[0], np.asarray(state.tokens[0])])[None]  # every token the cache has read
     once = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(budget=64, prefill_chunk=64, **cache))
     ref = once.prefill(fed).cache
-    assert np.asarray(state.cache.q_count).tolist() == [[36.0 - 2]] * CFG.n_layers
+    assert np.asarray(c.q_count).tolist() == [[36.0 - 2]] * CFG.n_layers == np.asarray(ref.q_count).tolist()
     for name in ("q_mean", "q_m2"):
-        np.testing.assert_allclose(np.asarray(getattr(state.cache, name)), np.asarray(getattr(ref, name)),
+        np.testing.assert_allclose(np.asarray(getattr(c, name)[0]), np.asarray(getattr(ref, name)[0]),
                                    rtol=1e-4, atol=1e-5, err_msg=name)
-    small = Generator(CFG, params, max_new_tokens=16, cache=CacheConfig(budget=10, **cache))
-    evicted = small.decode(small.prefill(prompt)).cache
-    assert int(evicted.count.max()) <= 10 + 8 and int(evicted.lengths[0]) == 36
+    assert int(c.count.max()) <= 10 + 8 and int(c.lengths[0]) == 36
     for layer in range(CFG.n_layers):  # the sinks survive every eviction in every KV head
         for head in range(CFG.n_kv_heads):
-            live = np.asarray(evicted.pos[layer, 0, head])[np.asarray(evicted.valid[layer, 0, head])]
-            assert {0, 1} <= set(live.tolist()) and live.max() == 35
+            live = np.asarray(c.pos[layer, 0, head])[np.asarray(c.valid[layer, 0, head])]
+            assert {0, 1} <= set(live.tolist()) and live.max() == 35 and len(live) < 36
 
 
 def test_policies_long_prompt_is_compressed_between_chunks(params):

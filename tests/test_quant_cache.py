@@ -27,42 +27,41 @@ def test_int8_cache_bytes_rounding_and_decode_equal_to_prefill(params):
     scale. A decode step over the codes gives the logits of a prefill over the same tokens (the scales are folded
     into the decode op's products exactly as into the chunk op's tiles)."""
     runs = {}
-    for kv_dtype, dtype in ((None, "bfloat16"), (None, None), ("int8", None)):
-        gen = Generator(CFG, params, max_new_tokens=3, cache=CacheConfig(kv_dtype=kv_dtype, dtype=dtype))
-        runs[kv_dtype, dtype] = gen, gen.decode(gen.prefill([PROMPT]))
-    d = CFG.head_dim
-    q_bytes, bf16_bytes = runs["int8", None][1].cache.kv_bytes(), runs[None, "bfloat16"][1].cache.kv_bytes()
-    assert q_bytes * 2 * d == bf16_bytes * (d + 2)
-    fl, q8 = runs[None, None][1].cache, runs["int8", None][1].cache
+    for kv_dtype in (None, "int8"):
+        gen = Generator(CFG, params, max_new_tokens=3, cache=CacheConfig(kv_dtype=kv_dtype))
+        runs[kv_dtype] = gen, gen.decode(gen.prefill([PROMPT]))
+    d, capacity = CFG.head_dim, runs["int8"][1].cache.capacity
+    bf16_bytes = CacheConfig(dtype="bfloat16").kind(CFG).nbytes(1, capacity)  # from the buffer declarations
+    assert runs["int8"][1].cache.kv_bytes() * 2 * d == bf16_bytes * (d + 2)
+    fl, q8 = runs[None][1].cache, runs["int8"][1].cache
     assert q8.k.dtype == np.int8 and q8.k_scale.dtype == np.float16
     n = len(PROMPT)
     keys = np.asarray(dequantize(q8.k[0, :, :, :n], q8.k_scale[0, :, :, :n]))
     step = np.asarray(q8.k_scale[0, :, :, :n], np.float32)[..., None]
     assert np.all(np.abs(keys - np.asarray(fl.k[0, :, :, :n])) <= 0.5 * step * 1.001 + 1e-6)
 
-    gen, state = runs["int8", None]
+    gen, state = runs["int8"]
     fed = [PROMPT + [int(t) for t in state.tokens[0]]]
     once = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(kv_dtype="int8"))
     np.testing.assert_allclose(np.asarray(state.logits), np.asarray(once.prefill(fed).logits), atol=2e-5)
 
 
-@pytest.mark.parametrize("policy", [dict(policy="snapkv", window=4), dict(policy="streaming", sinks=2)])
-def test_eviction_moves_codes_and_scales_together(policy, params):
+def test_eviction_moves_codes_and_scales_together(params):
     """After a compression and decode-time evictions, every kept slot of layer 0 holds the codes and scale the
-    uncompressed 8-bit cache holds at that position (layer 0's keys depend on the token alone)."""
-    gen = Generator(CFG, params, max_new_tokens=12,
-                    cache=CacheConfig(kv_dtype="int8", budget=16, interval=8, **policy))
+    uncompressed 8-bit cache holds at that position (layer 0's keys depend on the token alone). SnapKV keeps its own
+    positions per KV head; "cache" positions store the keys unrotated and dequantize them to rotate at attention."""
+    gen = Generator(CFG, params, max_new_tokens=12, cache=CacheConfig(kv_dtype="int8", budget=16, interval=8,
+                                                                      policy="snapkv", window=4, positions="cache"))
     state = gen.decode(gen.prefill([PROMPT]))
-    mode = gen.kind.policy.mode  # streaming stores its keys unrotated ("cache" positions): so does the reference
-    full = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(kv_dtype="int8", positions=mode))
+    full = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(kv_dtype="int8", positions="cache"))
     ref = full.prefill([PROMPT + [int(t) for t in state.tokens[0]]]).cache
     c = state.cache
-    heads = c.pos.shape[2]
-    assert int(c.count.max()) <= 16 + 8
+    assert int(c.count.max()) <= 16 + 8 and c.pos.shape[2] == CFG.n_kv_heads
+    kept = [set(np.asarray(c.pos[0, 0, h])[np.asarray(c.valid[0, 0, h])].tolist()) for h in range(CFG.n_kv_heads)]
+    assert kept[0] != kept[1]  # the heads keep different positions
     for kv_head in range(CFG.n_kv_heads):
-        keep = kv_head if heads > 1 else 0
-        live = np.asarray(c.valid[0, 0, keep])
-        pos = np.asarray(c.pos[0, 0, keep])[live]
+        live = np.asarray(c.valid[0, 0, kv_head])
+        pos = np.asarray(c.pos[0, 0, kv_head])[live]
         assert len(pos) < len(PROMPT)  # something was evicted
         for name in ("k", "v", "k_scale", "v_scale"):
             np.testing.assert_array_equal(np.asarray(getattr(c, name)[0, 0, kv_head])[live],
