@@ -200,7 +200,9 @@ def test_policies_budget_above_length_reproduces_full(name, params):
     np.testing.assert_allclose(np.asarray(state.logits), np.asarray(ref_state.logits), atol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["streaming", "ladder", "h2o", "snapkv"])
+# streaming (keys rotated by rank) and snapkv (per-head sets, accumulated attention); the ladder's and H2O's decode-time
+# evictions are exercised by tests/test_generate_score.py's chunked scoring, which compares them step by step
+@pytest.mark.parametrize("name", ["streaming", "snapkv"])
 def test_policies_decoding_16x_budget_keeps_cache_at_capacity(name, params):
     budget, interval, new = 16, 8, 16 * 16
     gen = Generator(CFG, params, max_new_tokens=new,

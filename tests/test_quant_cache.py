@@ -24,11 +24,11 @@ def params():
 def test_int8_cache_bytes_rounding_and_decode_equal_to_prefill(params):
     """Keys and values take 1 byte per element plus a 2-byte scale per token and KV head: x (d + 2) / 2d of
     bfloat16. Layer 0's keys (which no earlier attention shapes) are the float cache's within half a step of their
-    scale. A decode step over the codes gives the logits of a prefill over the same tokens (the scales are folded
-    into the decode op's products exactly as into the chunk op's tiles)."""
+    scale. Decode steps over the codes give the logits of a prefill over the same tokens (the scales are folded
+    into the decode op's products exactly as into the chunk op's tiles; one capacity, so one compiled prefill)."""
     runs = {}
     for kv_dtype in (None, "int8"):
-        gen = Generator(CFG, params, max_new_tokens=3, cache=CacheConfig(kv_dtype=kv_dtype))
+        gen = Generator(CFG, params, max_new_tokens=3, cache=CacheConfig(kv_dtype=kv_dtype), capacity=64)
         runs[kv_dtype] = gen, gen.decode(gen.prefill([PROMPT]))
     d, capacity = CFG.head_dim, runs["int8"][1].cache.capacity
     bf16_bytes = CacheConfig(dtype="bfloat16").kind(CFG).nbytes(1, capacity)  # from the buffer declarations
@@ -41,9 +41,8 @@ def test_int8_cache_bytes_rounding_and_decode_equal_to_prefill(params):
     assert np.all(np.abs(keys - np.asarray(fl.k[0, :, :, :n])) <= 0.5 * step * 1.001 + 1e-6)
 
     gen, state = runs["int8"]
-    fed = [PROMPT + [int(t) for t in state.tokens[0]]]
-    once = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(kv_dtype="int8"))
-    np.testing.assert_allclose(np.asarray(state.logits), np.asarray(once.prefill(fed).logits), atol=2e-5)
+    fed = [PROMPT + [int(t) for t in state.tokens[0]]]  # every token the decode steps read
+    np.testing.assert_allclose(np.asarray(state.logits), np.asarray(gen.prefill(fed).logits), atol=2e-5)
 
 
 def test_eviction_moves_codes_and_scales_together(params):
