@@ -7,6 +7,8 @@
 - ``reference``: the pure-jnp oracles. ``mode``: the one place that picks interpreted vs compiled Pallas.
 - ``Attended``: what the backend's ``chunk`` / ``decode`` return (output, optional weights and residuals).
 - ``merge_partials``: exact log-sum-exp combine of attentions over disjoint key sets.
+- ``quant``: 8-bit KV codes with per-token, per-head scales (``cache.kv_dtype``); the ops above take ``k_scale`` /
+  ``v_scale`` and fold them into logits and probabilities.
 """
 
 from __future__ import annotations
