@@ -26,6 +26,9 @@ def presses(name: str, ratio: float):
         "expected_attention": kvpress.ExpectedAttentionPress(ratio, n_future_positions=512, n_sink=4),
         "tova": kvpress.TOVAPress(ratio),
         "snapkv": kvpress.SnapKVPress(ratio, window_size=32, kernel_size=5),
+        # reconstruction scoring: kvpress's default moves budget between layers; layerwise keeps each layer's
+        "kvzip": kvpress.KVzipPress(ratio, n_sink=4, chunk_size=2048),
+        "kvzip_layerwise": kvpress.KVzipPress(ratio, n_sink=4, chunk_size=2048, layerwise=True),
     }[name]
 
 

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from lcx import device_memory, sharding
 from lcx.cache.base import AUTO_PREFILL_CHUNK, CacheCapacityError, CacheKind, CacheState, round_chunk
 from lcx.cache.config import CacheConfig
+from lcx.cache.reconstruct import Probe, Reconstruction
 from lcx.config_base import ConfigError, dtype_bytes, format_bytes, to_dict
 from lcx.model import Decoder
 from lcx.model.decoder import is_unrolled, unroll_params
@@ -264,6 +265,14 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
     def end_prefill(cache):
         return pin(kind.end_prefill(cache))
 
+    def probe_chunk(params, cache, ids, ok, lo, hi):
+        """One reconstruction pass (``lcx.cache.reconstruct``): the tokens score the cache's slots and leave."""
+        policy = kind.policy
+        probe = Probe(lo=lo, hi=hi, sinks=policy.sinks, width=policy.chunk)
+        _, out = model.apply({"params": params}, ids, cache=cache, ok=ok, logits_index=jnp.zeros_like(hi),
+                             probe=probe)
+        return pin(out.replace(lengths=cache.lengths))
+
     def step(params, cache, token):
         """Append one token per row (making room first) and return the next logits ``[b, V]``."""
         cache = kind.make_room(cache, 1)
@@ -320,7 +329,8 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
         return pin(cache), jax.lax.dynamic_index_in_dim(out, n - 1, axis=1, keepdims=False), logprobs
 
     return (jax.jit(prefill_chunk, donate_argnums=(1,)), jax.jit(end_prefill, donate_argnums=(0,)),
-            jax.jit(decode_loop, donate_argnums=(1,)), jax.jit(forced_loop), jax.jit(forced_chunk))
+            jax.jit(decode_loop, donate_argnums=(1,)), jax.jit(forced_loop), jax.jit(forced_chunk),
+            jax.jit(probe_chunk, donate_argnums=(1,)))
 
 
 # --------------------------------------------------------------------------------------------------- generator
@@ -342,14 +352,17 @@ class Generator:
     def __init__(self, config: ModelConfig, params, *, max_new_tokens: int, cache: CacheConfig | None = None,
                  sampling: SamplingConfig | None = None, eos_id: int | None = None, seed: int = 0,
                  pad_id: int | None = None, mesh=None, capacity: int | None = None, strict: bool = False,
-                 unroll: bool | None = None):
+                 unroll: bool | None = None, reconstruction: Reconstruction | None = None, calibration=None):
         """``capacity`` fixes the cache slots (at least what each request needs): requests of different lengths then
         share one compiled prefill and decode (evaluation grids). ``mesh``: shard params and cache over it.
         ``strict``: positions past the trained range (``check_positions``) are an error instead of a warning.
         ``unroll``: run the unrolled decoder on per-layer params (``choose_unroll``; None: when the copy of the layer
         weights fits). Generators over the same params arrays share that copy while the arrays live (or pass
         ``lcx.model.decoder.unroll_params(params)`` yourself). Same tokens either way; unrolled decodes faster (no
-        per-step weight or cache slicing) and compiles in time proportional to depth."""
+        per-step weight or cache slicing) and compiles in time proportional to depth. ``reconstruction``: the
+        repeat prompt of a policy scored by reconstruction (``kvzip``; ``lcx.cache.reconstruct``). ``calibration``:
+        token ids of a text a policy that ``calibrates`` is measured on (``duo``: its head split), unless its config
+        carries the measurement."""
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive integer")
         for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
@@ -366,11 +379,13 @@ class Generator:
             self.params = shard_params(params, config, mesh)
         self.cache_config = cache or CacheConfig()
         self.kind = cache_kind(config, self.cache_config, mesh)  # validates the policy against the model
+        self.policy = self.cache_config.make_policy()
+        if getattr(self.policy, "calibrates", False):
+            self.policy = self._calibrated(self.policy, params, calibration)
         if mesh is not None and self.kind.name not in ("slots", "hybrid"):
             raise ConfigError(f"cache.policy={self.cache_config.policy!r} (cache type {self.kind.name!r}) does not "
                               "run on a device mesh yet; generate on one device or use an eviction policy")
         self._open: list = []  # handles of the host resources (e.g. stores) this generator's requests opened
-        self.policy = self.cache_config.make_policy()
         self.sampling = sampling or SamplingConfig()
         self.capacity = capacity
         # prompt tokens asked for, and run through the model (shared pages of a paged cache are prefilled once)
@@ -383,8 +398,34 @@ class Generator:
             self.params = kept if kept is not None else _keep_unrolled(self.params)
         elif is_unrolled(self.params):
             raise ConfigError("unroll=False needs stacked params (a 'layers' entry); these are unrolled")
-        self._prefill_chunk, self._end_prefill, self._decode_loop, self._forced, self._forced_chunk = _compiled(
-            config, self.sampling, eos_id, self.pad_id, self.kind, mesh, self.unrolled)
+        (self._prefill_chunk, self._end_prefill, self._decode_loop, self._forced, self._forced_chunk,
+         self._probe) = _compiled(config, self.sampling, eos_id, self.pad_id, self.kind, mesh, self.unrolled)
+        self.reconstruction = reconstruction
+        if getattr(self.policy, "reconstructs", False):
+            if self.kind.name != "slots":
+                raise ConfigError(f"cache.policy={self.cache_config.policy!r} scores the prompt by reconstruction "
+                                  f"passes, built for the contiguous slot cache of a model whose layers are all "
+                                  f"global; this configuration's cache type is {self.kind.name!r}")
+            if reconstruction is None:
+                raise ConfigError(f"cache.policy={self.cache_config.policy!r} scores the prompt by asking the model "
+                                  "to repeat it: pass Generator(reconstruction=...) - the repeat prompt's token ids, "
+                                  "e.g. lcx.data.haystack.Frame(tokenizer, chat).reconstruction()")
+
+    def _calibrated(self, policy, params, calibration):
+        """``policy`` measured on this model (``EvictionPolicy.calibrate``), and the cache kind rebuilt with it."""
+        if not policy.calibrated:
+            if calibration is None:
+                raise ConfigError(f"cache.policy={policy.name!r} is calibrated on the model: pass Generator("
+                                  "calibration=token ids of a text, e.g. prose) or its measurement in the config")
+            if is_unrolled(params):
+                raise ConfigError("calibrating a policy needs the stacked params (a 'layers' entry)")
+            policy = policy.calibrate(self.config, params, calibration)
+        if self.kind.name != "slots":
+            raise ConfigError(f"cache.policy={policy.name!r} is built for the contiguous slot cache of a model "
+                              f"whose layers are all global; this configuration's cache type is {self.kind.name!r}")
+        policy.check_calibration(self.config)
+        self.kind = dataclasses.replace(self.kind, policy=policy)
+        return policy
 
     def _put(self, x, batch_axis: bool = True):
         """A host value as a step input: split by rows over "data" (or replicated) on the mesh."""
@@ -457,7 +498,16 @@ class Generator:
                 cache = self._new_cache(batch, capacity)
         else:
             cache, capacity = self._continued(state, batch, max_len)
+        reconstructs = getattr(self.policy, "reconstructs", False)
+        if reconstructs and (state is not None or max_len > capacity):
+            raise ConfigError(
+                f"cache.policy={self.cache_config.policy!r} compresses a fresh prompt once, after scoring all of it: "
+                + ("append later tokens with Generator.score, not prefill(state=...)" if state is not None else
+                   f"the prompt ({max_len} tokens) must fit the capacity ({capacity}) - raise cache.interval to at "
+                   f"least the prompt length - budget"))
         cache, last_logits = self._chunks(ids, lengths, cache, capacity, progress)
+        if reconstructs:
+            cache = self._reconstruct(cache, ids, lengths, progress)
         with sharding.use_mesh(self.mesh):
             cache = self.kind.sync(self._end_prefill(cache))
         return DecodeState(
@@ -520,6 +570,16 @@ class Generator:
             bar.update(chunk * batch)
         bar.close()
         return cache, last_logits
+
+    def _reconstruct(self, cache: CacheState, ids: np.ndarray, lengths: np.ndarray, progress: bool) -> CacheState:
+        """The reconstruction passes of a ``reconstructs`` policy over the prefilled prompts (``Reconstruction
+        .passes``): each scores the slots of its chunk; the cache keeps only the prompt."""
+        passes = self.reconstruction.passes(ids, lengths, self.policy.chunk)
+        for tokens, ok, lo, hi in tqdm(passes, disable=not progress, desc="reconstruct", unit="pass"):
+            with sharding.use_mesh(self.mesh):
+                cache = self._probe(self.params, cache, self._put(tokens), self._put(ok), self._put(lo, False),
+                                    self._put(hi))
+        return cache
 
     def _continued(self, state: DecodeState, batch: int, max_len: int) -> tuple[CacheState, int]:
         """The cache of ``state`` to append ``batch`` prompts of up to ``max_len`` tokens to, and its capacity."""

@@ -128,3 +128,51 @@ def test_per_head_sets_differ_where_kvpress_is_per_head(checkpoint):
     press, params, attn = _presses()["knorm"]
     ref_kept, _ = _kvpress_run(path, press, attn, prompt)
     assert any((ref_kept[layer, 0] != ref_kept[layer, 1]).any() for layer in range(ref_kept.shape[0]))
+
+
+def _byte_tokenizer(folder) -> None:
+    """A byte-level BPE without merges (one id per byte; 256 ids) and no chat template, as kvpress's KVzip loads it
+    from the checkpoint's folder."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def test_kvzip_reconstruction_scores_keep_what_kvpress_keeps(tmp_path):
+    """KVzip: the context is repeated in chunks of 16 (three passes, the later two led by kvpress's second prompt
+    and the previous chunk's last 8 tokens); each layer keeps its 2 x 20 best (KV head, position) scores
+    (kvpress ``layerwise=True``; lcx: an adaptive head budget without floor, capped at the whole layer)."""
+    from lcx.data.haystack import Frame
+    from lcx.data.tokenizer import HFTokenizer
+
+    model = random_hf_model("llama", std=0.2, num_hidden_layers=3, vocab_size=256, eos_token_id=None,
+                            bos_token_id=None, pad_token_id=None)
+    model.save_pretrained(tmp_path)
+    _byte_tokenizer(tmp_path)
+    prompt = np.random.default_rng(3).integers(0, 256, (1, PROMPT))
+    press = kvpress.KVzipPress(RATIO, layerwise=True, n_sink=4, chunk_size=16)
+    ref_kept, ref_tokens = _kvpress_run(tmp_path, press, "sdpa", prompt)
+
+    reconstruction = Frame(HFTokenizer(tmp_path)).reconstruction()
+    assert reconstruction.skip == 0 and len(reconstruction.first) > 30  # a byte per character, no BOS or header
+    config, weights = hf.load_hf(tmp_path)
+    cache = CacheConfig(policy="kvzip", budget=KEPT, interval=64, prefill_chunk=PROMPT, sinks=4, chunk=16,
+                        head_budget="adaptive", head_floor=0.0, head_cap=2.0)
+    gen = Generator(config, weights, max_new_tokens=NEW, cache=cache, reconstruction=reconstruction)
+    state = gen.prefill(prompt.tolist())
+    pos, valid = np.asarray(state.cache.pos)[:, 0], np.asarray(state.cache.valid)[:, 0]  # [L, k, C]
+    kept = np.zeros_like(ref_kept)
+    for layer in range(config.n_layers):
+        for head in range(config.n_kv_heads):
+            kept[layer, head, pos[layer, head][valid[layer, head]]] = True
+    assert ref_kept.sum() == kept.sum() == config.n_layers * config.n_kv_heads * KEPT
+    assert any(k.sum(-1).tolist() != [KEPT, KEPT] for k in kept)  # the heads' shares differ somewhere
+    np.testing.assert_array_equal(kept, ref_kept)
+    np.testing.assert_array_equal(np.asarray(gen.result(gen.decode(state)).tokens[0]), ref_tokens)

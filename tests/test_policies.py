@@ -28,7 +28,9 @@ def params():
 
 # built-in policies whose generation another test exercises: the kept positions and greedy tokens of kvpress's press
 EXERCISED_ELSEWHERE = {"chunkkv": "tests/test_kvpress_parity.py",
-                       "expected_attention": "tests/test_kvpress_parity.py and the query-moments test below"}
+                       "expected_attention": "tests/test_kvpress_parity.py and the query-moments test below",
+                       "kvzip": "tests/test_kvpress_parity.py and the reconstruction tests below",
+                       "duo": "the calibration test below"}
 
 
 def test_policies_registry_lists_every_builtin():
@@ -244,6 +246,88 @@ def test_policies_expected_attention_query_moments_run_over_chunks_and_decode(pa
             assert {0, 1} <= set(live.tolist()) and live.max() == 35 and len(live) < 36
 
 
+def test_policies_kvzip_reconstruction_passes_lay_out_each_row():
+    """The passes over a ragged batch: instruction, then (later passes) the previous chunk's tail, the suffix and the
+    row's chunk, padded to one width; a row whose context has ended is all padding with ``hi = lo``."""
+    from lcx.cache.reconstruct import Reconstruction
+
+    rec = Reconstruction(first=(1, 2, 3), later=(4,), suffix=(9,), skip=2, tail=2)
+    ids = np.zeros((2, 13), np.int32)
+    ids[0], ids[1, :7] = 100 + np.arange(13), 200 + np.arange(7)
+    passes = rec.passes(ids, np.array([13, 7]), chunk=5)
+    assert rec.width(5) == 3 + 1 + 5 and len(passes) == 3  # 11 context tokens of row 0 in chunks of 5
+    (t0, ok0, lo0, hi0), (t1, ok1, lo1, hi1), (t2, ok2, lo2, hi2) = passes
+    assert t0[0].tolist() == [1, 2, 3, 9, 102, 103, 104, 105, 106] and ok0.all()
+    assert (lo0, hi0.tolist()) == (2, [7, 7]) and t0[1, 4:].tolist() == [202, 203, 204, 205, 206]
+    assert t1[0].tolist() == [4, 105, 106, 9, 107, 108, 109, 110, 111] and (lo1, hi1.tolist()) == (7, [12, 7])
+    assert not ok1[1].any() and t2[0, :5].tolist() == [4, 110, 111, 9, 112] and ok2[0].sum() == 5
+    assert (lo2, hi2.tolist()) == (12, [13, 12])
+
+
+def test_policies_kvzip_scores_each_row_by_its_own_context(params):
+    """Swapping the rows of a ragged batch swaps their kept sets (each row's passes score only its own chunk; the
+    passes leave the cache holding the prompt), and a prompt the capacity cannot hold whole is refused before
+    anything is scored (eviction between prefill chunks would drop tokens unscored)."""
+    from lcx.cache.reconstruct import Reconstruction
+
+    rng = np.random.default_rng(5)
+    a, b = rng.integers(0, 61, 30).tolist(), rng.integers(0, 61, 19).tolist()
+    rec = Reconstruction(first=(3, 4, 5), later=(6,), suffix=(7,), skip=1, tail=3)
+    cache = CacheConfig(policy="kvzip", budget=12, interval=24, sinks=2, chunk=8, prefill_chunk=32)
+    gen = Generator(CFG, params, max_new_tokens=4, cache=cache, reconstruction=rec, capacity=36)
+
+    def kept(prompts):
+        c = gen.prefill(prompts).cache
+        assert np.asarray(c.lengths).tolist() == [len(p) for p in prompts]
+        return [[sorted(np.asarray(c.pos[i, r, h])[np.asarray(c.valid[i, r, h])].tolist())
+                 for i in range(CFG.n_layers) for h in range(CFG.n_kv_heads)] for r in range(2)]
+
+    ab, ba = kept([a, b]), kept([b, a])
+    assert ab == ba[::-1] and ab[0] != ab[1]
+    assert all(len(s) == 12 and {0, 1} <= set(s) for row in ab for s in row)
+    assert any(s != row[0] for row in ab for s in row)  # per KV head and layer: sets differ
+    with pytest.raises(ConfigError, match="must fit the capacity"):
+        gen.prefill([rng.integers(0, 61, 40).tolist()])
+    with pytest.raises(ConfigError, match="pass Generator\\(reconstruction=...\\)"):
+        Generator(CFG, params, max_new_tokens=4, cache=cache)
+
+
+def test_policies_duo_calibration_splits_heads_by_distant_attention(params):
+    """DuoAttention's split: the calibration score of each (layer, KV head) is the attention mass its queries past
+    the window give positions ``sinks .. t - recent`` (numpy softmax on the model's own queries and keys); the
+    half with the least mass stream - they keep the 2 sinks and the 8 newest tokens, the others all 40."""
+    from lcx.cache.duo import head_scores, streaming_heads
+
+    sinks, recent = 2, 8
+    ids = np.random.default_rng(0).integers(0, 61, 48)
+    q, k = (np.asarray(x[:, 0], np.float64) for x in lcx.model.attention_inputs(CFG, params, ids[None]))
+    ref = np.zeros((CFG.n_layers, CFG.n_kv_heads))
+    group = CFG.n_heads // CFG.n_kv_heads
+    for layer in range(CFG.n_layers):
+        for head in range(CFG.n_heads):
+            for t in range(sinks + recent, len(ids)):
+                logits = q[layer, t, head] @ k[layer, :t + 1, head // group].T / np.sqrt(CFG.head_dim)
+                p = np.exp(logits - logits.max())
+                ref[layer, head // group] += (p[sinks:t - recent + 1].sum() / p.sum()) / (
+                    (len(ids) - sinks - recent) * group)
+    np.testing.assert_allclose(head_scores(CFG, params, ids, sinks=sinks, recent=recent), ref, rtol=1e-4)
+
+    cache = CacheConfig(policy="duo", budget=48, interval=16, sinks=sinks, recent=recent, head_ratio=0.5)
+    gen = Generator(CFG, params, max_new_tokens=4, cache=cache, calibration=ids)
+    stream = gen.policy.streaming()
+    assert (stream == streaming_heads(ref, 0.5)).all() and stream.sum() == CFG.n_layers * CFG.n_kv_heads // 2
+    c = gen.prefill([ids[:40].tolist()]).cache
+    for layer in range(CFG.n_layers):
+        for head in range(CFG.n_kv_heads):
+            live = sorted(np.asarray(c.pos[layer, 0, head])[np.asarray(c.valid[layer, 0, head])].tolist())
+            assert live == ([0, 1, *range(32, 40)] if stream[layer, head] else list(range(40)))
+    with pytest.raises(ConfigError, match="pass Generator\\(calibration="):
+        Generator(CFG, params, max_new_tokens=4, cache=cache)
+    with pytest.raises(ConfigError, match="one score per layer and KV head"):
+        Generator(CFG, params, max_new_tokens=4, cache=CacheConfig(
+            policy="duo", budget=48, sinks=sinks, recent=recent, scores=[[0.1, 0.2, 0.3]] * CFG.n_layers))
+
+
 def test_policies_long_prompt_is_compressed_between_chunks(params):
     prompt = np.random.default_rng(2).integers(0, 61, (1, 100))
     gen = Generator(CFG, params, max_new_tokens=4,
@@ -281,6 +365,13 @@ def test_policies_pyramid_budgets_shrink_with_depth():
      "cache.pyramid_beta=0.5 is invalid: must be a number >= 1"),
     ({"policy": "chunkkv", "budget": 16, "window": 4, "chunk": 0}, "cache.chunk=0 is invalid"),
     ({"policy": "chunkkv", "budget": 16, "window": 4, "chunk": 20}, "it must hold one chunk (cache.chunk=20)"),
+    ({"policy": "kvzip", "budget": 16, "positions": "cache"}, "cache.positions='cache' is invalid for "
+     "cache.policy='kvzip'"),
+    ({"policy": "kvzip", "budget": 16, "chunk": 0}, "cache.chunk=0 is invalid"),
+    ({"policy": "duo", "budget": 400, "head_ratio": 1.5}, "cache.head_ratio=1.5 is invalid: must be in [0, 1]"),
+    ({"policy": "duo", "budget": 400, "heads": "shared"}, "cache.heads='shared' is invalid for cache.policy='duo'"),
+    ({"policy": "duo", "budget": 300}, "it must exceed cache.sinks + cache.recent=384"),
+    ({"policy": "duo", "budget": 400, "scores": [[0.5, 0.5]] * 3}, "cache.scores has 3 rows"),
     ({"policy": "chunkkv", "budget": 16, "window": 4, "head_budget": "adaptive", "heads": "per_head"},
      "cache.head_budget='adaptive' is invalid for cache.policy='chunkkv'"),
 ])

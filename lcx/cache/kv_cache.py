@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lcx.cache import slot_attention
+from lcx.cache import reconstruct, slot_attention
 from lcx.cache.base import (AUTO_PREFILL_CHUNK, CacheCapacityError, CacheKind, CacheState, register_kind,
                             round_chunk)
 from lcx.cache.policy import EvictionPolicy, make_policy
@@ -213,7 +213,12 @@ class SlotCacheKind(CacheKind):
         return np.broadcast_to(chosen.astype(np.float32), (batch, width)).copy()
 
     # ------------------------------------------------------------------------------------------- attention
-    def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None):
+    def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None, probe=None):
+        """Append and attend (``slot_attention.attend``); with a ``probe`` (a reconstruction pass of a policy that
+        ``reconstructs``, ``lcx.cache.reconstruct``) attend without appending and score the probed slots."""
+        if probe is not None:
+            return reconstruct.attend(self, layer, q, key, val, cos=cos, sin=sin, ok=ok,
+                                      spec=spec or self.model.attention_specs()[0], probe=probe)
         return slot_attention.attend(self, layer, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
                                      stat_weights=stat_weights, spec=spec)
 

@@ -1,6 +1,6 @@
 """The built-in eviction policies: full, window, StreamingLLM, H2O, observed attention, TOVA, SnapKV, ChunkKV,
-Expected Attention, K-norm, random (the LaCache ladder is in ``ladder.py``). Each scores one layer's slots (of one KV
-head, for per-head policies); ``compact`` does the rest.
+Expected Attention, KVzip, DuoAttention, K-norm, random (the LaCache ladder is in ``ladder.py``). Each scores one
+layer's slots (of one KV head, for per-head policies); ``compact`` does the rest.
 
 Slots are packed at the front in position order, so slot rank ``j`` counts tokens from the oldest live one and
 ``count - 1 - j`` from the newest. Attention scores are probabilities summed over the counted queries and the query
@@ -14,8 +14,9 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from lcx.cache.policy import EvictionPolicy, ScoredPolicy, SlotView, register
+from lcx.cache.policy import EvictionPolicy, ScoredPolicy, SlotView, register, top_budget
 from lcx.config_base import ConfigError
 from lcx.model.rope import apply_rope, rope_tables
 
@@ -295,6 +296,132 @@ class ExpectedAttention(ScoredPolicy):
 
     def check(self, n_layers, budgets):
         _need_budget_above(self.name, "cache.sinks", self.sinks, budgets)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class KVzip(ScoredPolicy):
+    """KVzip (arXiv 2505.23416; kvpress ``KVzipPress``): score each prompt token by how much the model needs it to
+    *repeat* the context. After prefill the generator runs reconstruction passes (``lcx.cache.reconstruct``: "Repeat
+    the previous context exactly." and the context again, ``chunk`` tokens per pass) whose queries score every
+    slot of the chunk they repeat by the largest attention it receives - per KV head, over its query group and the
+    pass's queries, in a softmax over the ``sinks`` first positions, the chunk and the pass itself - and then the
+    cache is compressed once by those scores. Query-agnostic: the same compressed cache serves any question.
+
+    Per KV head by default; ``head_budget: adaptive`` spreads a layer's budget over its heads by these scores
+    (kvpress's ``layerwise=True`` is ``head_floor: 0`` with a cap of all the layer's slots; its default also moves
+    budget between layers, which a fixed-capacity slot cache does not). The ``sinks`` first positions are always
+    kept. Scores are computed once: tokens appended after the prompt score 0, so an eviction during decoding
+    removes them first - KVzip is a one-shot compression (``interval`` >= prompt length - budget + the tokens to
+    come).
+    """
+
+    name: ClassVar[str] = "kvzip"
+    reconstructs: ClassVar[bool] = True
+    sinks: int = 4
+    chunk: int = 2048
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sinks < 0:
+            raise ConfigError(f"cache.sinks={self.sinks} is invalid: must be >= 0")
+        if self.chunk < 1:
+            raise ConfigError(f"cache.chunk={self.chunk} is invalid: must be >= 1 (context tokens per "
+                              "reconstruction pass)")
+        if self.mode != "original":
+            raise ConfigError(f"cache.positions={self.positions!r} is invalid for cache.policy='kvzip': its "
+                              "reconstruction passes attend to keys at their original positions; allowed: 'original'")
+
+    def scores(self, view, budget):
+        return view.score + jnp.where(view.valid & (view.pos < self.sinks), _PROTECT, 0.0)
+
+    def check(self, n_layers, budgets):
+        _need_budget_above(self.name, "cache.sinks", self.sinks, budgets)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Duo(EvictionPolicy):
+    """DuoAttention's head split (arXiv 2410.10819, ``lcx.cache.duo``): *streaming* KV heads keep the first ``sinks``
+    and the ``recent`` newest tokens, *retrieval* heads keep everything (up to ``cache.budget``, past it the newest,
+    sinks kept). The ``head_ratio`` share of (layer, KV head) pairs stream: those whose attention, measured on a
+    calibration text, falls least outside the streaming window (``scores``, one per layer and KV head:
+    ``lcx.cache.duo.head_scores``; when not given, the generator calibrates on the text it is handed).
+
+    The cache holds ``budget`` slots per head for every head (the slot cache has one capacity), so the saving is in
+    the tokens attended, not yet in memory: ``kept / prompt`` is ``1 - head_ratio x (1 - (sinks + recent) /
+    prompt)``. Defaults: kvpress's on-the-fly DuoAttention (sinks 128, recent 256).
+    """
+
+    name: ClassVar[str] = "duo"
+    head_mode: ClassVar[str] = "per_head"
+    calibrates: ClassVar[bool] = True
+    sinks: int = 128
+    recent: int = 256
+    head_ratio: float = 0.5
+    scores: tuple[tuple[float, ...], ...] | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sinks < 0 or self.recent < 1:
+            raise ConfigError(f"cache.sinks={self.sinks} / cache.recent={self.recent} are invalid: sinks >= 0 and "
+                              "recent >= 1 (the streaming window)")
+        if not 0.0 <= self.head_ratio <= 1.0:
+            raise ConfigError(f"cache.head_ratio={self.head_ratio} is invalid: must be in [0, 1] (the share of KV "
+                              "heads that stream)")
+        if not self.per_head:
+            raise ConfigError("cache.heads='shared' is invalid for cache.policy='duo': it splits the KV heads of a "
+                              "layer; allowed: 'per_head'")
+
+    @property
+    def calibrated(self) -> bool:
+        return self.scores is not None
+
+    def calibrate(self, model, params, ids) -> "Duo":
+        """This policy with ``scores`` measured on the calibration text ``ids`` (``lcx.cache.duo.head_scores``)."""
+        from lcx.cache.duo import head_scores
+
+        scores = head_scores(model, params, ids, sinks=self.sinks, recent=self.recent)
+        return dataclasses.replace(self, scores=tuple(tuple(float(x) for x in row) for row in scores))
+
+    def at_compression(self, compression, length):
+        """Evicting ``compression`` of a context: the retrieval heads keep all ``length`` tokens, and the share of
+        streaming heads is ``compression / (1 - (sinks + recent) / length)`` (at most 1)."""
+        dropped = 1.0 - (self.sinks + self.recent) / length
+        if dropped <= 0 or compression > dropped:
+            raise ConfigError(f"cache.policy='duo' cannot evict {compression:g} of {length} tokens: its streaming "
+                              f"heads keep sinks + recent = {self.sinks + self.recent}, at most {max(dropped, 0):.3g} "
+                              "of the context can go")
+        return {"head_ratio": round(compression / dropped, 3), "budget": length}
+
+    def check_calibration(self, model) -> None:
+        shape = (model.n_layers, model.n_kv_heads)
+        if np.shape(self.streaming()) != shape:
+            raise ConfigError(f"cache.scores has shape {np.shape(self.scores)}: it must hold one score per layer and "
+                              f"KV head, {shape}")
+
+    def streaming(self) -> np.ndarray:
+        """``[L, k]`` bool: the streaming heads (``lcx.cache.duo.streaming_heads`` of ``scores``)."""
+        from lcx.cache.duo import streaming_heads
+
+        if self.scores is None:
+            raise ConfigError("cache.policy='duo' has no head scores: give cache.scores (one per layer and KV head) "
+                              "or a calibration text to the Generator (calibration=token ids)")
+        return streaming_heads(self.scores, self.head_ratio)
+
+    def select(self, view, budget):
+        stream = jnp.asarray(self.streaming())[view.layer, view.head]
+        newest = view.consumed()[:, None] - 1
+        window = view.valid & ((view.pos < self.sinks) | (view.pos > newest - self.recent))
+        recent_first = view.pos.astype(jnp.float32) + jnp.where(view.pos < self.sinks, _PROTECT, 0.0)
+        return jnp.where(stream, window, top_budget(recent_first, view, budget)), view.score
+
+    def check(self, n_layers, budgets):
+        _need_budget_above(self.name, "cache.sinks + cache.recent", self.sinks + self.recent, budgets)
+        if self.scores is not None and (len(self.scores) != n_layers or len({len(r) for r in self.scores}) != 1):
+            raise ConfigError(f"cache.scores has {len(self.scores)} rows of lengths "
+                              f"{sorted({len(r) for r in self.scores})}: it must have one row per layer ({n_layers}) "
+                              "of one score per KV head")
 
 
 @register

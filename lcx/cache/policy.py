@@ -99,6 +99,12 @@ class CachePolicy(abc.ABC):
     def check(self, n_layers: int, budgets: tuple[int, ...]) -> None:
         """Raise ``ConfigError`` for settings that cannot work with this model (called before anything runs)."""
 
+    def at_compression(self, compression: float, length: int) -> dict[str, Any]:
+        """The cache settings that evict the share ``compression`` of a ``length``-token context (an ablation's
+        ``compressions``). Default: none - the budget keeps ``(1 - compression) x length`` tokens; a policy whose
+        compression is set otherwise returns its parameters (and ``budget``)."""
+        return {}
+
 
 @dataclasses.dataclass(frozen=True)
 class EvictionPolicy(CachePolicy):
@@ -117,11 +123,20 @@ class EvictionPolicy(CachePolicy):
     moments it needs with ``query_moments`` (0: none, 1: the mean, 2: mean and covariance): the cache then stores
     them per layer and query head and updates them with every query ``counts_query`` selects (prefill and decode),
     and the policy's view carries them (``SlotView.q_mean`` ...). Nothing is computed or stored otherwise.
+
+    A policy scored by reconstruction (KVzip) sets ``reconstructs``: after prefill the generator runs the model over
+    a reconstruction prompt whose queries score the prompt's slots without entering the cache
+    (``lcx.cache.reconstruct``); the slot statistic then holds those scores. Its parameters ``sinks`` and ``chunk``
+    say which positions the scoring softmax always includes and how many context tokens one pass repeats. A policy
+    measured on the model before use (DuoAttention's head split) sets ``calibrates``: the generator hands it the
+    params and a calibration text (``calibrate``) unless the config already carries the measurement.
     """
 
     position_mode: ClassVar[str] = "original"
     attention_stat: ClassVar[str | None] = None
     prefill_queries: ClassVar[str] = "all"
+    reconstructs: ClassVar[bool] = False
+    calibrates: ClassVar[bool] = False  # measured on the model before use (``calibrated``, ``calibrate``)
 
     head_mode: ClassVar[str] = "shared"  # default of ``heads``
 
@@ -154,6 +169,19 @@ class EvictionPolicy(CachePolicy):
     def counts_query(self, positions: jax.Array, ok: jax.Array) -> jax.Array:
         """Which new queries ``[b, t]`` (at ``positions``, real where ``ok``) enter the query moments."""
         return ok
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether a policy that ``calibrates`` has its measurements (always true for the others)."""
+        return True
+
+    def calibrate(self, model, params, ids) -> "EvictionPolicy":
+        """This policy measured on ``model`` with ``params`` over the calibration tokens ``ids`` (DuoAttention's
+        head split); the generator calls it when ``calibrates`` and not yet ``calibrated``."""
+        return self
+
+    def check_calibration(self, model) -> None:
+        """Raise ``ConfigError`` when the measurement does not fit ``model`` (e.g. one score per KV head)."""
 
     def scores(self, view: SlotView, budget: jax.Array) -> jax.Array:
         """Per-slot keep scores ``[b, C]``: the ``budget`` highest are kept (ties: newer first)."""

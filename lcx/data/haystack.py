@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lcx.cache.reconstruct import Reconstruction
 from lcx.config_base import ConfigError
 from lcx.data.example import Example
 
@@ -48,6 +49,14 @@ def prose_documents() -> tuple[tuple[str, str], ...]:
 def prose_text() -> str:
     """The topics as one running text: whitespace runs (line breaks, code indentation) collapsed to one space."""
     return " ".join(" ".join(text.split()) for _, text in prose_documents())
+
+
+def calibration_ids(tokenizer, n: int = 2048) -> np.ndarray:
+    """``n`` tokens of prose to measure a model on (DuoAttention's head split): BOS, then the end of the running
+    text (perplexity windows read it from its start)."""
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    ids = tokenizer.encode(prose_text()[-16 * n:], bos=False)[-(n - len(bos)):]
+    return np.asarray(bos + list(ids), np.int32)
 
 
 # --------------------------------------------------------------------------------------------------- tokens
@@ -234,6 +243,18 @@ class Frame:
         bos = self.tokenizer.bos_id is not None and (self.chat is None or self.chat.has_bos)
         return int(bos) + (self.chat is not None) + len(context)
 
+    def reconstruction(self) -> Reconstruction:
+        """The repeat prompt of reconstruction scoring (KVzip; kvpress's wording) in this frame's tokens: the
+        instruction, the chat template's close of the user message and opening of the reply (plain: a newline),
+        and ``skip`` - the tokens of the frame before the context (BOS, the chat header), not repeated."""
+        tok = self.tokenizer
+        ids = lambda text: tuple(piece_ids(tok, text).tolist())  # noqa: E731
+        bos = tok.bos_id is not None and (self.chat is None or self.chat.has_bos)
+        skip = int(bos) + (len(ids(self.chat.head)) if self.chat is not None else 0)
+        return Reconstruction(first=ids("\n\nRepeat the previous context exactly."),
+                              later=ids("\n\nRepeat the part of the previous context exactly, starting with"),
+                              suffix=ids(self.chat.tail if self.chat is not None else "\n"), skip=skip)
+
     def overhead(self, question: str, prefix: str) -> int:
         """Tokens the frame adds around the context (BOS, question, prefix, template)."""
         return pieces_length(self.tokenizer, self.wrap([], question, prefix))
@@ -265,5 +286,5 @@ def pieces_example(tokenizer, prompt: Sequence[Piece], answer_parts: Sequence[tu
     return Example(flat, np.concatenate(mask), answer, tuple(references), prompt_text, context_len=context_len)
 
 
-__all__ = ["ChatTemplate", "Frame", "Haystack", "NOISE", "encode_spans", "haystack", "nearest", "pieces_example",
-           "pieces_length", "prose_documents", "prose_text", "render_chat", "sentence_chars"]
+__all__ = ["ChatTemplate", "Frame", "Haystack", "NOISE", "calibration_ids", "encode_spans", "haystack", "nearest",
+           "pieces_example", "pieces_length", "prose_documents", "prose_text", "render_chat", "sentence_chars"]

@@ -229,6 +229,10 @@ class Setting:
         if self.policy == "full":
             return CacheConfig.from_mapping({**spec, "budget": self.budget}, prefix="ablate")
         budget = self.budget if self.compression is None else max(1, round((1.0 - self.compression) * length))
+        if self.compression is not None:  # a policy whose compression is not its budget (DuoAttention's head share)
+            spec.update(CacheConfig.from_mapping({**spec, "budget": length}, prefix="ablate").make_policy()
+                        .at_compression(self.compression, length))
+            budget = spec.pop("budget", budget)
         if self.protocol == "one_shot":
             spec["interval"] = length + room
             spec["prefill_chunk"] = 1 << max(length - 1, 1).bit_length()  # the whole context in one call
@@ -264,7 +268,14 @@ class AblateConfig:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"ablate.{name}={value!r} is invalid: must be a positive integer")
         for setting in self.settings():  # unknown policies or parameters fail at load
-            setting.cache(256).make_policy()
+            try:
+                setting.cache(256).make_policy()
+            except ConfigError:
+                if setting.compression is None:
+                    raise
+                # a ratio only longer cells can take (DuoAttention's window): the grid checks each length before
+                # anything runs
+                setting.cache(1 << 20).make_policy()
 
     def settings(self) -> list[Setting]:
         """Every row of the grid: (policy, budget or compression, protocol); ``full`` once. A policy entry may set

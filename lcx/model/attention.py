@@ -23,17 +23,22 @@ from lcx.sharding import BSKD, BT, BTHD
 
 
 def attend_spec(config: ModelConfig, spec: AttentionSpec, tables, q, key, val, cache, positions, ok, stat_weights,
-                segment_ids):
+                segment_ids, probe=None):
     """One layer's attention with a static ``spec``: ``(out [b, t, h, d], cache)``. ``tables``: ``(cos, sin)`` of
-    ``spec.rope`` at ``positions``."""
+    ``spec.rope`` at ``positions``. ``probe``: a reconstruction pass (``lcx.cache.reconstruct.Probe``), handed to
+    the cache's ``attend``."""
     cos, sin = tables
     if cache is not None:
         if segment_ids is not None:
             raise ValueError("segment_ids (packed documents) are for training and scoring without a cache")
         # Cache kinds written before per-layer specs take no ``spec``: plain (Llama-style) models do not pass it.
         extra = {} if config.plain_attention else {"spec": spec}
+        if probe is not None:
+            extra["probe"] = probe
         return cache.kind.attend(cache, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
                                  stat_weights=stat_weights, **extra)
+    if probe is not None:
+        raise ValueError("a reconstruction probe scores a cache's slots: it needs a cache")
     q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
     attend = functools.partial(kernels.backend(config.attention.impl).causal, sm_scale=spec.sm_scale,
                                **kernels.spec_kwargs(spec))
@@ -66,7 +71,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, tables, spec_index, cache=None, positions: jax.Array | None = None,
                  ok: jax.Array | None = None, stat_weights: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None):
+                 segment_ids: jax.Array | None = None, probe=None):
         cfg = self.config
         e, h, k, d = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         init, pdt, dt = normal(cfg.init_std), as_dtype(cfg.param_dtype), cfg.dtype
@@ -93,7 +98,7 @@ class Attention(nn.Module):
 
         specs, _ = cfg.spec_table()
         branches = [functools.partial(attend_spec, cfg, spec, tables[j]) for j, spec in enumerate(specs)]
-        rest = (positions, ok, stat_weights, segment_ids)
+        rest = (positions, ok, stat_weights, segment_ids, probe)
         with jax.named_scope(f"attention_{cfg.attention.impl}"):
             if isinstance(spec_index, int):
                 out, cache = branches[spec_index](q, key, val, cache, *rest)

@@ -51,7 +51,8 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, carry, tables, positions: jax.Array | None, ok: jax.Array | None,
-                 stat_weights: jax.Array | None, segment_ids: jax.Array | None, scanned_spec: jax.Array | None = None):
+                 stat_weights: jax.Array | None, segment_ids: jax.Array | None, probe=None,
+                 scanned_spec: jax.Array | None = None):
         cfg = self.config
         x, cache, i = carry
         layer = None if cache is None else cache.layer(i)
@@ -62,7 +63,7 @@ class Block(nn.Module):
         with jax.named_scope("attention_block"):
             attn = Attention(cfg, merge_out_heads=self.merge_out_heads, name="attn")
             h, layer = attn(RMSNorm(cfg, name="attn_norm")(x), tables, spec, layer, positions, ok, stat_weights,
-                            segment_ids)
+                            segment_ids, probe)
             if sandwich:
                 h = RMSNorm(cfg, name="post_attn_norm")(h)
             x = x + h
@@ -86,6 +87,8 @@ class Decoder(nn.Module):
     giving ``[b, 1, vocab]``. ``stat_weights [b, t]`` marks the queries whose attention feeds eviction statistics.
     ``segment_ids [b, t]`` (no cache): documents packed into one row - a token attends only within its segment;
     give ``positions`` restarting at 0 per document so each document is rotated as if it ran alone.
+    ``probe`` (``lcx.cache.reconstruct.Probe``): a reconstruction pass - the tokens attend to the cache and score
+    its slots but are not appended (the caller restores ``cache.lengths``).
     """
 
     config: ModelConfig
@@ -94,7 +97,7 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None, cache=None,
                  ok: jax.Array | None = None, logits_index: jax.Array | None = None,
-                 stat_weights: jax.Array | None = None, segment_ids: jax.Array | None = None):
+                 stat_weights: jax.Array | None = None, segment_ids: jax.Array | None = None, probe=None):
         cfg = self.config
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq]; got shape {input_ids.shape}")
@@ -116,7 +119,7 @@ class Decoder(nn.Module):
         if cfg.remat:
             policy = getattr(jax.checkpoint_policies, REMAT_POLICIES[cfg.remat_policy])
             block = nn.remat(Block, prevent_cse=False, policy=policy)
-        layer_inputs = (tables, positions, ok, stat_weights, segment_ids)
+        layer_inputs = (tables, positions, ok, stat_weights, segment_ids, probe)
         if self.unrolled:  # one Block per layer, params "layers_0" ... (``unroll_params``), layer i a Python int
             carry = (x, None if cache is None else cache.layers(), 0)
             for i in range(cfg.n_layers):
