@@ -70,7 +70,7 @@ def _tokenizer(model_path: str, config: ModelConfig, setting: str = "auto"):
             setting = "bytes"
     tok = resolve_tokenizer(setting, vocab_size=config.vocab_size, key="--tokenizer")
     bos = tok.bos_id is not None and tok.bos_id < config.vocab_size
-    return (lambda text: tok.encode(text, bos=bos)), tok.decode
+    return (lambda text: tok.encode(text, bos=bos)), tok.decode, tok
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -131,14 +131,21 @@ def run(args: argparse.Namespace) -> int:
     if source == "random":
         print(f"lcx generate: {args.model} is a model config: using random weights (seed {args.seed})",
               file=sys.stderr)
+    policy, inputs = cache.make_policy(), {}
     if prompt is not None:
         show = lambda ids: " ".join(str(i) for i in ids)  # noqa: E731
+        if getattr(policy, "reconstructs", False) or (getattr(policy, "calibrates", False) and not policy.calibrated):
+            raise ConfigError(f"--cache-policy {args.cache_policy} needs text in the model's tokens (a repeat prompt "
+                              "or a calibration text): give --prompt, not --ids")
     else:
-        encode, show = _tokenizer(args.model, config, args.tokenizer)
+        from lcx.data.haystack import Frame
+
+        encode, show, tok = _tokenizer(args.model, config, args.tokenizer)
         prompt = encode(args.prompt)
+        inputs = Frame(tok).policy_inputs(policy)
     eos = args.eos_id if args.eos_id is not None else config.eos_token_id
     gen = Generator(config, params, max_new_tokens=args.max_new_tokens, cache=cache, sampling=sampling,
-                    eos_id=eos, seed=args.seed)
+                    eos_id=eos, seed=args.seed, **inputs)
     state = gen.prefill([prompt])
     shown = ""
     while True:

@@ -255,6 +255,17 @@ class Frame:
                               later=ids("\n\nRepeat the part of the previous context exactly, starting with"),
                               suffix=ids(self.chat.tail if self.chat is not None else "\n"), skip=skip)
 
+    def policy_inputs(self, policy) -> dict:
+        """The ``Generator`` arguments a cache policy needs in this frame's tokens: KVzip's repeat prompt
+        (``reconstruction``), DuoAttention's calibration text (``calibration``: prose, unless its config carries the
+        head scores); none for the others."""
+        out = {}
+        if getattr(policy, "reconstructs", False):
+            out["reconstruction"] = self.reconstruction()
+        if getattr(policy, "calibrates", False) and not policy.calibrated:
+            out["calibration"] = calibration_ids(self.tokenizer)
+        return out
+
     def overhead(self, question: str, prefix: str) -> int:
         """Tokens the frame adds around the context (BOS, question, prefix, template)."""
         return pieces_length(self.tokenizer, self.wrap([], question, prefix))

@@ -41,19 +41,6 @@ def answer_tokens(examples: list[Example], tokenizer=TOKENIZER) -> int:
 PROTOCOLS = ("streaming", "one_shot")
 
 
-def policy_inputs(cache: CacheConfig, task: Task) -> dict:
-    """The Generator arguments a policy needs in the task's tokens: KVzip's repeat prompt (``reconstruction``),
-    DuoAttention's calibration text (``calibration``, prose, unless the config carries the head scores)."""
-    from lcx.data.haystack import calibration_ids
-
-    policy, out = cache.make_policy(), {}
-    if getattr(policy, "reconstructs", False):
-        out["reconstruction"] = task.frame.reconstruction()
-    if getattr(policy, "calibrates", False) and not policy.calibrated:
-        out["calibration"] = calibration_ids(task.tokenizer)
-    return out
-
-
 def retrieval_scores(model: ModelConfig, params, task: Task, *, length: int, depth: float | None, samples: int,
                      batch_size: int, seed: int, cache: CacheConfig, max_new_tokens: int | None = None,
                      capacity: int | None = None, protocol: str = "streaming",
@@ -95,7 +82,7 @@ def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, de
     question = max((ex.prompt_len - ex.context_len for ex in examples if ex.context_len is not None), default=0)
     extra = question if protocol == "one_shot" and buffer is None else 0
     gen = Generator(model, params, max_new_tokens=max(max_new, buffer or 0) + extra, cache=cache, eos_id=tok.eos_id,
-                    capacity=capacity, unroll=unroll, **policy_inputs(cache, task))
+                    capacity=capacity, unroll=unroll, **task.frame.policy_inputs(cache.make_policy()))
     outputs = [""] * samples
     asked = 0
     for batch in _batches(examples, batch_size, protocol, task.name):
@@ -194,7 +181,7 @@ def window_nll(model: ModelConfig, params, task: Task, *, length: int, samples: 
         examples = task.examples(seed, 0, samples, length, "validation")
         ids = np.stack([ex.ids[: length] for ex in examples])  # [n, length]
     gen = Generator(model, params, max_new_tokens=length - prefix, cache=cache, capacity=capacity, unroll=unroll,
-                    **policy_inputs(cache, task))
+                    **task.frame.policy_inputs(cache.make_policy()))
     nll = []
     for lo in range(0, samples, batch_size):
         batch = ids[lo:lo + batch_size]
