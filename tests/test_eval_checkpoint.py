@@ -107,17 +107,22 @@ def test_one_shot_protocol_equals_prefill_when_nothing_is_evicted(hf_dir, monkey
     np.testing.assert_allclose(next_logits(roomy, whole=False), reference, atol=2e-4, rtol=2e-4)
     small = CacheConfig(policy="snapkv", budget=24, window=8, interval=512, prefill_chunk=512)
     assert np.abs(next_logits(small, whole=False) - reference).max() > 1e-2
-    # two questions about one haystack: its context is prefilled (and compressed) once and forked, and the answers
-    # are those of prefilling it for each question
+    # two questions about one haystack: its context is prefilled (and compressed: KVzip, its repeat prompt in the
+    # chat frame) once and forked, and the answers are those of prefilling it for each question
     shared = make_task("niah_single_1", {"questions_per_haystack": 2}).with_tokenizer(tok, chat=True)
+    rec = shared.frame.reconstruction()
+    # the BOS and chat header are not repeated; the reply opens after the instruction (specials decode to nothing)
+    assert contexts[0][0] == tok.bos_id and tok.decode(contexts[0][1:rec.skip]) == "user\n"
+    assert tok.decode(np.asarray(rec.suffix)) == "\nassistant\n" and len(rec.suffix) > 3
+    zipped = CacheConfig(policy="kvzip", budget=24, interval=512, prefill_chunk=512, chunk=128)
     counts, alone = {}, {}
     _, outputs = retrieval_outputs(config, params, shared, length=320, depth=None, samples=2, batch_size=2, seed=0,
-                                   cache=small, max_new_tokens=3, protocol="one_shot", counts=counts)
+                                   cache=zipped, max_new_tokens=3, protocol="one_shot", counts=counts)
     assert len(outputs) == 2 and all(isinstance(o, str) for o in outputs)
     assert 0 < counts["prefilled_tokens"] < counts["prompt_tokens"]
     monkeypatch.setattr(evaluate, "_runs", lambda prompts: [(i, 1) for i in range(len(prompts))])  # no sharing
     assert retrieval_outputs(config, params, shared, length=320, depth=None, samples=2, batch_size=2, seed=0,
-                             cache=small, max_new_tokens=3, protocol="one_shot", counts=alone)[1] == outputs
+                             cache=zipped, max_new_tokens=3, protocol="one_shot", counts=alone)[1] == outputs
     assert alone["prefilled_tokens"] == alone["prompt_tokens"] == counts["prompt_tokens"]
     # a cache planned for a short generation refuses a longer continuation instead of dropping its writes
     short = Generator(config, params, max_new_tokens=4, cache=roomy)
