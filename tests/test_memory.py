@@ -58,6 +58,15 @@ def test_memory_logits_equal_the_full_cache_under_teacher_forcing(params):
     state, got = gen.score(gen.prefill(ids[:, :40]), ids[:, 40:])
     np.testing.assert_allclose(got, want, atol=2e-5)
     assert int(state.cache.n_blocks.max()) >= 10  # most of the context was in the long-term store
+    # 8-bit (cache.kv_dtype): the window's codes with a scale per token and KV head, the blocks in int8 with one per
+    # block - within rounding of the float tiers (the keys' scales left out: 0.19 off)
+    gen8 = lcx.Generator(CFG, params, max_new_tokens=80, cache=memory(kv_dtype="int8"))
+    state8, got8 = gen8.score(gen8.prefill(ids[:, :40]), ids[:, 40:])
+    assert 0 < np.abs(got8 - want).max() < 2e-3 and np.abs(got8 - want).mean() < 5e-4  # measured: 2.1e-4, 5.3e-5
+    assert state8.cache.k.dtype == jnp.int8 and state8.cache.store_k is None  # a host store: int8 blocks there
+    assert gen8.kind.store_dtype == "int8" and state8.cache.k_scale.shape == state8.cache.k.shape[:-1]
+    d = CFG.head_dim
+    assert state8.cache.kv_bytes() * (4 * d) == state.cache.kv_bytes() * (d + 2)  # 1-byte codes + 2-byte scale
 
 
 def test_memory_device_kv_is_bounded_while_decoding_16x_the_working_size(params):

@@ -36,16 +36,22 @@ from lcx.cache.kv_view import KVView, attend_view, packed_valid
 from lcx.cache.memory.learned import PARAM_NAMES
 from lcx.cache.memory.store import fetch as host_fetch
 from lcx.kernels import Attended
+from lcx.kernels.quant import dequantize, quantize
 from lcx.model.config import AttentionSpec
 from lcx.model.rope import apply_rope, rope_tables
 
 
-def _write(layer, k, v, positions, ok):
-    """Append ``k, v [b, t, k, d]`` at ``positions [b, t]`` where ``ok``: after the occupied working slots."""
+def _write(layer, k, v, positions, ok, quant: str | None = None):
+    """Append ``k, v [b, t, k, d]`` at ``positions [b, t]`` where ``ok``: after the occupied working slots (as 8-bit
+    codes and per-token scales with ``quant``, ``cache.kv_dtype``)."""
     capacity = layer.k.shape[1]
     rank = jnp.cumsum(ok.astype(jnp.int32), axis=1) - 1
     slot = jnp.where(ok, layer.count[:, None] + rank, capacity)  # [b, t]; padding goes out of range
     rows = jnp.arange(k.shape[0])[:, None]
+    if quant is not None:
+        (k, k_scale), (v, v_scale) = quantize(k, quant), quantize(v, quant)
+        layer = layer.replace(k_scale=layer.k_scale.at[rows, slot].set(k_scale, mode="drop"),
+                              v_scale=layer.v_scale.at[rows, slot].set(v_scale, mode="drop"))
     out = layer.replace(
         k=layer.k.at[rows, slot].set(k.astype(layer.k.dtype), mode="drop"),
         v=layer.v.at[rows, slot].set(v.astype(layer.v.dtype), mode="drop"),
@@ -192,20 +198,23 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
     q_route = q  # routing compares like with like: rotated (original) or unrotated (local) queries and keys
     q_offsets = layer.count
-    layer = _write(layer, key, val, positions, ok)
+    layer = _write(layer, key, val, positions, ok, kind.quant)
     b, t = q.shape[:2]
-    k_work = layer.k
+    k_work, k_scale = layer.k, layer.k_scale
     recall_tokens = p.topk * p.block
-    if local:
+    if local:  # keys rotated here, whole: 8-bit ones dequantized first (as the slot cache's "cache" positions)
         slots = jnp.broadcast_to(jnp.arange(layer.k.shape[1]), (b, layer.k.shape[1]))
-        k_work = apply_rope(layer.k, *rope_tables(config, _local_positions(slots, p.sinks, recall_tokens), spec.rope))
+        keys = layer.k if k_scale is None else dequantize(layer.k, k_scale, q.dtype)
+        k_work, k_scale = apply_rope(keys, *rope_tables(config, _local_positions(slots, p.sinks, recall_tokens),
+                                                        spec.rope)), None
         q_slots = q_offsets[:, None] + jnp.arange(t)[None, :]
         q = apply_rope(q, *rope_tables(config, _local_positions(q_slots, p.sinks, recall_tokens), spec.rope))
 
     counted = stat_weights is not None and layer.received is not None
     # Working memory: causal in slot order (the slots are packed in position order), stored [b, W, k, d]
+    scales = lambda x: None if x is None else x.swapaxes(1, 2)  # noqa: E731  [b, W, k] -> [b, k, W]
     work = KVView(k=k_work.swapaxes(1, 2), v=layer.v.swapaxes(1, 2), lengths=layer.count, offsets=q_offsets,
-                  valid=layer.valid)
+                  valid=layer.valid, k_scale=scales(k_scale), v_scale=scales(layer.v_scale))
     res = attend_view(config.attention.impl, q, work, spec, stat_weights=stat_weights if counted else None,
                       residuals=True)
     if counted:

@@ -38,6 +38,7 @@ from lcx.cache.memory.routers import Router, make_router
 from lcx.cache.memory.store import BlockStore, get_store, register_store, release_store
 from lcx.cache.schema import Field
 from lcx.config_base import ConfigError, canonical_dtype
+from lcx.kernels.quant import SCALE_DTYPE, dequantize, storage_dtype
 from lcx.model.config import ModelConfig
 
 SLOTS = ("layers", "batch", "length")
@@ -71,6 +72,8 @@ class MemoryCache(CacheState):
     gmax: jax.Array | None = None
     reps: jax.Array | None = None  # [L, b, N, k, R, d] InfLLM
     kstats: jax.Array | None = None  # [L, b, N, k, 3, d] learned
+    k_scale: jax.Array | None = None  # [L, b, W, k] float16 scales of 8-bit working keys (cache.kv_dtype)
+    v_scale: jax.Array | None = None
     store_k: jax.Array | None = None  # [L, b, N, j, k, d] store: device
     store_v: jax.Array | None = None
     store_scale_k: jax.Array | None = None  # [L, b, N, k] int8 storage
@@ -110,6 +113,7 @@ class MemoryKind(CacheKind):
     interval: int = 64
     room: int = 512
     route_each_query: bool = False
+    quant: str | None = None
 
     @classmethod
     def from_config(cls, model, cache, policy) -> "MemoryKind":
@@ -123,7 +127,8 @@ class MemoryKind(CacheKind):
         if policy.router == "learned":
             learned.check(policy.router_path, model, policy.positions)
         return cls(model=model, policy=policy, window=window, dtype=cache.dtype or model.dtype,
-                   interval=cache.interval, room=max(cache.prefill_chunk or MEMORY_ROOM, cache.interval))
+                   interval=cache.interval, room=max(cache.prefill_chunk or MEMORY_ROOM, cache.interval),
+                   quant=cache.kv_dtype)
 
     # ------------------------------------------------------------------------------------------- derived settings
     @functools.cached_property
@@ -138,7 +143,9 @@ class MemoryKind(CacheKind):
 
     @property
     def store_dtype(self) -> str:
-        return self.policy.memory_dtype or self.dtype
+        """The long-term blocks' dtype: ``memory_dtype``, else int8 (per-block scales) under an 8-bit working cache,
+        else the cache dtype."""
+        return self.policy.memory_dtype or ("int8" if self.quant else self.dtype)
 
     @property
     def decode_segment(self) -> int:
@@ -158,6 +165,9 @@ class MemoryKind(CacheKind):
             "recent_n": Field(("layers", "batch"), "int32"),
             "lengths": Field(("batch",), "int32"),
         }
+        if self.quant:  # 8-bit working keys and values: one scale per slot and KV head (lcx.kernels.quant)
+            out["k_scale"] = Field(("layers", "batch", "length", "kv_heads"), SCALE_DTYPE, 0.0, role="kv")
+            out["v_scale"] = Field(("layers", "batch", "length", "kv_heads"), SCALE_DTYPE, 0.0, role="kv")
         if self.router.needs_attention:
             out["received"] = Field(("layers", "batch", "kv_heads", "length"), "float32")
         out.update(self.router.summary_fields())
@@ -188,7 +198,7 @@ class MemoryKind(CacheKind):
 
     @property
     def kv_dtype(self) -> str:
-        return self.dtype
+        return self.dtype if self.quant is None else storage_dtype(self.quant)
 
     def create(self, batch: int, capacity: int) -> MemoryCache:
         state = super().create(batch, capacity)
@@ -316,8 +326,9 @@ def _spill(kind: MemoryKind, state: MemoryCache):
     moved = runs * run  # tokens leaving per row
     # The leaving tokens: slots [sinks, sinks + out_tokens), of which the first `moved` are real.
     take = jnp.minimum(sinks + jnp.arange(out_tokens), slots - 1)  # [T]
-    left_k = state.k[:, :, take]  # [L, b, T, k, d]
-    left_v = state.v[:, :, take]
+    scales = lambda x: None if x is None else x[:, :, take]  # noqa: E731  8-bit working memory: its scales
+    left_k = dequantize(state.k[:, :, take], scales(state.k_scale))  # [L, b, T, k, d] values (float32 if 8-bit)
+    left_v = dequantize(state.v[:, :, take], scales(state.v_scale))
     left_pos = state.pos[:, :, take]  # [L, b, T]
     received = (state.received[..., take] if state.received is not None
                 else jnp.zeros(state.pos.shape[:2] + (state.k.shape[3], out_tokens), jnp.float32))  # [L, b, k, T]
@@ -330,9 +341,10 @@ def _spill(kind: MemoryKind, state: MemoryCache):
         x, src.reshape(src.shape[:2] + (1,) * (axis - 2) + (slots,) + (1,) * (x.ndim - axis - 1)), axis=axis)
     new_count = count - moved
     valid = jnp.where(inside, gather(state.valid, 2), False) & (j[None, None, :] < new_count[..., None])
+    moved_scales = {n: gather(getattr(state, n), 2) for n in ("k_scale", "v_scale") if getattr(state, n) is not None}
     state = state.replace(
         k=gather(state.k, 2), v=gather(state.v, 2), pos=jnp.where(valid, gather(state.pos, 2), -1), valid=valid,
-        count=new_count,
+        count=new_count, **moved_scales,
         received=None if state.received is None else jnp.where(valid[:, :, None], gather(state.received, 3), 0.0))
 
     # Blocks, per layer (vmapped): [L, b, n, j, k, ...]
