@@ -333,6 +333,30 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
             jax.jit(probe_chunk, donate_argnums=(1,)))
 
 
+MAX_MAPPINGS = 30_000  # memory regions a process may hold before release_compiled drops programs (Linux allows 65,530)
+
+
+def release_compiled(max_mappings: int = MAX_MAPPINGS) -> bool:
+    """Drop every compiled program jax and this module keep once the process holds more than ``max_mappings`` memory
+    regions; returns whether it did. XLA:CPU maps each compiled program's code into regions of its own (~3 per
+    kernel) and jax keeps every program alive: a long evaluation grid of a 30-layer model, each cell compiling its
+    prefill, reconstruction and decode programs, crossed Linux's ``vm.max_map_count`` and died in LLVM ("Unable to
+    allocate section memory"). Later calls compile again (or read the persistent compilation cache)."""
+    import gc
+
+    try:
+        with open("/proc/self/maps") as maps:
+            count = sum(1 for _ in maps)
+    except OSError:  # not Linux: no such limit to watch
+        return False
+    if count <= max_mappings:
+        return False
+    _compiled.cache_clear()
+    jax.clear_caches()
+    gc.collect()
+    return True
+
+
 # --------------------------------------------------------------------------------------------------- generator
 class Generator:
     """Prefill and decode for one model, cache and sampling configuration; states can be saved and restored.

@@ -24,7 +24,7 @@ from lcx.eval.config import AblateConfig, EvalConfig, RopeVariant, Setting
 from lcx.eval.evaluate import answer_tokens, retrieval_scores, window_nll, with_depth
 from lcx.eval.report import write_report
 from lcx.eval.stats import perplexity_interval, wilson_interval
-from lcx.generate import CacheCapacityError, plan_capacity
+from lcx.generate import CacheCapacityError, plan_capacity, release_compiled
 
 # What every cell of one cache setting shares: the grid's own knobs, not the policy's parameters.
 _GRID_KEYS = ("policy", "budget", "interval", "prefill_chunk")
@@ -119,6 +119,7 @@ def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, setti
     rows = []
     bar = tqdm(cells, desc=title, unit="cell", disable=not progress, dynamic_ncols=True)
     for setting, variant, name, length, depth, metric in bar:
+        release_compiled()  # programs of earlier cells, once they fill the process's memory map
         cache = caches[(setting, length)]
         label = setting_label(cache, variant.name, setting)
         bar.set_postfix_str(f"{label} {name} {length} {metric}")
