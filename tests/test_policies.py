@@ -328,6 +328,21 @@ def test_policies_duo_calibration_splits_heads_by_distant_attention(params):
             policy="duo", budget=48, sinks=sinks, recent=recent, scores=[[0.1, 0.2, 0.3]] * CFG.n_layers))
 
 
+def test_policies_kvzip_and_duo_in_an_ablation_grid():
+    """A compression ratio sets DuoAttention's share of streaming heads (the retrieval heads keep the whole context);
+    a ratio its window cannot reach, and KVzip in a stream that evicts between chunks, are refused by name."""
+    from lcx.eval.config import AblateConfig
+
+    grid = AblateConfig.from_mapping({"policies": [{"policy": "duo", "sinks": 4, "recent": 60}], "compressions": [0.5],
+                                      "protocols": ["one_shot"]})
+    cache = grid.settings()[0].cache(1024, 40)
+    assert cache.budget == 1024 and cache.params["head_ratio"] == round(0.5 / (1 - 64 / 1024), 3)
+    with pytest.raises(ConfigError, match="cannot evict 0.5 of 100 tokens"):
+        grid.settings()[0].cache(100)
+    with pytest.raises(ConfigError, match="with protocol 'streaming'.*allowed: ablate.protocols \\[one_shot\\]"):
+        AblateConfig.from_mapping({"policies": [{"policy": "kvzip"}], "compressions": [0.5]})
+
+
 def test_policies_long_prompt_is_compressed_between_chunks(params):
     prompt = np.random.default_rng(2).integers(0, 61, (1, 100))
     gen = Generator(CFG, params, max_new_tokens=4,

@@ -268,6 +268,11 @@ class AblateConfig:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"ablate.{name}={value!r} is invalid: must be a positive integer")
         for setting in self.settings():  # unknown policies or parameters fail at load
+            policy = CacheConfig.from_mapping({**dict(setting.spec), "budget": 1 << 20}, prefix="ablate").make_policy()
+            if setting.protocol == "streaming" and getattr(policy, "reconstructs", False):
+                raise ConfigError(f"ablate.policies entry {setting.policy!r} with protocol 'streaming': it scores the "
+                                  "whole prompt once after prefill (a stream evicts between chunks); allowed: "
+                                  "ablate.protocols [one_shot]")
             try:
                 setting.cache(256).make_policy()
             except ConfigError:
