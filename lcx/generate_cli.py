@@ -139,10 +139,11 @@ def run(args: argparse.Namespace) -> int:
                               "or a calibration text): give --prompt, not --ids")
     else:
         from lcx.data.haystack import Frame
+        from lcx.data.policy_inputs import policy_inputs
 
         encode, show, tok = _tokenizer(args.model, config, args.tokenizer)
         prompt = encode(args.prompt)
-        inputs = Frame(tok).policy_inputs(policy)
+        inputs = policy_inputs(policy, Frame(tok))
     eos = args.eos_id if args.eos_id is not None else config.eos_token_id
     gen = Generator(config, params, max_new_tokens=args.max_new_tokens, cache=cache, sampling=sampling,
                     eos_id=eos, seed=args.seed, **inputs)

@@ -293,30 +293,33 @@ def test_policies_kvzip_scores_each_row_by_its_own_context(params):
 
 
 def test_policies_duo_calibration_splits_heads_by_distant_attention(params):
-    """DuoAttention's split: the calibration score of each (layer, KV head) is the attention mass its queries past
-    the window give positions ``sinks .. t - recent`` (numpy softmax on the model's own queries and keys); the
-    half with the least mass stream - they keep the 2 sinks and the 8 newest tokens, the others all 40."""
+    """DuoAttention's split: the calibration score of each (layer, KV head) is the attention mass the last 30
+    queries of each calibration row give positions ``sinks .. t - recent`` (numpy softmax on the model's own queries
+    and keys, two rows averaged); the half with the least mass stream - they keep the 2 sinks and the 8 newest
+    tokens, the others all 40."""
     from lcx.cache.duo import head_scores, streaming_heads
 
-    sinks, recent = 2, 8
-    ids = np.random.default_rng(0).integers(0, 61, 48)
-    q, k = (np.asarray(x[:, 0], np.float64) for x in lcx.model.attention_inputs(CFG, params, ids[None]))
+    sinks, recent, queries = 2, 8, 30
+    ids = np.random.default_rng(0).integers(0, 61, (2, 48))
+    q, k = (np.asarray(x, np.float64) for x in lcx.model.attention_inputs(CFG, params, ids))
     ref = np.zeros((CFG.n_layers, CFG.n_kv_heads))
     group = CFG.n_heads // CFG.n_kv_heads
-    for layer in range(CFG.n_layers):
-        for head in range(CFG.n_heads):
-            for t in range(sinks + recent, len(ids)):
-                logits = q[layer, t, head] @ k[layer, :t + 1, head // group].T / np.sqrt(CFG.head_dim)
-                p = np.exp(logits - logits.max())
-                ref[layer, head // group] += (p[sinks:t - recent + 1].sum() / p.sum()) / (
-                    (len(ids) - sinks - recent) * group)
-    np.testing.assert_allclose(head_scores(CFG, params, ids, sinks=sinks, recent=recent), ref, rtol=1e-4)
+    for row in range(2):
+        for layer in range(CFG.n_layers):
+            for head in range(CFG.n_heads):
+                for t in range(48 - queries, 48):
+                    logits = q[layer, row, t, head] @ k[layer, row, :t + 1, head // group].T / np.sqrt(CFG.head_dim)
+                    p = np.exp(logits - logits.max())
+                    ref[layer, head // group] += (p[sinks:t - recent + 1].sum() / p.sum()) / (queries * group * 2)
+    scores = head_scores(CFG, params, ids, sinks=sinks, recent=recent, queries=queries)
+    np.testing.assert_allclose(scores, ref, rtol=1e-4)
 
-    cache = CacheConfig(policy="duo", budget=48, interval=16, sinks=sinks, recent=recent, head_ratio=0.5)
+    cache = CacheConfig(policy="duo", budget=48, interval=16, sinks=sinks, recent=recent, head_ratio=0.5,
+                        queries=queries)
     gen = Generator(CFG, params, max_new_tokens=4, cache=cache, calibration=ids)
     stream = gen.policy.streaming()
     assert (stream == streaming_heads(ref, 0.5)).all() and stream.sum() == CFG.n_layers * CFG.n_kv_heads // 2
-    c = gen.prefill([ids[:40].tolist()]).cache
+    c = gen.prefill([ids[0, :40].tolist()]).cache
     for layer in range(CFG.n_layers):
         for head in range(CFG.n_kv_heads):
             live = sorted(np.asarray(c.pos[layer, 0, head])[np.asarray(c.valid[layer, 0, head])].tolist())

@@ -346,7 +346,9 @@ class Duo(EvictionPolicy):
     and the ``recent`` newest tokens, *retrieval* heads keep everything (up to ``cache.budget``, past it the newest,
     sinks kept). The ``head_ratio`` share of (layer, KV head) pairs stream: those whose attention, measured on a
     calibration text, falls least outside the streaming window (``scores``, one per layer and KV head:
-    ``lcx.cache.duo.head_scores``; when not given, the generator calibrates on the text it is handed).
+    ``lcx.cache.duo.head_scores`` over the last ``queries`` (32) positions of each calibration row; when not given,
+    the generator calibrates on the text it is handed - evaluations hand passkey prompts with their answers,
+    ``lcx.data.policy_inputs``).
 
     The cache holds ``budget`` slots per head for every head (the slot cache has one capacity), so the saving is in
     the tokens attended, not yet in memory: ``kept / prompt`` is ``1 - head_ratio x (1 - (sinks + recent) /
@@ -359,10 +361,14 @@ class Duo(EvictionPolicy):
     sinks: int = 128
     recent: int = 256
     head_ratio: float = 0.5
+    queries: int = 32
     scores: tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self):
         super().__post_init__()
+        if self.queries < 1:
+            raise ConfigError(f"cache.queries={self.queries} is invalid: must be >= 1 (the last positions of each "
+                              "calibration row whose attention is measured)")
         if self.sinks < 0 or self.recent < 1:
             raise ConfigError(f"cache.sinks={self.sinks} / cache.recent={self.recent} are invalid: sinks >= 0 and "
                               "recent >= 1 (the streaming window)")
@@ -381,7 +387,7 @@ class Duo(EvictionPolicy):
         """This policy with ``scores`` measured on the calibration text ``ids`` (``lcx.cache.duo.head_scores``)."""
         from lcx.cache.duo import head_scores
 
-        scores = head_scores(model, params, ids, sinks=self.sinks, recent=self.recent)
+        scores = head_scores(model, params, ids, sinks=self.sinks, recent=self.recent, queries=self.queries)
         return dataclasses.replace(self, scores=tuple(tuple(float(x) for x in row) for row in scores))
 
     def at_compression(self, compression, length):

@@ -51,14 +51,6 @@ def prose_text() -> str:
     return " ".join(" ".join(text.split()) for _, text in prose_documents())
 
 
-def calibration_ids(tokenizer, n: int = 2048) -> np.ndarray:
-    """``n`` tokens of prose to measure a model on (DuoAttention's head split): BOS, then the end of the running
-    text (perplexity windows read it from its start)."""
-    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-    ids = tokenizer.encode(prose_text()[-16 * n:], bos=False)[-(n - len(bos)):]
-    return np.asarray(bos + list(ids), np.int32)
-
-
 # --------------------------------------------------------------------------------------------------- tokens
 def encode_spans(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of ``text`` (no BOS) and each token's ``[start, end)`` character span, ``([n], [n, 2])``."""
@@ -255,17 +247,6 @@ class Frame:
                               later=ids("\n\nRepeat the part of the previous context exactly, starting with"),
                               suffix=ids(self.chat.tail if self.chat is not None else "\n"), skip=skip)
 
-    def policy_inputs(self, policy) -> dict:
-        """The ``Generator`` arguments a cache policy needs in this frame's tokens: KVzip's repeat prompt
-        (``reconstruction``), DuoAttention's calibration text (``calibration``: prose, unless its config carries the
-        head scores); none for the others."""
-        out = {}
-        if getattr(policy, "reconstructs", False):
-            out["reconstruction"] = self.reconstruction()
-        if getattr(policy, "calibrates", False) and not policy.calibrated:
-            out["calibration"] = calibration_ids(self.tokenizer)
-        return out
-
     def overhead(self, question: str, prefix: str) -> int:
         """Tokens the frame adds around the context (BOS, question, prefix, template)."""
         return pieces_length(self.tokenizer, self.wrap([], question, prefix))
@@ -297,5 +278,5 @@ def pieces_example(tokenizer, prompt: Sequence[Piece], answer_parts: Sequence[tu
     return Example(flat, np.concatenate(mask), answer, tuple(references), prompt_text, context_len=context_len)
 
 
-__all__ = ["ChatTemplate", "Frame", "Haystack", "NOISE", "calibration_ids", "encode_spans", "haystack", "nearest",
+__all__ = ["ChatTemplate", "Frame", "Haystack", "NOISE", "encode_spans", "haystack", "nearest",
            "pieces_example", "pieces_length", "prose_documents", "prose_text", "render_chat", "sentence_chars"]

@@ -16,6 +16,7 @@ import warnings
 import numpy as np
 
 from lcx.config import CacheConfig, ConfigError, ModelConfig
+from lcx.data.policy_inputs import policy_inputs
 from lcx.data.task import TOKENIZER, Example, Task
 from lcx.eval.stats import perplexity_interval, wilson_interval  # noqa: F401  (re-exported)
 from lcx.generate import Generator, PositionRangeWarning
@@ -82,7 +83,7 @@ def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, de
     question = max((ex.prompt_len - ex.context_len for ex in examples if ex.context_len is not None), default=0)
     extra = question if protocol == "one_shot" and buffer is None else 0
     gen = Generator(model, params, max_new_tokens=max(max_new, buffer or 0) + extra, cache=cache, eos_id=tok.eos_id,
-                    capacity=capacity, unroll=unroll, **task.frame.policy_inputs(cache.make_policy()))
+                    capacity=capacity, unroll=unroll, **policy_inputs(cache.make_policy(), task.frame))
     outputs = [""] * samples
     asked = 0
     for batch in _batches(examples, batch_size, protocol, task.name):
@@ -181,7 +182,7 @@ def window_nll(model: ModelConfig, params, task: Task, *, length: int, samples: 
         examples = task.examples(seed, 0, samples, length, "validation")
         ids = np.stack([ex.ids[: length] for ex in examples])  # [n, length]
     gen = Generator(model, params, max_new_tokens=length - prefix, cache=cache, capacity=capacity, unroll=unroll,
-                    **task.frame.policy_inputs(cache.make_policy()))
+                    **policy_inputs(cache.make_policy(), task.frame))
     nll = []
     for lo in range(0, samples, batch_size):
         batch = ids[lo:lo + batch_size]
