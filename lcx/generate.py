@@ -440,7 +440,8 @@ class Generator:
         if not policy.calibrated:
             if calibration is None:
                 raise ConfigError(f"cache.policy={policy.name!r} is calibrated on the model: pass Generator("
-                                  "calibration=token ids of a text, e.g. prose) or its measurement in the config")
+                                  "calibration=token ids [rows, tokens], e.g. lcx.data.policy_inputs.calibration_ids("
+                                  "Frame(tokenizer)) - passkey prompts with their answers) or cache.scores")
             if is_unrolled(params):
                 raise ConfigError("calibrating a policy needs the stacked params (a 'layers' entry)")
             policy = policy.calibrate(self.config, params, calibration)
