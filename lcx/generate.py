@@ -404,7 +404,12 @@ class Generator:
         self.cache_config = cache or CacheConfig()
         self.kind = cache_kind(config, self.cache_config, mesh)  # validates the policy against the model
         self.policy = self.cache_config.make_policy()
-        if getattr(self.policy, "calibrates", False):
+        reconstructs, calibrates = (getattr(self.policy, n, False) for n in ("reconstructs", "calibrates"))
+        if (reconstructs or calibrates) and self.kind.name != "slots":
+            raise ConfigError(f"cache.policy={self.cache_config.policy!r} is built for the contiguous slot cache of a "
+                              f"model whose layers are all global; this configuration's cache type is "
+                              f"{self.kind.name!r}")
+        if calibrates:
             self.policy = self._calibrated(self.policy, params, calibration)
         if mesh is not None and self.kind.name not in ("slots", "hybrid"):
             raise ConfigError(f"cache.policy={self.cache_config.policy!r} (cache type {self.kind.name!r}) does not "
@@ -425,15 +430,10 @@ class Generator:
         (self._prefill_chunk, self._end_prefill, self._decode_loop, self._forced, self._forced_chunk,
          self._probe) = _compiled(config, self.sampling, eos_id, self.pad_id, self.kind, mesh, self.unrolled)
         self.reconstruction = reconstruction
-        if getattr(self.policy, "reconstructs", False):
-            if self.kind.name != "slots":
-                raise ConfigError(f"cache.policy={self.cache_config.policy!r} scores the prompt by reconstruction "
-                                  f"passes, built for the contiguous slot cache of a model whose layers are all "
-                                  f"global; this configuration's cache type is {self.kind.name!r}")
-            if reconstruction is None:
-                raise ConfigError(f"cache.policy={self.cache_config.policy!r} scores the prompt by asking the model "
-                                  "to repeat it: pass Generator(reconstruction=...) - the repeat prompt's token ids, "
-                                  "e.g. lcx.data.haystack.Frame(tokenizer, chat).reconstruction()")
+        if reconstructs and reconstruction is None:
+            raise ConfigError(f"cache.policy={self.cache_config.policy!r} scores the prompt by asking the model to "
+                              "repeat it: pass Generator(reconstruction=...) - the repeat prompt's token ids, e.g. "
+                              "lcx.data.haystack.Frame(tokenizer, chat).reconstruction()")
 
     def _calibrated(self, policy, params, calibration):
         """``policy`` measured on this model (``EvictionPolicy.calibrate``), and the cache kind rebuilt with it."""
@@ -445,9 +445,6 @@ class Generator:
             if is_unrolled(params):
                 raise ConfigError("calibrating a policy needs the stacked params (a 'layers' entry)")
             policy = policy.calibrate(self.config, params, calibration)
-        if self.kind.name != "slots":
-            raise ConfigError(f"cache.policy={policy.name!r} is built for the contiguous slot cache of a model "
-                              f"whose layers are all global; this configuration's cache type is {self.kind.name!r}")
         policy.check_calibration(self.config)
         self.kind = dataclasses.replace(self.kind, policy=policy)
         return policy

@@ -95,21 +95,12 @@ def _release_compiled_programs():
     ``vm.max_map_count`` (65,530 regions; measured ~15,000 after its first 9 tests), the next mapping failed inside
     XLA and the worker died with a segfault in ``executable.serialize()`` - in a test that passes alone. Clearing the
     caches unmaps the programs no test holds any more (a later module that needs one again reads it back from the
-    persistent compilation cache); it is done once a worker holds more than ``MAX_MAPPINGS``, so programs that
-    modules share stay compiled until then."""
+    persistent compilation cache); it is done once a worker holds more than ``lcx.generate.MAX_MAPPINGS``, so
+    programs that modules share stay compiled until then (``lcx.generate.release_compiled``, which evaluation grids
+    call between cells for the same reason)."""
     yield
-    try:
-        with open("/proc/self/maps") as maps:
-            count = sum(1 for _ in maps)
-    except OSError:  # not Linux: clear every time
-        count = MAX_MAPPINGS + 1
-    if count > MAX_MAPPINGS:
-        import gc
+    from lcx.generate import release_compiled
 
-        import jax
-
-        jax.clear_caches()
-        gc.collect()
+    release_compiled()
 
 
-MAX_MAPPINGS = 30_000  # of Linux's default vm.max_map_count of 65,530; one test module adds at most ~20,000

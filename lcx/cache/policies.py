@@ -83,6 +83,13 @@ class Streaming(EvictionPolicy):
         _need_budget_above(self.name, "cache.sinks", self.sinks, budgets)
 
 
+def _original_positions(policy, why: str) -> None:
+    """The ``ConfigError`` of a policy that needs keys at their original positions, set to ``positions: cache``."""
+    if policy.mode != "original":
+        raise ConfigError(f"cache.positions={policy.positions!r} is invalid for cache.policy={policy.name!r}: {why}; "
+                          "allowed: 'original'")
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class H2O(ScoredPolicy):
@@ -256,9 +263,7 @@ class ExpectedAttention(ScoredPolicy):
             raise ConfigError(f"cache.sinks={self.sinks} is invalid: must be >= 0")
         if self.horizon < 1:
             raise ConfigError(f"cache.horizon={self.horizon} is invalid: must be >= 1 (future positions averaged)")
-        if self.mode != "original":
-            raise ConfigError(f"cache.positions={self.positions!r} is invalid for cache.policy='expected_attention': "
-                              "it rotates the query moments to future original positions; allowed: 'original'")
+        _original_positions(self, "it rotates the query moments to future original positions")
 
     @property
     def query_moments(self) -> int:
@@ -328,9 +333,7 @@ class KVzip(ScoredPolicy):
         if self.chunk < 1:
             raise ConfigError(f"cache.chunk={self.chunk} is invalid: must be >= 1 (context tokens per "
                               "reconstruction pass)")
-        if self.mode != "original":
-            raise ConfigError(f"cache.positions={self.positions!r} is invalid for cache.policy='kvzip': its "
-                              "reconstruction passes attend to keys at their original positions; allowed: 'original'")
+        _original_positions(self, "its reconstruction passes attend to keys at their original positions")
 
     def scores(self, view, budget):
         return view.score + jnp.where(view.valid & (view.pos < self.sinks), _PROTECT, 0.0)

@@ -120,26 +120,18 @@ def attend(kind, layer, q, key, val, *, cos, sin, ok, spec: AttentionSpec, probe
     core = lambda q, view: attend_view(kind.model.attention.impl, q, view, spec, residuals=True)  # noqa: E731
     parts = [per_shard(core, (BTHD, view.axes()), residual)(q, view) for view in (cached, own)]
     out, _, _ = merge_partials(*parts)
-    stat, start, in_chunk = chunk_scores(layer, q, key, ok, spec, probe)
-    old = jax.lax.dynamic_slice_in_dim(layer.score, start, probe_width(probe, layer), axis=-1)
-    score = jax.lax.dynamic_update_slice_in_dim(layer.score, jnp.where(in_chunk, stat, old), start, axis=-1)
-    return out.astype(q.dtype), layer.replace(score=score)
+    return out.astype(q.dtype), layer.replace(score=chunk_scores(layer, q, key, ok, spec, probe))
 
 
-def probe_width(probe: Probe, layer) -> int:
-    """The slots one pass scores: the chunk size, at most the capacity."""
-    return min(probe.width, layer.pos.shape[-1])
-
-
-def chunk_scores(layer, q, key, ok, spec: AttentionSpec, probe: Probe):
-    """KVzip's statistic for the chunk ``probe.lo .. probe.hi`` (rotated ``q [b, t, h, d]``, ``key [b, t, k, d]``):
-    ``(score [b, H, W], start, in_chunk [b, H, W])`` for the slots ``start .. start + W - 1``, ``in_chunk`` marking
-    the chunk's. Per query, a softmax over the sinks (positions ``< min(sinks, lo)``), the chunk and the pass's own
-    tokens up to it; a slot's score is the largest probability it gets from any real query and any query head of
-    its KV group (max over the KV heads of a shared keep set)."""
+def chunk_scores(layer, q, key, ok, spec: AttentionSpec, probe: Probe) -> jax.Array:
+    """``layer.score [b, H, C]`` with KVzip's statistic written into the slots of the chunk ``probe.lo .. probe.hi``
+    (rotated ``q [b, t, h, d]``, ``key [b, t, k, d]``; other slots keep theirs). Per query, a softmax over the sinks
+    (positions ``< min(sinks, lo)``), the chunk and the pass's own tokens up to it; a slot's score is the largest
+    probability it gets from any real query and any query head of its KV group (max over the KV heads of a shared
+    keep set). Only the ``W = min(width, C)`` slots from the chunk's start are read."""
     b, t, h, d = q.shape
     heads, kv_heads, slots = layer.pos.shape[1], layer.k.shape[1], layer.pos.shape[-1]
-    width, sinks = probe_width(probe, layer), min(probe.sinks, slots)
+    width, sinks = min(probe.width, slots), min(probe.sinks, slots)
     start = jnp.clip(probe.lo, 0, slots - width)
     take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, width, axis=2)  # noqa: E731  [b, k|H, C, ...] -> W
     k_scale = getattr(layer, "k_scale", None)
@@ -171,7 +163,8 @@ def chunk_scores(layer, q, key, ok, spec: AttentionSpec, probe: Probe):
 
     best, _ = jax.lax.scan(block, jnp.zeros((b, kv_heads, width), jnp.float32), (jnp.arange(blocks), qb, okb))
     score = einops.reduce(best, "b (H j) W -> b H W", "max", H=heads)
-    return score, start, in_chunk
+    return jax.lax.dynamic_update_slice_in_dim(layer.score, jnp.where(in_chunk, score, take(layer.score)), start,
+                                               axis=-1)
 
 
 __all__ = ["Probe", "Reconstruction", "attend", "chunk_scores"]
