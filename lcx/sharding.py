@@ -1,7 +1,9 @@
 """Device meshes and sharding: the mesh from config, one table of logical-axis rules, the GQA topology check, and
 running kernels once per shard.
 
-Mesh axes: ``"data"`` splits the batch, ``"model"`` is tensor parallelism (query heads, KV heads, MLP hidden).
+Mesh axes: ``"data"`` splits the batch, ``"seq"`` the sequence of a training row's activations (context
+parallelism, ``lcx.context_parallel``; size 1 unless asked for), ``"model"`` is tensor parallelism (query heads, KV
+heads, MLP hidden).
 Model code names logical axes only; :data:`LOGICAL_RULES` maps them to mesh axes, and :func:`logical_to_mesh` turns
 a logical spec into a ``PartitionSpec``, raising when one mesh axis would split two dimensions of one array.
 
@@ -48,7 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lcx")
 
-MESH_AXES = ("data", "model")
+MESH_AXES = ("data", "seq", "model")
 
 # Logical axis -> mesh axis (None: not split). The one table; model code never names a mesh axis.
 LOGICAL_RULES: Mapping[str, str | None] = types.MappingProxyType({
@@ -63,7 +65,10 @@ LOGICAL_RULES: Mapping[str, str | None] = types.MappingProxyType({
     "head_dim": None,
     "norm": None,
     "layers": None,
-    "length": None,  # sequence positions and cache slots
+    "length": None,  # sequence positions a kernel sees whole, and cache slots
+    # The positions of a training row's activations (and its batch arrays): split over "seq" when the mesh has a
+    # context-parallel axis; attention then runs lcx.context_parallel's ring or all-gather across it.
+    "sequence": "seq",
     # Cache buffers: the KV heads that keep their own token set go with their KV heads (a size of 1 - one set shared
     # by all heads of a layer - is replicated); long-term memory blocks stay whole per device.
     "keep_heads": "model",
@@ -93,25 +98,38 @@ ROWS = ("batch",)  # anything per row without heads: masks [b, t, s], lengths [b
 # --------------------------------------------------------------------------------------------------- config
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """``mesh: {data: D, model: M}``: the device mesh. ``"auto"`` fills the devices the other axis leaves; with both
+    """``mesh: {data: D, seq: S, model: M}``: the device mesh. ``seq`` (default 1) splits each training row's
+    sequence (context parallelism); ``"auto"`` for data or model fills the devices the other axes leave; with both
     ``"auto"`` the model axis is the largest size that splits the KV heads without replication (see
-    :func:`resolve_mesh_shape`). ``data x model`` must equal the number of devices."""
+    :func:`resolve_mesh_shape`). ``data x seq x model`` must equal the number of devices."""
 
     data: int | str = "auto"
     model: int | str = "auto"
+    seq: int = 1
 
     def __post_init__(self):
         for name in ("data", "model"):
             object.__setattr__(self, name, _axis_value(getattr(self, name), f"mesh.{name}"))
+        seq = _axis_value(self.seq, "mesh.seq")
+        if seq == "auto":
+            raise ConfigError("mesh.seq='auto' is invalid: the sequence axis must be a positive integer (1: none)")
+        object.__setattr__(self, "seq", seq)
 
     def shape(self, n_devices: int, n_kv_heads: int | None = None, n_heads: int | None = None) -> tuple[int, int]:
-        return resolve_mesh_shape(self.data, self.model, n_devices, n_kv_heads, n_heads)
+        """``(data, model)`` over the ``n_devices / seq`` devices each sequence shard spans."""
+        return resolve_mesh_shape(self.data, self.model, _per_seq(n_devices, self.seq), n_kv_heads, n_heads)
 
     def make_mesh(self, devices: Sequence[Any] | None = None, n_kv_heads: int | None = None,
                   n_heads: int | None = None) -> Mesh:
         devices = list(jax.devices() if devices is None else devices)
         data, model = self.shape(len(devices), n_kv_heads, n_heads)
-        return make_mesh(data, model, devices=devices)
+        return make_mesh(data, model, devices=devices, seq=self.seq)
+
+
+def _per_seq(n_devices: int, seq: int) -> int:
+    if n_devices % seq:
+        raise ConfigError(f"mesh.seq={seq} is invalid: it must divide the {n_devices} devices")
+    return n_devices // seq
 
 
 def _axis_value(value: Any, key: str) -> int | str:
@@ -152,21 +170,30 @@ def resolve_mesh_shape(data: int | str, model: int | str, n_devices: int, n_kv_h
     return data, model
 
 
-def abstract_mesh(data: int, model: int) -> AbstractMesh:
-    """A ``("data", "model")`` mesh of shapes only (no devices): for planning placements and bytes per device."""
-    return AbstractMesh((data, model), MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+_AUTO3 = (AxisType.Auto,) * len(MESH_AXES)
 
 
-def make_mesh(data: int | str = "auto", model: int | str = "auto", devices: Sequence[Any] | None = None) -> Mesh:
-    """A ``("data", "model")`` mesh over ``devices`` (default: all devices of all processes).
+def abstract_mesh(data: int, model: int, seq: int = 1) -> AbstractMesh:
+    """A ``("data", "seq", "model")`` mesh of shapes only (no devices): for planning placements and bytes per
+    device."""
+    return AbstractMesh((data, seq, model), MESH_AXES, axis_types=_AUTO3)
 
-    ``data x model`` must equal the number of devices (``"auto"`` for one axis fills the rest). Axes are of type
-    ``Auto``: arrays carry shardings, XLA's partitioner propagates them, and ``per_shard`` regions are manual.
+
+def make_mesh(data: int | str = "auto", model: int | str = "auto", devices: Sequence[Any] | None = None, *,
+              seq: int = 1) -> Mesh:
+    """A ``("data", "seq", "model")`` mesh over ``devices`` (default: all devices of all processes).
+
+    ``data x seq x model`` must equal the number of devices (``"auto"`` for data or model fills the rest; ``seq``,
+    the context-parallel axis, is 1 unless given). Axes are of type ``Auto``: arrays carry shardings, XLA's
+    partitioner propagates them, and ``per_shard`` regions are manual.
     """
     devices = list(jax.devices() if devices is None else devices)
     data, model = _axis_value(data, "mesh.data"), _axis_value(model, "mesh.model")
-    data, model = resolve_mesh_shape(data, model, len(devices))
-    return jax.make_mesh((data, model), MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
+    seq = _axis_value(seq, "mesh.seq")
+    if seq == "auto":
+        raise ConfigError("mesh.seq='auto' is invalid: the sequence axis must be a positive integer (1: none)")
+    data, model = resolve_mesh_shape(data, model, _per_seq(len(devices), seq))
+    return jax.make_mesh((data, seq, model), MESH_AXES, axis_types=_AUTO3, devices=devices)
 
 
 def use_mesh(mesh: Mesh | None):
@@ -345,6 +372,12 @@ def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec("data", *([None] * (ndim - 1))))
 
 
+def sequence_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """A training batch array ``[batch, sequence, ...]``: rows over "data", positions over "seq" (context
+    parallelism; the rows are laid out for it by ``lcx.context_parallel.layout_batch``)."""
+    return NamedSharding(mesh, PartitionSpec("data", "seq", *([None] * (ndim - 2))))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
@@ -409,7 +442,7 @@ def per_shard(fn: Callable, in_axes: Sequence[Any], out_axes: Any) -> Callable:
 
 
 __all__ = ["BHD", "BK", "BKS", "BKSD", "BSKD", "BT", "BTHD", "LOGICAL_RULES", "MESH_AXES", "ROWS", "MeshConfig",
-           "abstract_mesh", "axis_size", "batch_sharding", "cache_model_config", "check_rules", "check_topology",
+           "abstract_mesh", "axis_size", "batch_sharding", "sequence_sharding", "cache_model_config", "check_rules", "check_topology",
            "kv_replication",
            "logical_to_mesh", "make_mesh", "mesh_topology", "named_sharding", "per_shard", "put",
            "replicate_kv_heads", "replicated", "resolve_mesh_shape", "spec_for", "to_host", "use_mesh",

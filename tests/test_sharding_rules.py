@@ -143,7 +143,7 @@ def test_sharding_make_mesh_wrong_product_raises():
 
 def test_sharding_make_mesh_one_device():
     mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
-    assert mesh.axis_names == ("data", "model") and mesh.axis_sizes == (1, 1)
+    assert mesh.axis_names == ("data", "seq", "model") and mesh.axis_sizes == (1, 1, 1)
 
 
 @pytest.mark.parametrize("data, model, kv, expected", [("auto", 4, None, (2, 4)), (2, "auto", None, (2, 4)),

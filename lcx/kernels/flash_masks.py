@@ -135,15 +135,18 @@ def pad_inputs(q, k, v, st: FlashStatic):
     return q, k, v
 
 
-def pad_segments(segment_ids, st: FlashStatic):
+def pad_segments(segment_ids, st: FlashStatic, key_segment_ids=None):
     """``(query segments [b, t_pad], key segments [b, s_pad])`` int32, or None; padded entries are masked anyway
-    (padded keys by ``kv_len``, padded query rows are sliced off or hidden by ``row_valid``)."""
+    (padded keys by ``kv_len``, padded query rows are sliced off or hidden by ``row_valid``). ``key_segment_ids``:
+    the keys' own ids when queries and keys are different chunks (a block of ring attention); default: the
+    queries' (a self-attention)."""
     if segment_ids is None:
         return None
     seg = jnp.asarray(segment_ids, jnp.int32)
+    key_seg = seg if key_segment_ids is None else jnp.asarray(key_segment_ids, jnp.int32)
     t_pad = round_up(st.q_len, max(st.block_q, st.block_q_dkv, st.block_q_dq))
     s_pad = round_up(st.kv_len, max(st.block_k, st.block_k_dkv, st.block_k_dq))
-    return pad_axis(seg, 1, t_pad), pad_axis(seg, 1, s_pad)
+    return pad_axis(seg, 1, t_pad), pad_axis(key_seg, 1, s_pad)
 
 
 def _div0(x, n: int):

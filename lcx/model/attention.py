@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lcx import kernels, sharding
+from lcx import context_parallel, kernels, sharding
 from lcx.model.config import AttentionSpec, ModelConfig
 from lcx.model.layers import RMSNorm
 from lcx.model.params import as_dtype, declare, normal, zeros
@@ -40,6 +40,10 @@ def attend_spec(config: ModelConfig, spec: AttentionSpec, tables, q, key, val, c
     if probe is not None:
         raise ValueError("a reconstruction probe scores a cache's slots: it needs a cache")
     q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+    if context_parallel.sequence_axis() > 1 and q.shape[1] > 1:  # the sequence split over seq: ring / all-gather
+        return context_parallel.attend(q, key, val, segment_ids, strategy=config.attention.context_parallel,
+                                       impl=config.attention.impl, sm_scale=spec.sm_scale, window=spec.window,
+                                       softcap=spec.softcap), None
     attend = functools.partial(kernels.backend(config.attention.impl).causal, sm_scale=spec.sm_scale,
                                **kernels.spec_kwargs(spec))
     if segment_ids is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from lcx.config_base import ConfigError, canonical_dtype, check, positive_int
+from lcx.context_parallel import STRATEGIES
 from lcx.kernels.backends import IMPLS
 from lcx.model import rope_scaling
 from lcx.model.families import FAMILIES, Family
@@ -73,12 +74,17 @@ class RopeConfig:
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """Which attention implementation the model calls: a row of ``lcx.kernels.backends`` or ``auto`` (compiled
-    Pallas kernels on a GPU, XLA elsewhere)."""
+    Pallas kernels on a GPU, XLA elsewhere). ``context_parallel``: how attention crosses a mesh's ``seq`` axis
+    (``ring`` or ``all_gather``, ``lcx.context_parallel``); unused without one. Training sets it from
+    ``train.context_parallel``."""
 
     impl: str = "auto"
+    context_parallel: str = "ring"
 
     def __post_init__(self):
         check(self.impl in IMPLS, "attention.impl", self.impl, f"must be one of {list(IMPLS)}")
+        check(self.context_parallel in STRATEGIES, "attention.context_parallel", self.context_parallel,
+              f"must be one of {list(STRATEGIES)}")
 
 
 # --------------------------------------------------------------------------------------------------- spec

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lcx.config_base import ConfigError, canonical_dtype
+from lcx.context_parallel import STRATEGIES
 from lcx.model.config import REMAT_POLICIES
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -47,6 +48,9 @@ class TrainConfig:
     ``resume``: continue from ``run_dir/checkpoints`` when it holds a checkpoint (else such a run_dir is an error).
     ``fsdp``: on a mesh, also split weights and optimizer state over the ``data`` axis (memory per device falls with
     the device count; ``lcx.train.placement``).
+    ``context_parallel``: on a mesh with a ``seq`` axis (``mesh: {seq: N}``), how attention crosses it: ``ring``
+    (keys and values passed around the ring, per-device memory independent of the sequence's keys) or
+    ``all_gather`` (keys and values gathered per layer; faster at moderate lengths) - ``lcx.context_parallel``.
     ``profile_steps: [first, last]``: a ``jax.profiler`` trace of those steps in ``run_dir/profile`` (TensorBoard's
     profile plugin or Perfetto read it).
     """
@@ -74,6 +78,7 @@ class TrainConfig:
     init_from: str | None = None
     resume: bool = True
     fsdp: bool = False
+    context_parallel: str = "ring"
     profile_steps: tuple[int, ...] | None = None
 
     def __post_init__(self):
@@ -109,6 +114,9 @@ class TrainConfig:
                 raise ConfigError(f"train.profile_steps={self.profile_steps!r} is invalid: must be [first, last] "
                                   f"with 1 <= first <= last <= train.steps={self.steps}, or null")
             object.__setattr__(self, "profile_steps", window)
+        if self.context_parallel not in STRATEGIES:
+            raise ConfigError(f"train.context_parallel={self.context_parallel!r} is invalid: must be one of "
+                              f"{list(STRATEGIES)}")
         if self.remat_policy is not None and self.remat_policy not in REMAT_POLICIES:
             raise ConfigError(f"train.remat_policy={self.remat_policy!r} is invalid: must be one of "
                               f"{list(REMAT_POLICIES)} or null (the model's)")

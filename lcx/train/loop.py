@@ -42,7 +42,7 @@ from lcx.train import settings as history
 from lcx.train.config import DataConfig, TrainConfig
 from lcx.train.metrics import MetricsLogger, truncate_metrics
 from lcx.train.optim import make_optimizer
-from lcx import sharding
+from lcx import context_parallel, sharding
 from lcx.train.step import TrainState, compile_train_step, init_state, state_struct, step_shardings
 from lcx.train.run_lock import RunLock
 from lcx.train.warm_start import initial_params
@@ -97,11 +97,13 @@ class TrainResult:
 
 
 def training_model(model: ModelConfig, train: TrainConfig) -> ModelConfig:
-    """The model as trained: ``train.compute_dtype`` compute, float32 master params, ``train.remat`` if set."""
+    """The model as trained: ``train.compute_dtype`` compute, float32 master params, ``train.remat`` if set, and
+    ``train.context_parallel`` as its attention's strategy across a ``seq`` mesh axis."""
     remat = model.remat if train.remat is None else train.remat
     policy = model.remat_policy if train.remat_policy is None else train.remat_policy
+    attention = dataclasses.replace(model.attention, context_parallel=train.context_parallel)
     return dataclasses.replace(model, dtype=train.compute_dtype, param_dtype="float32", remat=remat,
-                               remat_policy=policy)
+                               remat_policy=policy, attention=attention)
 
 
 def _check_fit(model: ModelConfig, train: TrainConfig) -> None:
@@ -154,6 +156,11 @@ def run_training(model: ModelConfig, train: TrainConfig, data: DataConfig, run_d
         raise ConfigError(f"train.batch_size={train.batch_size} (micro-batches of {train.micro_batch_size} with "
                           f"train.grad_accum={train.grad_accum}) is invalid on mesh.data={data_axis}: every "
                           f"micro-batch must split evenly over the data axis (a multiple of {data_axis})")
+    seq_axis = sharding.axis_size(mesh, "seq")
+    if seq_axis > 1 and train.seq_len % (2 * seq_axis):
+        raise ConfigError(f"train.seq_len={train.seq_len} is invalid on mesh.seq={seq_axis}: context parallelism "
+                          f"cuts each row into 2 x seq = {2 * seq_axis} equal chunks, so seq_len must be a multiple "
+                          f"of {2 * seq_axis}")
     run_dir = Path(run_dir)
     make_run_dir(run_dir)
     with RunLock(run_dir):
@@ -182,8 +189,12 @@ def _run_locked(model, train, data, run_dir: Path, *, progress, max_steps, callb
 
     state_sh, batch_sh = step_shardings(model, train, mesh, task.packed) if mesh is not None else (None, None)
 
+    seq_axis = sharding.axis_size(mesh, "seq")
+
     def next_batch(index: int):
         batch = source(index)
+        if seq_axis > 1:  # rows laid out for the zig-zag assignment of context parallelism
+            batch = context_parallel.layout_batch(batch, seq_axis)
         return batch if mesh is None else {k: sharding.put(v, batch_sh[k]) for k, v in batch.items()}
 
     ckpt_dir = run_dir / "checkpoints"

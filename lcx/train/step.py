@@ -102,15 +102,22 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelCo
     return new, jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics)
 
 
-def batch_struct(train: TrainConfig, packed: bool = False) -> dict[str, jax.ShapeDtypeStruct]:
-    """Shapes and dtypes of one batch: ``[batch_size, seq_len]`` each (``packed``: with positions and segment ids)."""
+def batch_struct(train: TrainConfig, packed: bool = False, positions: bool = False) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes and dtypes of one batch: ``[batch_size, seq_len]`` each (``packed``: with positions and segment ids;
+    ``positions``: with positions - rows laid out for context parallelism, ``lcx.context_parallel.layout_batch``)."""
     shape = (train.batch_size, train.seq_len)
     out = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32), "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
            "weights": jax.ShapeDtypeStruct(shape, jnp.float32), "answer": jax.ShapeDtypeStruct(shape, jnp.float32)}
+    if packed or positions:
+        out["positions"] = jax.ShapeDtypeStruct(shape, jnp.int32)
     if packed:
-        out |= {"positions": jax.ShapeDtypeStruct(shape, jnp.int32),
-                "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32)}
+        out["segment_ids"] = jax.ShapeDtypeStruct(shape, jnp.int32)
     return out
+
+
+def _mesh_batch_struct(train: TrainConfig, packed: bool, mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """The batch of a run on ``mesh``: with a ``seq`` axis the rows carry their (laid-out) positions."""
+    return batch_struct(train, packed, positions=sharding.axis_size(mesh, "seq") > 1)
 
 
 def state_struct(model: ModelConfig, optimizer: optax.GradientTransformation) -> TrainState:
@@ -139,7 +146,7 @@ def step_shardings(model: ModelConfig, train: TrainConfig, mesh: jax.sharding.Me
     ``train.fsdp``)."""
     optimizer = make_optimizer(train)
     state = placement.state_shardings(model, optimizer, state_struct(model, optimizer), mesh, fsdp=train.fsdp)
-    return state, placement.batch_shardings(batch_struct(train, packed), mesh)
+    return state, placement.batch_shardings(_mesh_batch_struct(train, packed, mesh), mesh)
 
 
 @functools.lru_cache(maxsize=8)
@@ -148,7 +155,7 @@ def compile_train_step(model: ModelConfig, train: TrainConfig, *, mesh: jax.shar
     """The step compiled ahead of time for ``model`` and ``train``'s static shapes (on ``mesh``: with the state and
     batch shardings of ``step_shardings``, the state donated in place; ``packed``: batches carry positions and
     segment ids); cached, so a resumed or repeated run in the same process does not compile again."""
-    state, batch = state_struct(model, make_optimizer(train)), batch_struct(train, packed)
+    state, batch = state_struct(model, make_optimizer(train)), _mesh_batch_struct(train, packed, mesh)
     if mesh is None:
         return jit_train_step(model, train).lower(state, batch).compile()
     state_sh, batch_sh = step_shardings(model, train, mesh, packed)
