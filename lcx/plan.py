@@ -637,6 +637,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--attention", default="flash", help="flash (Pallas) or xla (materialized scores)")
     t.add_argument("--compute-dtype", default="bfloat16", help="matmul dtype (default bfloat16)")
     t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
+    t.add_argument("--seq", type=int, default=1, help="devices along the sequence axis: context parallelism splits "
+                   "each row's tokens over them (default 1)")
+    t.add_argument("--context-parallel", default="ring", help="ring or all_gather: attention across --seq")
     p.set_defaults(func=run)
     return p
 
@@ -663,13 +666,17 @@ def run(args: argparse.Namespace) -> int:
     """Print the plan; 0 when a plan was made (whatever the checkpoints say), ConfigError for bad input."""
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem")
     model = load_model(args.config, args.overrides)
+    if args.seq != 1 and not args.train:
+        raise ConfigError(f"--seq={args.seq} plans context parallelism of a training run: add --train (inference "
+                          "prefill over seq gathers the cache for decode, so its KV bytes per device do not change)")
     if args.train:
         from lcx.plan_train import TrainPlanInputs, render_train, train_plan
 
         t_inputs = TrainPlanInputs(model=model, seq_len=args.context, batch=args.batch, gpu_mem_bytes=gpu_mem,
                                    devices=args.devices, data=args.data, fsdp=args.fsdp, remat=args.remat,
                                    attention=args.attention, compute_dtype=args.compute_dtype,
-                                   grad_accum=args.grad_accum, utilization=args.utilization)
+                                   grad_accum=args.grad_accum, utilization=args.utilization, seq=args.seq,
+                                   context_parallel=args.context_parallel)
         t_plan = train_plan(t_inputs)
         print(json.dumps(t_plan, indent=2) if args.json else render_train(t_inputs, t_plan, str(args.config)))
         return 0

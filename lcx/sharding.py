@@ -442,8 +442,8 @@ def per_shard(fn: Callable, in_axes: Sequence[Any], out_axes: Any) -> Callable:
 
 
 __all__ = ["BHD", "BK", "BKS", "BKSD", "BSKD", "BT", "BTHD", "LOGICAL_RULES", "MESH_AXES", "ROWS", "MeshConfig",
-           "abstract_mesh", "axis_size", "batch_sharding", "sequence_sharding", "cache_model_config", "check_rules", "check_topology",
-           "kv_replication",
+           "abstract_mesh", "axis_size", "batch_sharding", "cache_model_config", "check_rules", "check_topology",
+           "kv_replication", "sequence_sharding",
            "logical_to_mesh", "make_mesh", "mesh_topology", "named_sharding", "per_shard", "put",
            "replicate_kv_heads", "replicated", "resolve_mesh_shape", "spec_for", "to_host", "use_mesh",
            "valid_model_axis_sizes"]

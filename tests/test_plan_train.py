@@ -59,8 +59,17 @@ def test_longest_seq_len_and_cli(tmp_path, capsys):
     assert main(["plan", str(path), "--train", "--context", "1024", "--batch", "4", "--gpu-mem", "1GiB",
                  "--devices", "4", "--data", "4", "--fsdp", "--remat", "full"]) == 0
     out = capsys.readouterr().out
-    assert "mesh data=4 x model=1, FSDP" in out and "optimizer" in out and "longest power-of-two seq_len" in out
+    assert "mesh data=4 x seq=1 x model=1, FSDP" in out and "optimizer" in out and "longest power-of-two" in out
     assert main(["plan", str(path), "--train", "--context", "1024", "--gpu-mem", "1GiB", "--fsdp"]) == 2
-    assert "--fsdp splits weights over the data axis: it needs --data > 1" in capsys.readouterr().err
+    assert "--fsdp splits weights over the data (and seq) axes: it needs --data > 1" in capsys.readouterr().err
+    # --seq: one row's tokens over 4 devices - activations per device fall ~4x, weights split over seq by FSDP
+    one = train_plan(_inputs(gpu_mem_bytes=1 << 30, remat="full", batch=1, seq_len=4096))
+    cp = train_plan(_inputs(gpu_mem_bytes=1 << 30, remat="full", batch=1, seq_len=4096, devices=4, seq=4, fsdp=True))
+    assert 3.5 < one["activations"] / cp["activations"] < 4.0 and cp["params"] * 4 == one["params"]
+    assert cp["context_parallel_bytes_per_step"] > 0 == one["context_parallel_bytes_per_step"]
+    assert cp["longest_seq_len"] >= 4 * one["longest_seq_len"]
+    assert main(["plan", str(path), "--train", "--context", "1004", "--gpu-mem", "1GiB", "--devices", "4",
+                 "--seq", "4"]) == 2
+    assert "--context=1004 is invalid with --seq=4" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"--remat='most' is invalid"):
         _inputs(remat="most")

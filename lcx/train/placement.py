@@ -1,9 +1,10 @@
 """Where a run's train state and batches live on a device mesh.
 
 The same logical-axis rules as inference (``lcx.model.placement``): query heads, KV heads and MLP columns split over
-``model``; the batch splits over ``data``. With ``train.fsdp`` the weights and the optimizer state are also split over
-``data`` (and ``seq`` when the mesh has one: FSDP / ZeRO-3 style): each parameter's largest dimension that the rules leave whole and that the data axis
-divides is cut into ``data`` pieces, so parameter and optimizer bytes per device fall with the device count; XLA
+``model``; the batch splits over ``data`` (and, on a mesh with a ``seq`` axis, each row's positions over ``seq``:
+context parallelism). With ``train.fsdp`` the weights and the optimizer state are also split over ``data`` and
+``seq`` (FSDP / ZeRO-3 style): each parameter's largest dimension that the rules leave whole and that those axes
+divide is cut into that many pieces, so parameter and optimizer bytes per device fall with the device count; XLA
 gathers a weight where the step needs it whole and reduce-scatters its gradient. Optimizer moments take the sharding
 of their parameter; scalars (step counts, the PRNG key) are replicated.
 """

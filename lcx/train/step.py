@@ -59,7 +59,10 @@ def token_loss(model: ModelConfig, params, batch: dict[str, jax.Array], total_we
     logits = Decoder(model).apply({"params": params}, batch["inputs"], positions=batch.get("positions"),
                                   segment_ids=batch.get("segment_ids"))  # [b, t, v] float32
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]  # [b, t]
+    # A one-hot contraction rather than take_along_axis: the same value (every other term is exactly 0), and its
+    # gradient is elementwise, so logits split over "seq" (context parallelism) are never gathered by the
+    # partitioner to transpose a gather.
+    nll = -jnp.sum(logp * jax.nn.one_hot(batch["targets"], logp.shape[-1], dtype=logp.dtype), axis=-1)  # [b, t]
     answer = batch["answer"]
     correct = jnp.argmax(logits, axis=-1) == batch["targets"]
     stats = jnp.stack([jnp.sum(nll * answer), jnp.sum(correct * answer)])
