@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from lcx import device_memory, sharding
+from lcx import context_parallel, device_memory, sharding
 from lcx.cache.base import AUTO_PREFILL_CHUNK, CacheCapacityError, CacheKind, CacheState, round_chunk
 from lcx.cache.config import CacheConfig
 from lcx.cache.reconstruct import Probe, Reconstruction
@@ -254,10 +254,11 @@ def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None,
             return cache
         return jax.lax.with_sharding_constraint(cache, kind.shardings(cache, mesh))
 
-    def prefill_chunk(params, cache, ids, ok, last_index, last_logits, stat_weights):
-        # last_index [b]: index of the row's last prompt token within this chunk, or -1
+    def prefill_chunk(params, cache, ids, ok, last_index, last_logits, stat_weights, positions=None):
+        # last_index [b]: index of the row's last prompt token within this chunk, or -1. positions: given for a
+        # chunk laid out over a seq mesh axis (lcx.context_parallel), else the cache's next positions.
         cache = kind.make_room(cache, jnp.sum(ok, axis=1, dtype=jnp.int32))  # room for each row's real tokens
-        logits, cache = model.apply({"params": params}, ids, cache=cache, ok=ok,
+        logits, cache = model.apply({"params": params}, ids, positions=positions, cache=cache, ok=ok,
                                     logits_index=jnp.maximum(last_index, 0), stat_weights=stat_weights)
         last_logits = jnp.where((last_index >= 0)[:, None], logits[:, 0], last_logits)
         return pin(cache), last_logits
@@ -414,6 +415,9 @@ class Generator:
         if mesh is not None and self.kind.name not in ("slots", "hybrid"):
             raise ConfigError(f"cache.policy={self.cache_config.policy!r} (cache type {self.kind.name!r}) does not "
                               "run on a device mesh yet; generate on one device or use an eviction policy")
+        self.seq = sharding.axis_size(mesh, "seq")
+        if self.seq > 1:
+            self._check_prefill_across_seq()
         self._open: list = []  # handles of the host resources (e.g. stores) this generator's requests opened
         self.sampling = sampling or SamplingConfig()
         self.capacity = capacity
@@ -434,6 +438,18 @@ class Generator:
             raise ConfigError(f"cache.policy={self.cache_config.policy!r} scores the prompt by asking the model to "
                               "repeat it: pass Generator(reconstruction=...) - the repeat prompt's token ids, e.g. "
                               "lcx.data.haystack.Frame(tokenizer, chat).reconstruction()")
+
+    def _check_prefill_across_seq(self) -> None:
+        """A mesh with a ``seq`` axis splits each prompt's prefill over it (one chunk, attention across ``seq``, the
+        keys and values then written whole): a slot cache whose policy gathers nothing while prefilling."""
+        policy = self.cache_config.policy
+        stats = self.policy.attention_stat is not None or self.policy.query_moments
+        if self.kind.name != "slots" or stats or getattr(self.policy, "reconstructs", False):
+            why = (f"its cache type is {self.kind.name!r}" if self.kind.name != "slots" else
+                   "it scores the prompt's attention (statistics, query moments or a reconstruction pass)")
+            raise ConfigError(f"mesh.seq={self.seq} splits each prompt's prefill over the sequence axis, but "
+                              f"cache.policy={policy!r} cannot run that way: {why}. Use a policy that needs no "
+                              "prefill statistics (full, window, streaming, knorm, ...) or a mesh without seq")
 
     def _calibrated(self, policy, params, calibration):
         """``policy`` measured on this model (``EvictionPolicy.calibrate``), and the cache kind rebuilt with it."""
@@ -519,6 +535,9 @@ class Generator:
             else:
                 cache = self._new_cache(batch, capacity)
         else:
+            if self.seq > 1:
+                raise ConfigError(f"mesh.seq={self.seq} prefills a prompt in one chunk into a fresh cache: "
+                                  "prefill(state=...) appends to a filled one - use a mesh without seq for it")
             cache, capacity = self._continued(state, batch, max_len)
         reconstructs = getattr(self.policy, "reconstructs", False)
         if reconstructs and (state is not None or max_len > capacity):
@@ -568,6 +587,8 @@ class Generator:
         """Prompts ``ids [b, n]`` (real tokens ``lengths [b]``) through the model into ``cache`` in chunks of one
         compiled shape: ``(cache, logits of each row's last token)``."""
         batch, max_len = ids.shape
+        if self.seq > 1:
+            return self._chunk_across_seq(ids, lengths, cache, capacity)
         self.prefilled_tokens += int(lengths.sum())
         requested = self.cache_config.prefill_chunk or auto_prefill_chunk(self.config, batch, max_len)
         chunk = self.kind.prefill_chunk(requested, max_len, capacity)
@@ -592,6 +613,30 @@ class Generator:
             bar.update(chunk * batch)
         bar.close()
         return cache, last_logits
+
+    def _chunk_across_seq(self, ids: np.ndarray, lengths: np.ndarray, cache: CacheState,
+                          capacity: int) -> tuple[CacheState, jax.Array]:
+        """The prompts as one chunk split over the mesh's ``seq`` axis: padded to a multiple of ``2 x seq``, laid
+        out in zig-zag order (``lcx.context_parallel``), attention across ``seq``; the cache is then whole on every
+        ``seq`` device and decoding runs there as on a mesh without one."""
+        batch, max_len = ids.shape
+        width = -(-max_len // (2 * self.seq)) * (2 * self.seq)
+        if max_len > capacity:  # (padding is never written)
+            raise ConfigError(f"mesh.seq={self.seq} prefills a prompt in one chunk into a fresh cache: the prompt "
+                              f"({max_len} tokens) must fit the capacity ({capacity}) - raise "
+                              "cache.budget / cache.interval or prefill on a mesh without seq")
+        self.prefilled_tokens += int(lengths.sum())
+        padded = np.zeros((batch, width), np.int32)
+        padded[:, :max_len] = ids
+        ok = np.arange(width)[None, :] < lengths[:, None]
+        laid = context_parallel.layout_batch({"ids": padded, "ok": ok}, self.seq)
+        last_index = np.argsort(context_parallel.zigzag_order(width, self.seq))[lengths - 1].astype(np.int32)
+        put = lambda x: sharding.put(x, sharding.sequence_sharding(self.mesh, x.ndim))  # noqa: E731
+        with sharding.use_mesh(self.mesh):
+            cache, last_logits = self._prefill_chunk(
+                self.params, cache, put(laid["ids"]), put(laid["ok"]), self._put(last_index),
+                self._put(np.zeros((batch, self.config.vocab_size), np.float32)), None, put(laid["positions"]))
+        return self.kind.sync(cache), last_logits
 
     def _reconstruct(self, cache: CacheState, ids: np.ndarray, lengths: np.ndarray, progress: bool) -> CacheState:
         """The reconstruction passes of a ``reconstructs`` policy over the prefilled prompts (``Reconstruction

@@ -37,6 +37,7 @@ from lcx.cache.schema import Field
 from lcx.config_base import ConfigError, canonical_dtype, format_bytes
 from lcx.kernels.quant import QUANT_DTYPES, SCALE_DTYPE, storage_dtype
 from lcx.model.config import ModelConfig
+from lcx.sharding import BSKD, ROWS, per_shard
 
 FIELDS: Mapping[str, Field] = {
     "k": Field(("layers", "batch", "kv_heads", "length", "head_dim"), "kv", 0, role="kv"),
@@ -221,6 +222,16 @@ class SlotCacheKind(CacheKind):
                                       spec=spec or self.model.attention_specs()[0], probe=probe)
         return slot_attention.attend(self, layer, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
                                      stat_weights=stat_weights, spec=spec)
+
+    def write_prompt(self, layer, rotated, key, val, positions, ok):
+        """Append a whole prompt's keys and values (``[b, t, k, d]`` in sequence order; ``rotated``: the keys at
+        their positions) to an empty ``layer`` without attending: a prefill whose attention ran across the mesh's
+        ``seq`` axis (``lcx.model.attention``). Only for policies that gather no statistics while prefilling
+        (``Generator`` checks)."""
+        keys = rotated if self.policy.mode == "original" else key
+        layout = self.layer_axes()
+        return per_shard(slot_attention.write, (layout, BSKD, BSKD, ROWS, ROWS), layout)(layer, keys, val, positions,
+                                                                                         ok)
 
     # ------------------------------------------------------------------------------------------- eviction
     def evict(self, state: KVCache):

@@ -32,6 +32,8 @@ def attend_spec(config: ModelConfig, spec: AttentionSpec, tables, q, key, val, c
         if segment_ids is not None:
             raise ValueError("segment_ids (packed documents) are for training and scoring without a cache")
         # Cache kinds written before per-layer specs take no ``spec``: plain (Llama-style) models do not pass it.
+        if context_parallel.sequence_axis() > 1 and q.shape[1] > 1:
+            return _prefill_across_seq(config, spec, q, key, val, cache, cos, sin, positions, ok, probe)
         extra = {} if config.plain_attention else {"spec": spec}
         if probe is not None:
             extra["probe"] = probe
@@ -50,6 +52,25 @@ def attend_spec(config: ModelConfig, spec: AttentionSpec, tables, q, key, val, c
         return sharding.per_shard(attend, (BTHD, BSKD, BSKD), BTHD)(q, key, val), None  # no communication
     packed = lambda q, k, v, seg: attend(q, k, v, segment_ids=seg)  # noqa: E731
     return sharding.per_shard(packed, (BTHD, BSKD, BSKD, BT), BTHD)(q, key, val, segment_ids), None
+
+
+def _prefill_across_seq(config: ModelConfig, spec: AttentionSpec, q, key, val, cache, cos, sin, positions, ok, probe):
+    """A whole prompt in one chunk on a mesh with a ``seq`` axis (``Generator`` on such a mesh, a fresh cache): the
+    chunk's causal attention runs across ``seq`` like training's (rows laid out in zig-zag order, ring or
+    all-gather), then its keys and values are gathered in sequence order and the cache writes them
+    (``kind.write_prompt``): the cache is whole on every ``seq`` device for decode."""
+    write = getattr(cache.kind, "write_prompt", None)
+    if write is None or probe is not None:
+        raise ValueError(f"a prefill split over the mesh's seq axis writes its keys and values into the cache whole; "
+                         f"cache type {cache.kind.name!r} cannot" + (" (nor score a reconstruction pass)"
+                                                                     if probe is not None else ""))
+    n = context_parallel.sequence_axis()
+    q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+    out = context_parallel.attend(q_rot, k_rot, val, strategy=config.attention.context_parallel,
+                                  impl=config.attention.impl, sm_scale=spec.sm_scale, window=spec.window,
+                                  softcap=spec.softcap)
+    back = lambda x: context_parallel.unlayout(x, n)  # noqa: E731  sequence order: the cache's slot order
+    return out, write(cache, back(k_rot), back(key), back(val), back(positions), back(ok))
 
 
 class Attention(nn.Module):

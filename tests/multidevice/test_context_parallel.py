@@ -29,8 +29,10 @@ def test_context_parallel_gradients_through_pallas_blocks(result):
     assert grads["rel_err"] < 2e-3
 
 
-def test_context_parallel_prefill_logits_and_memory(result):
+def test_context_parallel_prefill_generation_and_memory(result):
     for shape, err in result["prefill"].items():
         assert err < 1e-4, (shape, err)
+    for shape, gen in result["generate"].items():  # prefill across seq into a cache, decode from it
+        assert gen["logits_rel_err"] < 1e-4 and gen["tokens_equal"], (shape, gen)
     memory = result["memory"]
     assert memory["seq8"] <= 0.2 * memory["single"], memory
