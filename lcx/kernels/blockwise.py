@@ -27,7 +27,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from lcx.kernels.common import LN2, LOG2E, pad_axis, row_ints
+from lcx.kernels.common import LN2, LOG2E, merge_partials, pad_axis, row_ints
 from lcx.kernels.flash import flash_backward, flash_forward
 from lcx.kernels.flash_masks import make_static, pad_inputs, pad_segments
 
@@ -161,13 +161,11 @@ def backward(spec: BlockSpec, q, k, v, offset, q_seg, k_seg, o, lse, do):
 
 def merge(a, b):
     """``(o, lse)`` of the attention over the union of two blocks' disjoint key sets (float32; ``-inf`` rows
-    contribute nothing, a row no block saw stays ``o = 0, lse = -inf``)."""
-    (oa, la), (ob, lb) = a, b
-    lse = jnp.logaddexp(la, lb)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    wa = jnp.where(jnp.isfinite(la), jnp.exp(la - safe), 0.0)[..., None]
-    wb = jnp.where(jnp.isfinite(lb), jnp.exp(lb - safe), 0.0)[..., None]
-    return oa * wa + ob * wb, lse
+    contribute nothing, a row no block saw stays ``o = 0, lse = -inf``): :func:`merge_partials` with each block's
+    log-sum-exp as its max and a sum of 1."""
+    parts = [(o, lse, jnp.isfinite(lse).astype(jnp.float32)) for o, lse in (a, b)]
+    o, m, l = merge_partials(*parts)
+    return o, jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
 
 
 def empty(q):
