@@ -111,6 +111,11 @@ class ExperimentConfig(Config):
         if self.train is not None and self.train.seq_len > self.model.max_position_embeddings:
             raise ConfigError(f"train.seq_len={self.train.seq_len} is invalid: must be <= "
                               f"model.max_position_embeddings={self.model.max_position_embeddings}")
+        seq = 1 if self.mesh is None else self.mesh.seq
+        if self.train is not None and seq > 1 and self.train.seq_len % (2 * seq):
+            raise ConfigError(f"train.seq_len={self.train.seq_len} is invalid with mesh.seq={seq}: context "
+                              f"parallelism cuts each row into 2 x seq = {2 * seq} equal chunks, so seq_len must be "
+                              f"a multiple of {2 * seq}")
 
     def require(self, stage: str) -> None:
         """Raise unless the sections ``stage`` needs are present."""

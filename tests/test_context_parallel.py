@@ -39,8 +39,10 @@ def test_layout_batch_permutes_rows_and_unlayout_restores():
         cp.zigzag_order(36, 4)
 
 
-@pytest.mark.parametrize("impl", ["jnp", "pallas"])
-@pytest.mark.parametrize("window, softcap", [(None, None), (8, None), (None, 5.0)])
+# Pallas: the offsets and separate query / key segment ids are what is new here (windows and caps are the flash
+# kernels' own tests); jnp: every mask.
+@pytest.mark.parametrize("impl, window, softcap", [("jnp", None, None), ("jnp", 8, None), ("jnp", None, 5.0),
+                                                   ("pallas", 8, None)])
 def test_blocks_merge_and_backward_to_the_whole_attention(impl, window, softcap):
     """2 x 2 chunk blocks (one hidden, one diagonal, one fully visible) with packed segments: merged forward and
     summed backward shares equal the reference attention and its VJP."""
@@ -51,26 +53,31 @@ def test_blocks_merge_and_backward_to_the_whole_attention(impl, window, softcap)
     seg = jnp.array([[0] * 10 + [1] * 22, [0] * 32])
     spec = blockwise.BlockSpec(sm_scale=d ** -0.5, window=window, softcap=softcap, impl=impl)
     chunk = lambda x, i: x[:, i * c:(i + 1) * c]  # noqa: E731
-    parts = []
-    for a in range(2):
-        acc = blockwise.empty(chunk(q, a))
-        for j in range(2):
-            acc = blockwise.merge(acc, blockwise.forward(spec, chunk(q, a), chunk(k, j), chunk(v, j), (a - j) * c,
-                                                         chunk(seg, a), chunk(seg, j)))
-        parts.append(acc)
-    o, lse = (jnp.concatenate(x, axis=1) for x in zip(*parts))
+    pairs = [(a, j) for a in range(2) for j in range(2)]
+
+    @jax.jit  # one program (op-by-op dispatch would compile every small op)
+    def blocks(q, k, v, do):
+        parts = []
+        for a in range(2):
+            acc = blockwise.empty(chunk(q, a))
+            for j in range(2):
+                acc = blockwise.merge(acc, blockwise.forward(spec, chunk(q, a), chunk(k, j), chunk(v, j),
+                                                             (a - j) * c, chunk(seg, a), chunk(seg, j)))
+            parts.append(acc)
+        o, lse = (jnp.concatenate(x, axis=1) for x in zip(*parts))
+        grads = [jnp.zeros_like(x) for x in (q, k, v)]
+        for a, j in pairs:
+            gq, gk, gv = blockwise.backward(spec, chunk(q, a), chunk(k, j), chunk(v, j), (a - j) * c, chunk(seg, a),
+                                            chunk(seg, j), chunk(o, a), chunk(lse, a), chunk(do, a))
+            grads = [grads[0].at[:, a * c:(a + 1) * c].add(gq), grads[1].at[:, j * c:(j + 1) * c].add(gk),
+                     grads[2].at[:, j * c:(j + 1) * c].add(gv)]
+        return o, grads
+
+    do = jax.random.normal(keys[3], q.shape)
+    o, grads = blocks(q, k, v, do)
     ref, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, causal=True, sm_scale=d ** -0.5,
                                                            segment_ids=seg, window=window, softcap=softcap), q, k, v)
     np.testing.assert_allclose(o, ref, atol=2e-6)
-    do = jax.random.normal(keys[3], o.shape)
-    grads = [jnp.zeros_like(x) for x in (q, k, v)]
-    for a in range(2):
-        for j in range(2):
-            gq, gk, gv = blockwise.backward(spec, chunk(q, a), chunk(k, j), chunk(v, j), (a - j) * c, chunk(seg, a),
-                                            chunk(seg, j), chunk(o, a), chunk(lse, a), chunk(do, a))
-            grads[0] = grads[0].at[:, a * c:(a + 1) * c].add(gq)
-            grads[1] = grads[1].at[:, j * c:(j + 1) * c].add(gk)
-            grads[2] = grads[2].at[:, j * c:(j + 1) * c].add(gv)
     for got, want in zip(grads, vjp(do)):
         np.testing.assert_allclose(got, want, atol=5e-6)
 
@@ -82,3 +89,11 @@ def test_context_parallel_config_errors():
         from lcx.sharding import MeshConfig
 
         MeshConfig(seq=3).shape(8)
+    from pathlib import Path
+
+    from lcx.experiment import load_experiment
+
+    config = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "context_parallel.yaml"
+    assert load_experiment(config, []).mesh.seq == 8
+    with pytest.raises(ConfigError, match=r"train.seq_len=2048 is invalid with mesh.seq=3: .* a multiple of 6"):
+        load_experiment(config, ["mesh.seq=3"])  # at load, before any device is touched

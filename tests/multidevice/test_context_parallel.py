@@ -1,6 +1,7 @@
-"""Context parallelism on 8 fake CPU devices: training on ``seq`` meshes (ring and all-gather, packed documents)
-follows one device's run, gradients through the Pallas flash blocks equal one device's, a sharded prefill gives the
-same logits, and the step's compiled per-device memory at ``seq=8`` is a fraction of one device's."""
+"""Context parallelism on 8 fake CPU devices: training on ``seq`` meshes (ring and all-gather, packed documents; the
+``2x2x2`` ring through the Pallas flash blocks, with FSDP and remat) follows one device's run - losses and the
+weights the gradients moved; a sharded prefill gives the same logits, generation after it the same tokens; the
+step's compiled per-device memory at ``seq=8`` is a fraction of one device's."""
 
 from __future__ import annotations
 
@@ -23,16 +24,8 @@ def test_context_parallel_training_follows_one_device(result, run):
     assert result["runs"][run]["param_rel_err"] < 2e-3  # the weights after 4 updates: the gradients agreed
 
 
-def test_context_parallel_gradients_through_pallas_blocks(result):
-    grads = result["grads"]["ring"]
-    assert abs(grads["loss"] - grads["ref_loss"]) <= 2e-3 * abs(grads["ref_loss"])
-    assert grads["rel_err"] < 2e-3
-
-
 def test_context_parallel_prefill_generation_and_memory(result):
-    for shape, err in result["prefill"].items():
-        assert err < 1e-4, (shape, err)
-    for shape, gen in result["generate"].items():  # prefill across seq into a cache, decode from it
-        assert gen["logits_rel_err"] < 1e-4 and gen["tokens_equal"], (shape, gen)
+    gen = result["generate"]  # prefill across seq (2 x 2 x 2) into a cache, decode from it
+    assert gen["logits_rel_err"] < 1e-4 and gen["tokens_equal"], gen
     memory = result["memory"]
     assert memory["seq8"] <= 0.2 * memory["single"], memory
