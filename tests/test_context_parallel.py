@@ -82,6 +82,21 @@ def test_blocks_merge_and_backward_to_the_whole_attention(impl, window, softcap)
         np.testing.assert_allclose(got, want, atol=5e-6)
 
 
+def test_token_nll_gradient_is_written_out_and_equals_autodiff():
+    """The loss used with rows split over seq: its value is log_softmax's, its gradient softmax - onehot."""
+    from lcx.train.step import token_nll
+
+    logits = jax.random.normal(jax.random.key(0), (2, 8, 300)) * 3
+    targets = jax.random.randint(jax.random.key(1), (2, 8), 0, 300)
+    weights = jax.random.normal(jax.random.key(2), (2, 8))
+    autodiff = lambda x: -jnp.take_along_axis(jax.nn.log_softmax(x), targets[..., None], -1)[..., 0]  # noqa: E731
+    np.testing.assert_array_equal(token_nll(logits, targets), autodiff(logits))
+    got, want = (jax.grad(lambda x, f=f: jnp.sum(f(x) * weights))(logits)
+                 for f in (lambda x: token_nll(x, targets), autodiff))
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert float(jnp.abs(got).max()) > 0.1
+
+
 def test_context_parallel_config_errors():
     with pytest.raises(ConfigError, match=r"train.context_parallel='ulysses' is invalid: must be one of"):
         TrainConfig(context_parallel="ulysses")

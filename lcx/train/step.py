@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lcx import sharding
+from lcx import context_parallel, sharding
 from lcx.config import ModelConfig
 from lcx.model.decoder import Decoder, abstract_params
 from lcx.train import placement
@@ -55,12 +55,14 @@ def init_state(params, optimizer: optax.GradientTransformation, seed: int) -> Tr
 
 @jax.custom_vjp
 def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """``-log softmax(logits)[target]`` per token: ``logits [b, t, v]`` float32, ``targets [b, t]`` -> ``[b, t]``.
+    """``-log_softmax(logits)[target]`` per token with its gradient written out: ``logits [b, t, v]`` float32,
+    ``targets [b, t]`` -> ``[b, t]``; ``d/dlogits = g (softmax - onehot)``, elementwise.
 
-    The gradient is written out, ``g (softmax - onehot)``, elementwise: differentiating the gather of the target
-    logit would transpose it into a scatter-add, which the partitioner cannot split over a ``seq`` mesh axis (it
-    replicated the logits' gradient), and a one-hot contraction keeps a float32 ``[t, vocab]`` one-hot alive for the
-    backward (2 GiB at 16k tokens and a 32k vocabulary)."""
+    For rows split over a ``seq`` mesh axis: differentiating the gather of the target logit transposes it into a
+    scatter-add, which the SPMD partitioner cannot split over ``seq`` (it replicated the logits' gradient on every
+    device), and a one-hot contraction keeps a float32 ``[t, vocab]`` one-hot alive for the backward. Without a
+    ``seq`` axis ``token_loss`` differentiates the gather as before: the gradients differ from these in the last bit,
+    enough to move a bfloat16 run off its old trajectory."""
     return _nll_forward(logits, targets)[0]
 
 
@@ -70,7 +72,6 @@ def _nll_forward(logits, targets):
 
 
 def _nll_backward(res, g):
-    # the terms of log_softmax's own transpose, (softmax g) - (onehot g): the gradients autodiff gave before
     logp, targets = res
     g = g[..., None]
     return jnp.exp(logp) * g - jnp.where(jnp.arange(logp.shape[-1]) == targets[..., None], g, 0.0), None
@@ -84,7 +85,11 @@ def token_loss(model: ModelConfig, params, batch: dict[str, jax.Array], total_we
     tokens: ``[nll, correct argmax predictions]``."""
     logits = Decoder(model).apply({"params": params}, batch["inputs"], positions=batch.get("positions"),
                                   segment_ids=batch.get("segment_ids"))  # [b, t, v] float32
-    nll = token_nll(logits.astype(jnp.float32), batch["targets"])  # [b, t]
+    logits = logits.astype(jnp.float32)
+    if context_parallel.sequence_axis() > 1:  # rows split over seq: the gradient written out (see token_nll)
+        nll = token_nll(logits, batch["targets"])  # [b, t]
+    else:
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), batch["targets"][..., None], axis=-1)[..., 0]
     answer = batch["answer"]
     correct = jnp.argmax(logits, axis=-1) == batch["targets"]
     stats = jnp.stack([jnp.sum(nll * answer), jnp.sum(correct * answer)])
