@@ -45,6 +45,7 @@ import numpy as np
 from jax import lax
 
 from lcx import sharding
+from lcx.config_base import ConfigError
 from lcx.kernels import blockwise
 from lcx.kernels.backends import resolve
 
@@ -67,11 +68,12 @@ def contiguous_order(length: int, n: int) -> np.ndarray:
     return np.arange(length)
 
 
-def check_length(length: int, n: int) -> None:
+def check_length(length: int, n: int, key: str = "sequence length", axis_key: str = "mesh.seq") -> None:
+    """``ConfigError`` unless ``length`` (named ``key``) splits into the ``2n`` equal chunks of ``n`` sequence
+    shards: the one check of a run's ``train.seq_len``, the planner's ``--context`` and an attention's length."""
     if length % (2 * n):
-        raise ValueError(f"sequence length {length} cannot be split over mesh.seq={n}: context parallelism cuts a "
-                         f"row into 2 x seq = {2 * n} equal chunks, so the length must be a multiple of {2 * n} "
-                         f"(choose train.seq_len accordingly)")
+        raise ConfigError(f"{key}={length} is invalid with {axis_key}={n}: context parallelism cuts each row into "
+                          f"2 x seq = {2 * n} equal chunks, so it must be a multiple of {2 * n}")
 
 
 def layout_batch(batch: Mapping[str, np.ndarray], n: int) -> dict[str, np.ndarray]:

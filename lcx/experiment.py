@@ -35,6 +35,7 @@ import yaml
 
 from lcx.config import (Config, ConfigError, ModelConfig, RopeConfig, check_cache, from_dict, import_plugins,
                         load_dict, to_dict)
+from lcx import context_parallel
 from lcx.eval.config import AblateConfig, EvalConfig
 from lcx.sharding import MeshConfig
 from lcx.train.config import DataConfig, TrainConfig
@@ -111,11 +112,8 @@ class ExperimentConfig(Config):
         if self.train is not None and self.train.seq_len > self.model.max_position_embeddings:
             raise ConfigError(f"train.seq_len={self.train.seq_len} is invalid: must be <= "
                               f"model.max_position_embeddings={self.model.max_position_embeddings}")
-        seq = 1 if self.mesh is None else self.mesh.seq
-        if self.train is not None and seq > 1 and self.train.seq_len % (2 * seq):
-            raise ConfigError(f"train.seq_len={self.train.seq_len} is invalid with mesh.seq={seq}: context "
-                              f"parallelism cuts each row into 2 x seq = {2 * seq} equal chunks, so seq_len must be "
-                              f"a multiple of {2 * seq}")
+        if self.train is not None and self.mesh is not None:
+            context_parallel.check_length(self.train.seq_len, self.mesh.seq, "train.seq_len")
 
     def require(self, stage: str) -> None:
         """Raise unless the sections ``stage`` needs are present."""

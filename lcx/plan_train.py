@@ -44,6 +44,7 @@ import jax
 
 from lcx import sharding
 from lcx.config import ConfigError, ModelConfig
+from lcx.context_parallel import check_length
 from lcx.config_base import canonical_dtype, dtype_bytes, format_bytes
 from lcx.device_memory import UTILIZATION, usable_bytes
 from lcx.model.config import REMAT_POLICIES
@@ -82,9 +83,7 @@ class TrainPlanInputs:
         if self.devices % (self.data * self.seq):
             raise ConfigError(f"--data={self.data} x --seq={self.seq} is invalid: must divide "
                               f"--devices={self.devices}")
-        if self.seq > 1 and self.seq_len % (2 * self.seq):
-            raise ConfigError(f"--context={self.seq_len} is invalid with --seq={self.seq}: context parallelism cuts "
-                              f"each row into {2 * self.seq} equal chunks, so it must be a multiple of {2 * self.seq}")
+        check_length(self.seq_len, self.seq, "--context", "--seq")
         if self.context_parallel not in ("ring", "all_gather"):
             raise ConfigError(f"--context-parallel={self.context_parallel!r} is invalid: must be 'ring' or "
                               "'all_gather'")

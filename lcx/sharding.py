@@ -110,10 +110,7 @@ class MeshConfig:
     def __post_init__(self):
         for name in ("data", "model"):
             object.__setattr__(self, name, _axis_value(getattr(self, name), f"mesh.{name}"))
-        seq = _axis_value(self.seq, "mesh.seq")
-        if seq == "auto":
-            raise ConfigError("mesh.seq='auto' is invalid: the sequence axis must be a positive integer (1: none)")
-        object.__setattr__(self, "seq", seq)
+        object.__setattr__(self, "seq", _seq_value(self.seq))
 
     def shape(self, n_devices: int, n_kv_heads: int | None = None, n_heads: int | None = None) -> tuple[int, int]:
         """``(data, model)`` over the ``n_devices / seq`` devices each sequence shard spans."""
@@ -124,6 +121,14 @@ class MeshConfig:
         devices = list(jax.devices() if devices is None else devices)
         data, model = self.shape(len(devices), n_kv_heads, n_heads)
         return make_mesh(data, model, devices=devices, seq=self.seq)
+
+
+def _seq_value(value: Any) -> int:
+    """``mesh.seq``: a positive int (no ``"auto"``: nothing else fixes how far a row is split)."""
+    seq = _axis_value(value, "mesh.seq")
+    if seq == "auto":
+        raise ConfigError("mesh.seq='auto' is invalid: the sequence axis must be a positive integer (1: none)")
+    return seq
 
 
 def _per_seq(n_devices: int, seq: int) -> int:
@@ -189,9 +194,7 @@ def make_mesh(data: int | str = "auto", model: int | str = "auto", devices: Sequ
     """
     devices = list(jax.devices() if devices is None else devices)
     data, model = _axis_value(data, "mesh.data"), _axis_value(model, "mesh.model")
-    seq = _axis_value(seq, "mesh.seq")
-    if seq == "auto":
-        raise ConfigError("mesh.seq='auto' is invalid: the sequence axis must be a positive integer (1: none)")
+    seq = _seq_value(seq)
     data, model = resolve_mesh_shape(data, model, _per_seq(len(devices), seq))
     return jax.make_mesh((data, seq, model), MESH_AXES, axis_types=_AUTO3, devices=devices)
 

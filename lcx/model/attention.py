@@ -43,15 +43,20 @@ def attend_spec(config: ModelConfig, spec: AttentionSpec, tables, q, key, val, c
         raise ValueError("a reconstruction probe scores a cache's slots: it needs a cache")
     q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
     if context_parallel.sequence_axis() > 1 and q.shape[1] > 1:  # the sequence split over seq: ring / all-gather
-        return context_parallel.attend(q, key, val, segment_ids, strategy=config.attention.context_parallel,
-                                       impl=config.attention.impl, sm_scale=spec.sm_scale, window=spec.window,
-                                       softcap=spec.softcap), None
+        return _across_seq(config, spec, q, key, val, segment_ids), None
     attend = functools.partial(kernels.backend(config.attention.impl).causal, sm_scale=spec.sm_scale,
                                **kernels.spec_kwargs(spec))
     if segment_ids is None:
         return sharding.per_shard(attend, (BTHD, BSKD, BSKD), BTHD)(q, key, val), None  # no communication
     packed = lambda q, k, v, seg: attend(q, k, v, segment_ids=seg)  # noqa: E731
     return sharding.per_shard(packed, (BTHD, BSKD, BSKD, BT), BTHD)(q, key, val, segment_ids), None
+
+
+def _across_seq(config: ModelConfig, spec: AttentionSpec, q, key, val, segment_ids=None):
+    """Causal attention of rotated, laid-out rows across the mesh's ``seq`` axis with the layer's spec."""
+    return context_parallel.attend(q, key, val, segment_ids, strategy=config.attention.context_parallel,
+                                   impl=config.attention.impl, sm_scale=spec.sm_scale, window=spec.window,
+                                   softcap=spec.softcap)
 
 
 def _prefill_across_seq(config: ModelConfig, spec: AttentionSpec, q, key, val, cache, cos, sin, positions, ok, probe):
@@ -66,9 +71,7 @@ def _prefill_across_seq(config: ModelConfig, spec: AttentionSpec, q, key, val, c
                                                                      if probe is not None else ""))
     n = context_parallel.sequence_axis()
     q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
-    out = context_parallel.attend(q_rot, k_rot, val, strategy=config.attention.context_parallel,
-                                  impl=config.attention.impl, sm_scale=spec.sm_scale, window=spec.window,
-                                  softcap=spec.softcap)
+    out = _across_seq(config, spec, q_rot, k_rot, val)
     back = lambda x: context_parallel.unlayout(x, n)  # noqa: E731  sequence order: the cache's slot order
     return out, write(cache, back(k_rot), back(key), back(val), back(positions), back(ok))
 

@@ -156,11 +156,7 @@ def run_training(model: ModelConfig, train: TrainConfig, data: DataConfig, run_d
         raise ConfigError(f"train.batch_size={train.batch_size} (micro-batches of {train.micro_batch_size} with "
                           f"train.grad_accum={train.grad_accum}) is invalid on mesh.data={data_axis}: every "
                           f"micro-batch must split evenly over the data axis (a multiple of {data_axis})")
-    seq_axis = sharding.axis_size(mesh, "seq")
-    if seq_axis > 1 and train.seq_len % (2 * seq_axis):
-        raise ConfigError(f"train.seq_len={train.seq_len} is invalid on mesh.seq={seq_axis}: context parallelism "
-                          f"cuts each row into 2 x seq = {2 * seq_axis} equal chunks, so seq_len must be a multiple "
-                          f"of {2 * seq_axis}")
+    context_parallel.check_length(train.seq_len, sharding.axis_size(mesh, "seq"), "train.seq_len")
     run_dir = Path(run_dir)
     make_run_dir(run_dir)
     with RunLock(run_dir):
