@@ -106,6 +106,7 @@ def test_decode_reference_equals_masked_attention_over_the_sequence_layout(per_h
     np.testing.assert_allclose(np.asarray(out), np.asarray(want_out[:, 0]), atol=1e-6)
     np.testing.assert_allclose(np.asarray(w), np.asarray(masked_column_sums_reference(q[:, None], k_seq, mask)),
                                atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(m), np.asarray(want_m[:, 0]))
+    # the same logits by two contractions: equal to the last bit on one CPU, 1 ulp apart on another (AMD EPYC)
+    np.testing.assert_allclose(np.asarray(m), np.asarray(want_m[:, 0]), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(l), np.asarray(want_l[:, 0]), rtol=1e-6)
     assert float(jnp.abs(out[1]).max()) == 0.0 and bool(jnp.isneginf(m[1]).all())
