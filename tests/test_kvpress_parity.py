@@ -148,7 +148,8 @@ def _byte_tokenizer(folder) -> None:
 def test_kvzip_reconstruction_scores_keep_what_kvpress_keeps(tmp_path):
     """KVzip: the context is repeated in chunks of 16 (three passes, the later two led by kvpress's second prompt
     and the previous chunk's last 8 tokens); each layer keeps its 2 x 20 best (KV head, position) scores
-    (kvpress ``layerwise=True``; lcx: an adaptive head budget without floor, capped at the whole layer)."""
+    (kvpress ``layerwise=True``; lcx: an adaptive head budget without floor, capped at the whole layer) - or the
+    cache keeps its 3 x 2 x 20 best over every layer (kvpress's default; lcx ``head_budget: global``)."""
     from lcx.data.haystack import Frame
     from lcx.data.tokenizer import HFTokenizer
 
@@ -157,22 +158,25 @@ def test_kvzip_reconstruction_scores_keep_what_kvpress_keeps(tmp_path):
     model.save_pretrained(tmp_path)
     _byte_tokenizer(tmp_path)
     prompt = np.random.default_rng(3).integers(0, 256, (1, PROMPT))
-    press = kvpress.KVzipPress(RATIO, layerwise=True, n_sink=4, chunk_size=16)
-    ref_kept, ref_tokens = _kvpress_run(tmp_path, press, "sdpa", prompt)
-
     reconstruction = Frame(HFTokenizer(tmp_path)).reconstruction()
     assert reconstruction.skip == 0 and len(reconstruction.first) > 30  # a byte per character, no BOS or header
     config, weights = hf.load_hf(tmp_path)
-    cache = CacheConfig(policy="kvzip", budget=KEPT, interval=64, prefill_chunk=PROMPT, sinks=4, chunk=16,
-                        head_budget="adaptive", head_floor=0.0, head_cap=2.0)
-    gen = Generator(config, weights, max_new_tokens=NEW, cache=cache, reconstruction=reconstruction)
-    state = gen.prefill(prompt.tolist())
-    pos, valid = np.asarray(state.cache.pos)[:, 0], np.asarray(state.cache.valid)[:, 0]  # [L, k, C]
-    kept = np.zeros_like(ref_kept)
-    for layer in range(config.n_layers):
-        for head in range(config.n_kv_heads):
-            kept[layer, head, pos[layer, head][valid[layer, head]]] = True
-    assert ref_kept.sum() == kept.sum() == config.n_layers * config.n_kv_heads * KEPT
-    assert any(k.sum(-1).tolist() != [KEPT, KEPT] for k in kept)  # the heads' shares differ somewhere
-    np.testing.assert_array_equal(kept, ref_kept)
-    np.testing.assert_array_equal(np.asarray(gen.result(gen.decode(state)).tokens[0]), ref_tokens)
+    for layerwise, head_budget in ((True, "adaptive"), (False, "global")):
+        press = kvpress.KVzipPress(RATIO, layerwise=layerwise, n_sink=4, chunk_size=16)
+        ref_kept, ref_tokens = _kvpress_run(tmp_path, press, "sdpa", prompt)
+        cache = CacheConfig(policy="kvzip", budget=KEPT, interval=64, prefill_chunk=PROMPT, sinks=4, chunk=16,
+                            head_budget=head_budget, head_floor=0.0, head_cap=PROMPT / KEPT)
+        gen = Generator(config, weights, max_new_tokens=NEW, cache=cache, reconstruction=reconstruction)
+        state = gen.prefill(prompt.tolist())
+        pos, valid = np.asarray(state.cache.pos)[:, 0], np.asarray(state.cache.valid)[:, 0]  # [L, k, C]
+        kept = np.zeros_like(ref_kept)
+        for layer in range(config.n_layers):
+            for head in range(config.n_kv_heads):
+                kept[layer, head, pos[layer, head][valid[layer, head]]] = True
+        assert ref_kept.sum() == kept.sum() == config.n_layers * config.n_kv_heads * KEPT
+        assert any(k.sum(-1).tolist() != [KEPT, KEPT] for k in kept)  # the heads' shares differ somewhere
+        if not layerwise:  # and the layers' shares
+            assert len(set(kept.sum(axis=(1, 2)).tolist())) > 1, kept.sum(axis=(1, 2))
+        np.testing.assert_array_equal(kept, ref_kept, err_msg=head_budget)
+        np.testing.assert_array_equal(np.asarray(gen.result(gen.decode(state)).tokens[0]), ref_tokens,
+                                      err_msg=head_budget)

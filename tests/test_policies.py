@@ -390,8 +390,8 @@ def test_policies_pyramid_budgets_shrink_with_depth():
     ({"policy": "duo", "budget": 400, "heads": "shared"}, "cache.heads='shared' is invalid for cache.policy='duo'"),
     ({"policy": "duo", "budget": 300}, "it must exceed cache.sinks + cache.recent=384"),
     ({"policy": "duo", "budget": 400, "scores": [[0.5, 0.5]] * 3}, "cache.scores has 3 rows"),
-    ({"policy": "chunkkv", "budget": 16, "window": 4, "head_budget": "adaptive", "heads": "per_head"},
-     "cache.head_budget='adaptive' is invalid for cache.policy='chunkkv'"),
+    ({"policy": "chunkkv", "budget": 16, "window": 4, "head_budget": "global"},
+     "cache.head_budget='global' is invalid for cache.policy='chunkkv'"),
 ])
 def test_policies_bad_config_fails_at_load(cache, message):
     from lcx.config import from_dict, to_dict

@@ -66,6 +66,20 @@ def test_adaptive_keep_cap_and_floor_bind():
     np.testing.assert_array_equal(uniform, np.argsort(np.argsort(-scores, axis=-1), axis=-1) < budget)
 
 
+def test_global_keep_pools_budgets_of_layers_with_their_own_floor_and_cap():
+    """``head_budget: global``: rows from layers of different budgets ([4, 4, 8, 8]: two layers of two heads) share
+    one top-k of sum(budgets) = 24 slots; each row's floor and cap come from its own layer's budget."""
+    c = 20
+    scores = np.stack([np.arange(c) + 100.0, np.arange(c) + 50.0, np.arange(c) * 1e-3, np.arange(c) * 1e-3 + 1.0])
+    pos = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (4, c))
+    budgets = jnp.array([4, 4, 8, 8], jnp.int32)
+    policy = make_policy("kvzip", {"head_budget": "global", "head_floor": 0.25, "head_cap": 2.0})
+    keep = np.asarray(adaptive_keep(policy, jnp.asarray(scores, jnp.float32), jnp.ones((4, c), bool), pos, budgets))
+    # rows 0, 1 capped at 2 x 4 = 8; rows 2, 3 keep their floors (2 each) and the highest-scoring row 3 the rest
+    assert keep.sum(-1).tolist() == [8, 8, 2, 6]
+    assert keep[3, -6:].all() and keep[2, -2:].all()
+
+
 def test_per_head_evict_keeps_each_heads_smallest_key_norms():
     """knorm per KV head: evicting one keep head sees that head's keys only."""
     rng = np.random.default_rng(0)
@@ -135,6 +149,9 @@ def test_adaptive_cache_holds_the_capped_head_budget():
     assert kind.keep_heads == 2 and kind.head_budgets == (22, 22) and kind.plan(1, 100, 10) == 30
     shared = CacheConfig(policy="knorm", budget=12, interval=8, heads="shared").kind(model)
     assert shared.keep_heads == 1 and shared.plan(1, 100, 10) == 20
+    # Pooled over layers, a head holds up to its cap: 2 x 12 slots.
+    pooled = CacheConfig(policy="knorm", budget=12, interval=8, head_budget="global", head_cap=2.0).kind(model)
+    assert pooled.head_budgets == (24, 24) and pooled.plan(1, 100, 10) == 32
     # K/V bytes do not depend on the keep sets; positions, validity and scores are stored per keep head.
     assert kind.nbytes(1, 20) == shared.nbytes(1, 20)
     assert kind.nbytes(1, 20, role="meta") == 2 * shared.nbytes(1, 20, role="meta") - 4  # lengths [b]: once

@@ -205,8 +205,8 @@ class ChunkKV(SnapKV):
         if self.chunk < 1:
             raise ConfigError(f"cache.chunk={self.chunk} is invalid: must be >= 1 (tokens per chunk)")
         if self.adaptive:
-            raise ConfigError("cache.head_budget='adaptive' is invalid for cache.policy='chunkkv': it keeps whole "
-                              "chunks per keep set; allowed: 'uniform'")
+            raise ConfigError(f"cache.head_budget={self.head_budget!r} is invalid for cache.policy='chunkkv': it "
+                              "keeps whole chunks per keep set; allowed: 'uniform'")
 
     def select(self, view, budget):
         slots = view.pos.shape[-1]
@@ -314,8 +314,9 @@ class KVzip(ScoredPolicy):
     cache is compressed once by those scores. Query-agnostic: the same compressed cache serves any question.
 
     Per KV head by default; ``head_budget: adaptive`` spreads a layer's budget over its heads by these scores
-    (kvpress's ``layerwise=True`` is ``head_floor: 0`` with a cap of all the layer's slots; its default also moves
-    budget between layers, which a fixed-capacity slot cache does not). The ``sinks`` first positions are always
+    (kvpress's ``layerwise=True`` is ``head_floor: 0`` with a cap of all the layer's slots) and ``global`` every
+    layer's too (kvpress's default: ``head_floor: 0``; a head holds at most ``head_cap x budget`` slots, the
+    cache's capacity - ``head_cap: 1 / (1 - compression)`` caps nothing). The ``sinks`` first positions are always
     kept. Scores are computed once: tokens appended after the prompt score 0, so an eviction during decoding
     removes them first - KVzip is a one-shot compression (``interval`` >= prompt length - budget + the tokens to
     come).

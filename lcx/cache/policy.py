@@ -16,7 +16,7 @@ score summed over all query heads of the layer (structured policies: window, Str
 paper averages over heads); ``per_head`` - each KV head keeps its own positions, scored by the query heads of its
 group (SnapKV, H2O, K-norm, observed attention: the papers and kvpress select per head). A policy sees one (layer,
 keep head) at a time. Score-based policies may also spread a layer's budget unevenly over its KV heads
-(``head_budget: adaptive``, AdaKV): :func:`adaptive_keep`.
+(``head_budget: adaptive``, AdaKV), or the whole cache's over every layer and head (``global``): :func:`adaptive_keep`.
 
 When it runs (``lcx.generate``): after prefill (the prompt was attended in full, then compressed), between prefill
 chunks if the prompt exceeds the capacity, and during decode whenever a layer's cache would overflow
@@ -40,7 +40,7 @@ from lcx.kernels.quant import dequantize
 _REGISTRY: dict[str, type["CachePolicy"]] = {}
 POSITION_MODES = ("original", "cache")
 HEAD_MODES = ("shared", "per_head")
-HEAD_BUDGETS = ("uniform", "adaptive")
+HEAD_BUDGETS = ("uniform", "adaptive", "global")
 
 
 @flax.struct.dataclass
@@ -157,6 +157,11 @@ class EvictionPolicy(CachePolicy):
         """Whether a layer's budget is spread over its KV heads by score (``ScoredPolicy.head_budget``)."""
         return False
 
+    @property
+    def cross_layer(self) -> bool:
+        """Whether the budgets of all layers are pooled and spread over every (layer, head) by score."""
+        return False
+
     def head_capacity(self, budget: int, kv_heads: int) -> int:
         """The most slots one keep head holds after an eviction with layer budget ``budget`` (per head)."""
         return budget
@@ -207,7 +212,11 @@ class ScoredPolicy(EvictionPolicy):
     ``head_floor x budget`` of its own best (AdaKV's safeguard, 0.2 as in kvpress) and at most ``head_cap x budget``
     (the cache has a fixed slot count per head, so the cap sets it: capacity ``head_cap x budget + interval``).
     Composes with per-layer budgets (a list, or ``budget_schedule: pyramid``): each layer's budget is spread over
-    its heads. Scores of different heads must be comparable - true of attention mass and key norms.
+    its heads. ``global`` pools every layer's budget too: the highest scores over all (layer, head) pairs fill
+    ``sum(budgets) x kv_heads`` slots under the same floor and cap (KVzip's default, kvpress ``KVzipPress``
+    without ``layerwise``: a layer whose heads score high keeps more than one whose heads score low). Scores of
+    different heads (and, for ``global``, layers) must be comparable - true of attention probabilities and key
+    norms; ``global`` pays off for scores normalised per query (KVzip's, SnapKV's).
     """
 
     head_mode: ClassVar[str] = "per_head"
@@ -223,7 +232,8 @@ class ScoredPolicy(EvictionPolicy):
                               f"{list(HEAD_BUDGETS)}")
         if self.head_budget == "adaptive" and not self.per_head:
             raise ConfigError(f"cache.head_budget='adaptive' needs cache.heads='per_head' (got "
-                              f"cache.heads={self.heads!r}): a shared keep set has one budget per layer")
+                              f"cache.heads={self.heads!r}): a shared keep set has one budget per layer; "
+                              "'global' spreads the budgets over layers")
         if not 0.0 <= self.head_floor <= 1.0:
             raise ConfigError(f"cache.head_floor={self.head_floor} is invalid: must be in [0, 1] (a share of the "
                               "budget every head keeps)")
@@ -233,9 +243,15 @@ class ScoredPolicy(EvictionPolicy):
 
     @property
     def adaptive(self) -> bool:
-        return self.head_budget == "adaptive"
+        return self.head_budget in ("adaptive", "global")
+
+    @property
+    def cross_layer(self) -> bool:
+        return self.head_budget == "global"
 
     def head_capacity(self, budget: int, kv_heads: int) -> int:
+        if self.cross_layer:  # other layers' budgets can flow to this head: only the cap bounds it
+            return math.ceil(budget * self.head_cap)
         if not self.adaptive or kv_heads == 1:
             return budget
         floor = _floor_slots(budget, self.head_floor)
@@ -261,20 +277,22 @@ def _rank(scores: jax.Array, valid: jax.Array, pos: jax.Array) -> jax.Array:
 
 def adaptive_keep(policy: ScoredPolicy, scores: jax.Array, valid: jax.Array, pos: jax.Array,
                   budget: jax.Array) -> jax.Array:
-    """AdaKV's selection for one layer of one row: ``scores, valid, pos [H, C]`` -> ``keep [H, C]``.
+    """AdaKV's selection for one row: ``scores, valid, pos [H, C]`` -> ``keep [H, C]``; ``budget`` scalar, or
+    ``[H]`` (one per head: the rows of ``global``'s ``[L x H, C]`` come from layers with their own budgets).
 
-    Each head's best ``floor`` slots are kept; then the highest scores over all heads fill ``budget x H`` slots,
-    no head beyond its best ``cap``. Greedy by score under a per-head floor and cap, which is the optimum of the
-    constrained top-k; without a binding cap it is exactly kvpress's ``AdaKVPress``.
+    Each head's best ``floor`` slots are kept; then the highest scores over all heads fill ``sum(budget)`` slots
+    (``budget x H`` for a scalar), no head beyond its best ``cap``. Greedy by score under a per-head floor and cap,
+    which is the optimum of the constrained top-k; without a binding cap it is exactly kvpress's ``AdaKVPress``
+    (one layer) and ``KVzipPress``'s cross-layer selection (``floor`` 0, every layer's heads as rows).
     """
-    heads = scores.shape[0]
+    budget = jnp.broadcast_to(jnp.asarray(budget, jnp.int32), scores.shape[:1])  # [H]
     rank = _rank(scores, valid, pos)  # [H, C] within each head
-    floor = _floor_slots(budget, policy.head_floor)
-    cap = jnp.floor(budget * policy.head_cap).astype(jnp.int32)
+    floor = _floor_slots(budget, policy.head_floor)[:, None]
+    cap = jnp.floor(budget * policy.head_cap).astype(jnp.int32)[:, None]
     eligible = valid & (rank < cap)
     key = jnp.where(rank < floor, jnp.inf, scores.astype(jnp.float32))
     overall = _rank(key.reshape(-1), eligible.reshape(-1), pos.reshape(-1)).reshape(scores.shape)
-    return eligible & (overall < budget * heads)
+    return eligible & (overall < jnp.sum(budget))
 
 
 def top_budget(scores: jax.Array, view: SlotView, budget: jax.Array) -> jax.Array:

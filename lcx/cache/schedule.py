@@ -91,7 +91,14 @@ def evict_cache(policy: EvictionPolicy, cache: Any, budgets: jax.Array) -> tuple
                      q_count=getattr(cache, "q_count", None), q_mean=by_head(getattr(cache, "q_mean", None)),
                      q_m2=by_head(getattr(cache, "q_m2", None)), n_layers=n_layers,
                      model=getattr(cache.kind, "model", None))
-    if policy.adaptive and heads > 1:  # the heads of a layer share its budget: score them, then pick jointly
+    if policy.cross_layer:  # every (layer, head) of a row shares the pooled budgets: score all, pick jointly
+        scores = _per_layer_and_head(policy.scores, 1, views)(views, budgets)  # [L, b, H, C]
+        pool = lambda x: einops.rearrange(x, "L b H C -> b (L H) C")  # noqa: E731
+        per_head = jnp.repeat(budgets, heads)  # [L x H]
+        keep = jax.vmap(lambda s, ok, pos: adaptive_keep(policy, s, ok, pos, per_head))(
+            pool(scores), pool(cache.valid), pool(cache.pos))
+        keep, score = einops.rearrange(keep, "b (L H) C -> L b H C", H=heads), cache.score
+    elif policy.adaptive and heads > 1:  # the heads of a layer share its budget: score them, then pick jointly
         scores = _per_layer_and_head(policy.scores, 1, views)(views, budgets)  # [L, b, H, C]
         rows = jax.vmap(lambda s, ok, pos, budget: adaptive_keep(policy, s, ok, pos, budget), in_axes=(0, 0, 0, None))
         keep, score = jax.vmap(rows)(scores, cache.valid, cache.pos, budgets), cache.score  # over layers
