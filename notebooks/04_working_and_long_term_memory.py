@@ -109,9 +109,10 @@ for name, extra in measured.items():
                                 seed=5, cache=lcx.CacheConfig(**memory, router=name, **extra)).mean()
     rows.append((name, recall, accuracy))
 streaming = lcx.CacheConfig(policy="streaming", budget=4 + 44 + 3 * 16, sinks=4, interval=16, prefill_chunk=64)
-rows.append(("streaming", float("nan"), retrieval_scores(model, params, passkeys, length=LENGTH, depth=None,
-                                                          samples=SAMPLES, batch_size=SAMPLES, seed=5,
-                                                          cache=streaming).mean()))
+if not SMOKE:  # smoke (CI): the tiny model retrieves nothing either way; the baseline is not worth its compile
+    rows.append(("streaming", float("nan"), retrieval_scores(model, params, passkeys, length=LENGTH, depth=None,
+                                                              samples=SAMPLES, batch_size=SAMPLES, seed=5,
+                                                              cache=streaming).mean()))
 print(f"{'setting':<10} {'recall@2':>8} {'passkey @ ' + str(LENGTH):>14}")
 for name, recall, accuracy in rows:
     print(f"{name:<10} {recall:>8.2f} {accuracy:>14.0%}")

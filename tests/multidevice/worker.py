@@ -301,9 +301,10 @@ def train_sharded(directory: str) -> dict:
 
 
 def context_parallel(directory: str) -> dict:
-    """Context parallelism on ``seq`` meshes against one device: 4-step runs on packed documents (ring and
-    all-gather, ``seq=8`` and ``data=2, seq=2, model=2``; one through the Pallas blocks), a sharded prefill's logits,
-    generation after a prefill across ``seq``, and the compiled per-device memory of the train step."""
+    """Context parallelism on ``seq`` meshes against one device: 4-step runs on packed documents (ring on ``seq=8``
+    and ``data=2, seq=2, model=2``, the latter through the Pallas blocks; all-gather on ``2 x 2 x 2``), a sharded
+    prefill's logits, generation after a prefill across ``seq``, and the compiled per-device memory of the train
+    step."""
     import dataclasses
     import time
 
@@ -330,8 +331,8 @@ def context_parallel(directory: str) -> dict:
                            remat=fsdp)
 
     out: dict = {"runs": {}, "timings": {}}
+    # all-gather runs once, on 2 x 2 x 2 (on seq=8 it is the same program with a larger gather: CI time)
     for name, shape, strategy, fsdp in (("single", None, "ring", False), ("seq8_ring", (1, 8, 1), "ring", False),
-                                        ("seq8_all_gather", (1, 8, 1), "all_gather", False),
                                         ("2x2x2_ring", (2, 2, 2), "ring", True),
                                         ("2x2x2_all_gather", (2, 2, 2), "all_gather", True)):
         t0 = time.perf_counter()
