@@ -8,11 +8,14 @@ Both sides use kvpress's reconstruction prompt as kvpress builds it from the tok
 instruction, the template's close of the user turn and opening of the reply; the first ``prefix_length`` prompt
 tokens - the template's header - never repeated), passes of ``--chunk`` context tokens, 4 sinks, and one budget per
 layer spread over its KV heads by score (kvpress ``layerwise=True``; lcx ``head_budget: adaptive, head_floor: 0``,
-capped at the whole layer). kvpress masks the dropped keys (its AdaKV mechanism); lcx evicts them.
+capped at the whole layer) - or, with ``--selection global``, one budget for the whole cache spread over every
+(layer, KV head) by score (kvpress's default; lcx ``head_budget: global, head_floor: 0``, capped at the prompt).
+kvpress masks the dropped keys (its AdaKV mechanism); lcx evicts them.
 
 Usage::
 
-    python experiments/kvzip_crosscheck.py runs/models/SmolLM2-135M-Instruct --length 1024 --ratios 0.5 0.75
+    python experiments/kvzip_crosscheck.py runs/models/SmolLM2-135M-Instruct --length 1024 --ratios 0.5 0.75 \
+        [--selection global]
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def kvpress_prompt_ids(path: Path):
             encode("\n\nRepeat the part of the previous context exactly, starting with"))
 
 
-def kvpress_run(path: Path, prompt: list[int], ratio: float, chunk: int, new_tokens: int):
+def kvpress_run(path: Path, prompt: list[int], ratio: float, chunk: int, new_tokens: int, selection: str):
     """``kept [L, k, P]`` (not masked), greedy tokens, seconds."""
     import kvpress
     import numpy as np
@@ -50,7 +53,7 @@ def kvpress_run(path: Path, prompt: list[int], ratio: float, chunk: int, new_tok
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
     start = time.perf_counter()
-    press = kvpress.KVzipPress(ratio, layerwise=True, n_sink=4, chunk_size=chunk)
+    press = kvpress.KVzipPress(ratio, layerwise=selection == "layerwise", n_sink=4, chunk_size=chunk)
     ids = torch.tensor([prompt])
     with torch.no_grad():
         cache = transformers.DynamicCache()
@@ -72,7 +75,8 @@ def kvpress_run(path: Path, prompt: list[int], ratio: float, chunk: int, new_tok
     return kept, np.array(tokens), time.perf_counter() - start
 
 
-def lcx_run(path: Path, prompt: list[int], ratio: float, chunk: int, new_tokens: int, reconstruction):
+def lcx_run(path: Path, prompt: list[int], ratio: float, chunk: int, new_tokens: int, reconstruction,
+            selection: str):
     import numpy as np
     from kvpress.utils import compute_n_kept
 
@@ -84,8 +88,9 @@ def lcx_run(path: Path, prompt: list[int], ratio: float, chunk: int, new_tokens:
     start = time.perf_counter()
     budget = compute_n_kept(len(prompt), ratio)
     cache = CacheConfig(policy="kvzip", budget=budget, interval=len(prompt) - budget + new_tokens,
-                        prefill_chunk=len(prompt), sinks=4, chunk=chunk, head_budget="adaptive", head_floor=0.0,
-                        head_cap=float(config.n_kv_heads))
+                        prefill_chunk=len(prompt), sinks=4, chunk=chunk,
+                        head_budget="adaptive" if selection == "layerwise" else "global", head_floor=0.0,
+                        head_cap=float(config.n_kv_heads) if selection == "layerwise" else len(prompt) / budget)
     gen = Generator(config, weights, max_new_tokens=new_tokens, cache=cache, reconstruction=reconstruction)
     state = gen.prefill([prompt])
     pos, valid = np.asarray(state.cache.pos)[:, 0], np.asarray(state.cache.valid)[:, 0]
@@ -104,6 +109,8 @@ def main(argv=None) -> None:
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75])
     parser.add_argument("--chunk", type=int, default=512, help="context tokens per reconstruction pass")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--selection", choices=["layerwise", "global"], default="layerwise",
+                        help="one budget per layer (kvpress layerwise=True) or one for the cache (kvpress's default)")
     args = parser.parse_args(argv)
 
     import numpy as np
@@ -118,8 +125,9 @@ def main(argv=None) -> None:
     print(f"{len(prompt)} prompt tokens, {skip} not repeated, passes of {args.chunk}")
     rows = []
     for ratio in args.ratios:
-        ref, ref_tokens, ref_s = kvpress_run(args.model, prompt, ratio, args.chunk, args.new_tokens)
-        got, tokens, s = lcx_run(args.model, prompt, ratio, args.chunk, args.new_tokens, reconstruction)
+        ref, ref_tokens, ref_s = kvpress_run(args.model, prompt, ratio, args.chunk, args.new_tokens, args.selection)
+        got, tokens, s = lcx_run(args.model, prompt, ratio, args.chunk, args.new_tokens, reconstruction,
+                                 args.selection)
         same = np.mean([(ref[i, h] == got[i, h]).all() for i in range(ref.shape[0]) for h in range(ref.shape[1])])
         layer_jaccard = [np.sum(ref[i] & got[i]) / np.sum(ref[i] | got[i]) for i in range(ref.shape[0])]
         equal = int(np.sum(np.cumprod(ref_tokens == tokens)))

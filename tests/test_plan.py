@@ -390,6 +390,10 @@ def test_cli_paged_cache_counts_a_shared_prefix_once(capsys):
     data = json.loads(out)
     assert rc == 0 and data["cache_pages"] == 500 + 8 * 12 and data["cache_page_size"] == 16
     assert data["cache_device_kv_bytes"] == 596 * 16 * 128 * KiB
+    # 8-bit pages: 128 int8 codes + one float16 scale per KV head and layer, K and V: x 0.51 of bf16
+    rc, out, _ = run_cli(capsys, MODELS / "llama3-8b.yaml", "--context", 8192, "--batch", 8, "--gpu-mem", "80GiB",
+                         "--page-size", 16, "--shared-prefix", 8000, "--kv-dtype", "int8", "--json")
+    assert rc == 0 and json.loads(out)["cache_device_kv_bytes"] == 596 * 16 * (2 * 32 * 8 * (128 + 2))
     # with an evicting policy each sequence holds the pages of its budget + interval (2048 + 64 slots): 132 pages
     rc, out, _ = run_cli(capsys, MODELS / "llama3-8b.yaml", "--context", 8192, "--batch", 8, "--gpu-mem", "80GiB",
                          "--page-size", 16, "--shared-prefix", 8000, "--cache-policy", "snapkv", "--budget", 2048)

@@ -69,10 +69,8 @@ def test_eviction_moves_codes_and_scales_together(params):
 
 @pytest.mark.parametrize("cache, message", [
     (dict(kv_dtype="int4"), "cache.kv_dtype='int4' is invalid: must be one of ['int8', 'fp8'] or null"),
-    (dict(kv_dtype="int8", layout="paged"), "cache.kv_dtype='int8' with cache.policy='full' and cache.layout="
-                                            "'paged'"),
-    (dict(kv_dtype="fp8", policy="snapkv", budget=64, layout="paged"), "cache.kv_dtype='fp8' with cache.policy="
-                                                                        "'snapkv' and cache.layout='paged'"),
+    (dict(kv_dtype="int8", policy="memory", layout="paged"), "cache.kv_dtype='int8' with cache.policy='memory' "
+                                                             "and cache.layout='paged'"),
 ])
 def test_kv_dtype_errors_name_the_field_and_what_is_allowed(cache, message):
     with pytest.raises(ConfigError) as err:

@@ -40,8 +40,8 @@ class CacheConfig:
     by ``policy`` and are validated by it. ``layout``: ``contiguous`` (each sequence its own slots) or ``paged`` (a
     pool of ``page_size``-token pages; sequences that share a prefix share its pages, ``lcx.cache.paged``).
     ``kv_dtype``: ``int8`` or ``fp8`` stores keys and values as 8-bit codes with one float16 scale per token and KV
-    head (``lcx.kernels.quant``; composes with every eviction policy and the memory tier); None stores them in
-    ``dtype``.
+    head (``lcx.kernels.quant``; composes with every eviction policy, both layouts, and the memory tier); None
+    stores them in ``dtype``.
     """
 
     policy: str = "full"
@@ -96,11 +96,11 @@ class CacheConfig:
               f"must be one of {list(QUANT_DTYPES)} or null (keys and values in cache.dtype)")
         policy = self.make_policy()  # validates the name and the policy's parameters
         if self.kv_dtype is not None and (policy.cache_type not in ("slots", "memory")
-                                          or self.layout != "contiguous"):
+                                          or (self.layout != "contiguous" and policy.cache_type != "slots")):
             raise ConfigError(f"cache.kv_dtype={self.kv_dtype!r} with cache.policy={self.policy!r} and "
                               f"cache.layout={self.layout!r}: the 8-bit cache is built for the slot cache (every "
-                              "eviction policy and full) and the memory tier, with layout 'contiguous' so far; "
-                              "allowed: those, or kv_dtype null")
+                              "eviction policy and full, layout 'contiguous' or 'paged') and the memory tier "
+                              "(layout 'contiguous'); allowed: those, or kv_dtype null")
         if policy.evicts and policy.needs_budget and self.budget is None:
             raise ConfigError(f"cache.budget=None is invalid for cache.policy={self.policy!r}: an evicting policy "
                               "needs a budget (tokens kept per sequence and layer)")

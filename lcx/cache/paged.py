@@ -22,6 +22,12 @@ policy); evicting policies run on ``lcx.cache.paged_slots``, the slot cache's ev
 ``GenerateResult.cache_bytes`` of a paged state is the peak bytes of the pages in use (``peak`` pages x the bytes of
 one page in every layer, keys and values), not the pool's size.
 
+``cache.kv_dtype: int8 | fp8`` stores the pool as 8-bit codes with one float16 scale per slot and KV head
+(``k_scale, v_scale [L, P, k, page]``, pages of their own beside the codes: :data:`SCALE_FIELDS`): a token's keys
+and values are quantized when written (keys after RoPE, as the slot cache does), the decode kernel folds a page's
+scales into its logits and probabilities, and a prefill chunk's gathered view carries codes and scales to the
+attention core. A page's bytes count the scales.
+
 Shape letters: L layers, P pool pages, b batch, T pages per row, g slots per page, k kv heads, d head dim.
 """
 
@@ -43,6 +49,7 @@ from lcx.cache.kv_view import KVView, attend_view
 from lcx.cache.schema import Field
 from lcx.config_base import ConfigError
 from lcx.kernels.paged_decode import gather_pages
+from lcx.kernels.quant import SCALE_DTYPE, quantize, storage_dtype
 from lcx.model.config import AttentionSpec, ModelConfig
 from lcx.model.rope import apply_rope
 
@@ -56,6 +63,16 @@ FIELDS: Mapping[str, Field] = {
     "overflow": Field((), "bool", False),  # a make_room found too few free pages (raised by sync)
     "lengths": Field(("batch",), "int32", 0),  # tokens consumed per row (its next position)
 }
+# An 8-bit pool's scales (cache.kv_dtype; lcx.kernels.quant): one per slot of every page and KV head, KV bytes.
+SCALE_FIELDS: Mapping[str, Field] = {
+    "k_scale": Field(("layers", "pages", "kv_heads", "page"), SCALE_DTYPE, 0.0, role="kv"),
+    "v_scale": Field(("layers", "pages", "kv_heads", "page"), SCALE_DTYPE, 0.0, role="kv"),
+}
+
+
+def scales_of(layer) -> dict[str, jax.Array]:
+    """The scale pools of an 8-bit paged state or layer (``{}`` for a float one)."""
+    return {n: getattr(layer, n) for n in SCALE_FIELDS if getattr(layer, n, None) is not None}
 
 
 class PagePool:
@@ -95,6 +112,8 @@ class PagedCache(PagePool, CacheState):
     peak: jax.Array | None  # [] int32
     overflow: jax.Array | None  # [] bool
     lengths: jax.Array | None  # [b] int32
+    k_scale: jax.Array | None = None  # [L, P, k, g] float16 (SCALE_FIELDS; None unless cache.kv_dtype is set)
+    v_scale: jax.Array | None = None
     kind: "PagedKind" = flax.struct.field(pytree_node=False, default=None)
 
 
@@ -176,7 +195,8 @@ def fork_pages(state, n, full: np.ndarray, reserve: np.ndarray):
 
     stacked = state.stack_layers()
     lengths = np.repeat(np.asarray(state.lengths), counts).astype(np.int32)
-    return stacked.replace(k=pool(stacked.k), v=pool(stacked.v), table=jnp.asarray(new_table),
+    scales = {n: pool(x) for n, x in scales_of(stacked).items()}
+    return stacked.replace(k=pool(stacked.k), v=pool(stacked.v), table=jnp.asarray(new_table), **scales,
                            refs=jnp.asarray(refs), lengths=jnp.asarray(lengths),
                            peak=jnp.asarray(np.int32((refs > 0).sum())), overflow=jnp.asarray(False))
 
@@ -185,7 +205,7 @@ def fork_pages(state, n, full: np.ndarray, reserve: np.ndarray):
 @dataclasses.dataclass(frozen=True)
 class PagedKind(CacheKind):
     """A paged cache that keeps every token. ``page``: slots per page; ``limit``: the most tokens per row
-    (``cache.budget``), None for no limit."""
+    (``cache.budget``), None for no limit; ``quant``: ``cache.kv_dtype`` (8-bit codes and per-slot scales)."""
 
     name: ClassVar[str] = "paged"
     state_type: ClassVar[type] = PagedCache
@@ -194,6 +214,7 @@ class PagedKind(CacheKind):
     page: int = 16
     dtype: str = "float32"
     limit: int | None = None
+    quant: str | None = None
 
     @classmethod
     def from_config(cls, model, cache, policy) -> "PagedKind":
@@ -202,11 +223,12 @@ class PagedKind(CacheKind):
                               "policy 'full' (CacheConfig(layout='paged').kind gives evicting policies a "
                               "lcx.cache.paged_slots.PagedSlotKind)")
         refuse_windows(model)
-        return cls(model=model, page=cache.page_size, dtype=cache.dtype or model.dtype, limit=cache.max_budget)
+        return cls(model=model, page=cache.page_size, dtype=cache.dtype or model.dtype, limit=cache.max_budget,
+                   quant=cache.kv_dtype)
 
     # ------------------------------------------------------------------------------------------- declaration
     def fields(self) -> Mapping[str, Field]:
-        return FIELDS
+        return {**FIELDS, **SCALE_FIELDS} if self.quant else FIELDS
 
     def sizes(self, batch: int, capacity: int) -> dict[str, int]:
         m, row_pages = self.model, -(-capacity // self.page)
@@ -215,7 +237,7 @@ class PagedKind(CacheKind):
 
     @property
     def kv_dtype(self) -> str:
-        return self.dtype
+        return self.dtype if self.quant is None else storage_dtype(self.quant)
 
     # ------------------------------------------------------------------------------------------- planning
     def plan(self, batch: int, max_prompt: int, max_new_tokens: int) -> int:
@@ -244,7 +266,11 @@ class PagedKind(CacheKind):
         ids = jnp.take_along_axis(layer.table, jnp.clip(positions // page, 0, layer.table.shape[1] - 1), axis=1)
         ids = jnp.where(ok & (ids >= 0), ids, pages)  # [b, t]
         slot = positions % page
-        put = lambda pool, x: pool.at[ids, :, slot, :].set(x.astype(pool.dtype), mode="drop")  # noqa: E731
+        put = lambda pool, x: pool.at[ids, :, slot].set(x.astype(pool.dtype), mode="drop")  # noqa: E731
+        scales = {}
+        if self.quant is not None:  # 8-bit codes, and each token's scale per KV head into the scale pages
+            (key, k_scale), (val, v_scale) = quantize(key, self.quant), quantize(val, self.quant)
+            scales = dict(k_scale=put(layer.k_scale, k_scale), v_scale=put(layer.v_scale, v_scale))
         k_pool, v_pool = put(layer.k, key), put(layer.v, val)
         # read: each row's pages gathered in position order, the slot cache's [b, k, T * g, d] view
         gather = lambda pool: gather_pages(pool, layer.table)  # noqa: E731
@@ -254,11 +280,12 @@ class PagedKind(CacheKind):
         if q.shape[1] == 1:  # decode: the backend reads the pages (Pallas: in place; others: gathered)
             extra = {n: x for n, x in kernels.spec_kwargs(spec).items() if n != "window"}
             out = kernels.backend(impl).paged_decode(q[:, 0], k_pool, v_pool, table=layer.table, lengths=after,
-                                                     sm_scale=spec.sm_scale, **extra).out[:, None]
+                                                     sm_scale=spec.sm_scale, **extra, **scales).out[:, None]
         else:  # a prefill chunk: the gathered view through the attention core
-            view = KVView(k=gather(k_pool), v=gather(v_pool), lengths=after, offsets=before)
+            view = KVView(k=gather(k_pool), v=gather(v_pool), lengths=after, offsets=before,
+                          **{n: gather(x) for n, x in scales.items()})
             out = attend_view(impl, q, view, spec).out
-        return out, layer.replace(k=k_pool, v=v_pool)
+        return out, layer.replace(k=k_pool, v=v_pool, **scales)
 
     # ------------------------------------------------------------------------------------------- between calls
     def make_room(self, state: PagedCache, n) -> PagedCache:
@@ -276,5 +303,5 @@ class PagedKind(CacheKind):
         return fork_pages(state, n, full, state.table.shape[1] - full)
 
 
-__all__ = ["FIELDS", "PagePool", "PagedCache", "PagedKind", "check_pool", "fork_pages", "grant",
-           "grant_upto", "refuse_windows"]
+__all__ = ["FIELDS", "SCALE_FIELDS", "PagePool", "PagedCache", "PagedKind", "check_pool", "fork_pages", "grant",
+           "grant_upto", "refuse_windows", "scales_of"]

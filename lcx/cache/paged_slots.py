@@ -21,6 +21,9 @@ out; ``GenerateResult.cache_bytes`` reports the peak of pages in use. Decode ste
 paged decode kernel takes one length per row; evicting policies keep per-head sets and "cache"-mode policies rotate
 keys by rank at read time).
 
+An 8-bit cache (``cache.kv_dtype``) keeps its codes in the pool and their scales in scale pages beside them
+(``lcx.cache.paged.SCALE_FIELDS``): gathered, written back and compacted with the codes.
+
 Shape letters: L layers, P pool pages, b batch, T pages per row, g slots per page, C slots per row (the slot cache's
 capacity, at most T * g), H keep heads, k kv heads, d head dim, t new tokens.
 """
@@ -67,6 +70,8 @@ class PagedSlotCache(paged.PagePool, CacheState):
     q_count: jax.Array | None = None  # the policy's query moments (QUERY_FIELDS), when it declares them
     q_mean: jax.Array | None = None
     q_m2: jax.Array | None = None
+    k_scale: jax.Array | None = None  # [L, P, k, g] float16 (paged.SCALE_FIELDS; with cache.kv_dtype)
+    v_scale: jax.Array | None = None
     kind: "PagedSlotKind" = flax.struct.field(pytree_node=False, default=None)
 
     @property
@@ -102,7 +107,8 @@ class PagedSlotKind(SlotCacheKind):
 
     # ------------------------------------------------------------------------------------------- declaration
     def fields(self) -> Mapping[str, Field]:
-        return {**FIELDS, **{n: f for n, f in self.slots.fields().items() if n in QUERY_FIELDS}}
+        return {**FIELDS, **{n: f for n, f in self.slots.fields().items() if n in QUERY_FIELDS},
+                **(paged.SCALE_FIELDS if self.quant else {})}
 
     def _metadata(self) -> tuple[str, ...]:
         """The slot cache's buffers this kind keeps as they are: positions, masks, scores (and query moments)."""
@@ -125,8 +131,10 @@ class PagedSlotKind(SlotCacheKind):
     # ------------------------------------------------------------------------------------------- attention
     def attend(self, layer: PagedSlotCache, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None):
         capacity, page = layer.pos.shape[-1], self.page
-        slots = KVCache(k=_slot_view(layer.k, layer.table, capacity), v=_slot_view(layer.v, layer.table, capacity),
-                        lengths=None, kind=self.slots, **{n: getattr(layer, n) for n in self._metadata()})
+        view = lambda pool: _slot_view(pool, layer.table, capacity)  # noqa: E731
+        scales = paged.scales_of(layer)
+        slots = KVCache(k=view(layer.k), v=view(layer.v), lengths=None, kind=self.slots,
+                        **{n: view(x) for n, x in scales.items()}, **{n: getattr(layer, n) for n in self._metadata()})
         out, slots = slot_attention.attend(self.slots, slots, q, key, val, cos=cos, sin=sin, positions=positions,
                                            ok=ok, stat_weights=stat_weights, spec=spec)
         # the new tokens' slots (where slot_attention.write put them) back into their pages; padding is dropped
@@ -137,9 +145,14 @@ class PagedSlotKind(SlotCacheKind):
                                   axis=1).reshape(slot.shape)
         ids = jnp.where((slot < capacity) & (ids >= 0), ids, layer.k.shape[0])
         head = jnp.arange(kv_heads)[None, :, None]
-        new = lambda x: jnp.take_along_axis(x, jnp.minimum(slot, capacity - 1)[..., None], axis=2)  # noqa: E731
+        at = jnp.minimum(slot, capacity - 1)
+
+        def new(x):  # [b, k, C, ...] -> the new tokens' slots [b, k, t, ...] (scales have no head dim)
+            return jnp.take_along_axis(x, at.reshape(at.shape + (1,) * (x.ndim - 3)), axis=2)
+
         put = lambda pool, x: pool.at[ids, head, slot % page].set(new(x).astype(pool.dtype), mode="drop")  # noqa
         return out, layer.replace(k=put(layer.k, slots.k), v=put(layer.v, slots.v),
+                                  **{n: put(x, getattr(slots, n)) for n, x in scales.items()},
                                   **{n: getattr(slots, n) for n in self._metadata()})
 
     # ------------------------------------------------------------------------------------------- between calls
@@ -150,8 +163,9 @@ class PagedSlotKind(SlotCacheKind):
         capacity, page, pages = state.capacity, self.page, state.n_pages
         row_pages = state.table.shape[1]
         view = jax.vmap(lambda pool: _slot_view(pool, state.table, capacity))  # [L, b, k, C, d]
+        scales = paged.scales_of(state)
         before = KVCache(k=view(state.k), v=view(state.v), lengths=state.lengths, kind=self.slots,
-                         **{n: getattr(state, n) for n in self._metadata()})
+                         **{n: view(x) for n, x in scales.items()}, **{n: getattr(state, n) for n in self._metadata()})
         after, left = evict_cache(self.policy, before, jnp.asarray(self.budgets, jnp.int32))
         need = -(-jnp.max(after.count, axis=(0, 2)) // page)  # [b] pages each row still holds
         pad = ((0, 0), (0, 0), (0, 0), (0, row_pages * page - capacity))
@@ -167,13 +181,14 @@ class PagedSlotKind(SlotCacheKind):
         state = paged.grant(state.replace(table=jnp.where(copy, -1, table), refs=refs), copy)
         ids = jnp.where(state.table >= 0, state.table, pages)  # [b, T]
 
-        def write(pool, x):  # x [L, b, k, C, d] -> every held page of every row
-            x = jnp.pad(x, (*pad, (0, 0)))
-            x = einops.rearrange(x, "L b k (T g) d -> L b T k g d", g=page)
+        def write(pool, x):  # x [L, b, k, C, ...] -> every held page of every row (scales: no head dim)
+            x = jnp.pad(x, (*pad, *[(0, 0)] * (x.ndim - 4)))
+            x = einops.rearrange(x, "L b k (T g) ... -> L b T k g ...", g=page)
             return pool.at[:, ids].set(x.astype(pool.dtype), mode="drop")
 
         return state.replace(k=write(state.k, after.k), v=write(state.v, after.v), pos=after.pos, valid=after.valid,
-                             count=after.count, score=after.score), left
+                             count=after.count, score=after.score,
+                             **{n: write(x, getattr(after, n)) for n, x in scales.items()}), left
 
     def make_room(self, state: PagedSlotCache, n) -> PagedSlotCache:
         """Evict when some row would overflow (the slot cache's rule), then give every row the pages for its next

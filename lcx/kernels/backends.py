@@ -207,17 +207,21 @@ def _pallas_column_sums(q, k, *, q_offsets, kv_lengths, query_weights, sm_scale,
 
 def _gathered_paged_decode(decode: Callable) -> Callable:
     """``paged_decode`` through ``decode``: each row's pages gathered into the contiguous ``[b, k, T * c, d]``."""
-    def op(q, k_pages, v_pages, *, table, lengths, sm_scale, residuals: bool = False, **kwargs) -> Attended:
+    def op(q, k_pages, v_pages, *, table, lengths, sm_scale, residuals: bool = False, k_scale=None, v_scale=None,
+           **kwargs) -> Attended:
         k, v = gather_pages(k_pages, table), gather_pages(v_pages, table)
         valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]
-        return decode(q, k, v, valid=valid, sm_scale=sm_scale, residuals=residuals, **kwargs)
+        scales = {} if k_scale is None else dict(k_scale=gather_pages(k_scale, table),
+                                                  v_scale=gather_pages(v_scale, table))
+        return decode(q, k, v, valid=valid, sm_scale=sm_scale, residuals=residuals, **scales, **kwargs)
     return op
 
 
 def _pallas_paged_decode(q, k_pages, v_pages, *, table, lengths, sm_scale, residuals: bool = False,
-                         softcap=None) -> Attended:
+                         softcap=None, k_scale=None, v_scale=None) -> Attended:
     return attended(paged_decode_attention(q, k_pages, v_pages, table=table, lengths=lengths, sm_scale=sm_scale,
-                                           softcap=softcap, return_residuals=residuals), residuals=residuals)
+                                           softcap=softcap, return_residuals=residuals, k_scale=k_scale,
+                                           v_scale=v_scale), residuals=residuals)
 
 
 def _chunk_op(fn: Callable) -> Callable:

@@ -47,20 +47,34 @@ def test_gather_pages_is_the_rows_positions_in_order():
 
 
 def test_paged_decode_lowers_to_triton_for_cuda():
+    from lcx.kernels.quant import quantize
+
     q, k, v, table, lengths = _case()
     fn = lambda q, k, v, t, n: paged_decode_attention(q, k, v, table=t, lengths=n, interpret=False)  # noqa: E731
     assert _lower_for_cuda(fn, q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), table,
                            lengths) == 1
+    (kc, ks), (vc, vs) = quantize(k, "int8"), quantize(v, "int8")  # an 8-bit pool: codes and scales per page
+    fn8 = lambda q, k, v, ks, vs, t, n: paged_decode_attention(q, k, v, table=t, lengths=n, k_scale=ks,  # noqa
+                                                               v_scale=vs, interpret=False)
+    assert _lower_for_cuda(fn8, q.astype(jnp.bfloat16), kc, vc, ks, vs, table, lengths) == 1
 
 
 @pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
-def test_every_backend_row_reads_pages(impl):
-    """The paged cache's decode op: Pallas reads the pool in place, the others gather; one ``Attended``."""
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_every_backend_row_reads_pages(impl, kv_dtype):
+    """The paged cache's decode op: Pallas reads the pool in place, the others gather; one ``Attended``. An 8-bit
+    pool (codes and per-slot scales ``[P, k, c]``) gives the attention of the values its codes stand for."""
     from lcx.kernels import BACKENDS
+    from lcx.kernels.quant import dequantize, quantize
 
     q, k, v, table, lengths = _case(seed=1)
-    res = BACKENDS[impl].paged_decode(q, k, v, table=table, lengths=lengths, sm_scale=0.2, residuals=True)
-    want, m_ref, _ = paged_decode_reference(q, k, v, table=table, lengths=lengths, sm_scale=0.2,
+    scales = {}
+    if kv_dtype is not None:
+        (k, k_scale), (v, v_scale) = quantize(k, kv_dtype), quantize(v, kv_dtype)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+    res = BACKENDS[impl].paged_decode(q, k, v, table=table, lengths=lengths, sm_scale=0.2, residuals=True, **scales)
+    values = (k, v) if kv_dtype is None else (dequantize(k, scales["k_scale"]), dequantize(v, scales["v_scale"]))
+    want, m_ref, _ = paged_decode_reference(q, *values, table=table, lengths=lengths, sm_scale=0.2,
                                             return_residuals=True)
     np.testing.assert_allclose(res.out, want, atol=2e-5)
     assert res.m.shape == m_ref.shape and res.weights is None
