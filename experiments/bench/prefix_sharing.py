@@ -9,6 +9,9 @@ Three ways through the public API:
 - ``fork, contiguous``: ``prefill([context])``, ``Generator.fork(state, n)``, ``prefill(questions, state=...)``,
   ``decode``: the context is prefilled once, but each row keeps its own copy of its cache;
 - ``fork, paged``: the same with ``CacheConfig(layout="paged", page_size=16)``: the rows share the context's pages;
+- ``fork, contiguous / paged, int8``: the two forks with ``cache.kv_dtype: int8`` (8-bit codes and a float16 scale
+  per token and KV head; on pages, scale pages beside the pool): their tokens are compared with each other (the
+  8-bit values differ from the float ones, so separate's tokens need not be theirs);
 - ``fork, SnapKV 1024``: the context compressed once to 1,024 tokens per layer (SnapKV, its last 32 tokens as the
   observation window), then forked (rows copied) and each question appended - and compressed again with the
   question as the window: kvpress users' "compress a document once, ask many questions" (tokens differ from the
@@ -84,17 +87,26 @@ def main(argv=None) -> None:
           f"context, {args.new} new tokens; one sequence's KV: {format_bytes(one_kv)}\n")
     print("| way | prompt tokens prefilled | device KV (cache_bytes) | x one sequence | seconds | tokens = separate |")
     print("|---|---|---|---|---|---|")
-    want = None
+    want, int8 = None, {}
     for name, fn in (("separate", lambda: separate(config, params, context, questions, args.new)),
                      ("fork, contiguous", lambda: forked(config, params, context, questions, args.new, "contiguous")),
                      ("fork, paged", lambda: forked(config, params, context, questions, args.new, "paged")),
+                     ("fork, contiguous, int8", lambda: forked(config, params, context, questions, args.new, "",
+                                                               lcx.CacheConfig(kv_dtype="int8"))),
+                     ("fork, paged, int8", lambda: forked(config, params, context, questions, args.new, "",
+                                                          lcx.CacheConfig(layout="paged", page_size=16,
+                                                                          kv_dtype="int8"))),
                      ("fork, SnapKV 1024", lambda: forked(config, params, context, questions, args.new, "contiguous",
                                                           lcx.CacheConfig(policy="snapkv", budget=1024, window=32)))):
         result, work, seconds = timed(fn)
         want = result.tokens if want is None else want
         same = bool(np.array_equal(result.tokens, want))
+        if name.endswith("int8"):
+            int8[name] = result.tokens
         print(f"| {name} | {work} | {format_bytes(result.cache_bytes)} | {result.cache_bytes / one_kv:.2f} | "
               f"{seconds:.1f} | {same} |", flush=True)
+    a, b = int8.values()
+    print(f"\nint8 on pages: tokens equal the contiguous int8 cache's: {bool(np.array_equal(a, b))}")
 
 
 if __name__ == "__main__":
