@@ -33,6 +33,18 @@ def test_paged_generation_equals_the_contiguous_cache(params):
     # pages in use at the peak: ceil((37 + 12) / 8) + ceil((20 + 12) / 8) = 7 + 4, each 2 layers x K and V
     page_bytes = 2 * CFG.n_layers * CFG.n_kv_heads * 8 * CFG.head_dim * 4
     assert got.cache_bytes == 11 * page_bytes
+    # kv_dtype int8 on pages: codes in the pool, a float16 scale per slot and KV head in scale pages. The full cache
+    # (decode reads a page's codes and scales) and SnapKV (evicting while the prompt streams in and while decoding:
+    # compactions move the scales with their codes) give the contiguous 8-bit cache's tokens; a page's bytes count
+    # codes and scales.
+    for policy in ({}, dict(policy="snapkv", budget=16, window=4, interval=8)):
+        want, got = (lcx.generate(CFG, params, prompts, max_new_tokens=12, cache=lcx.CacheConfig(
+            layout=layout, page_size=8, kv_dtype="int8", **policy)) for layout in ("contiguous", "paged"))
+        np.testing.assert_array_equal(got.tokens, want.tokens, err_msg=str(policy))
+    page8 = 2 * CFG.n_layers * CFG.n_kv_heads * 8 * (CFG.head_dim + 2)
+    assert lcx.CacheConfig(layout="paged", page_size=8, kv_dtype="int8").kind(CFG).page_nbytes() == page8
+    # snapkv holds budget + interval = 24 slots per row: 3 pages each at the peak, the contiguous cache's bytes
+    assert got.cache_bytes == want.cache_bytes == 2 * 3 * page8
 
 
 @pytest.fixture(scope="module")
@@ -131,24 +143,6 @@ def test_eviction_on_pages_forks_a_compressed_context_and_equals_the_contiguous_
             np.testing.assert_array_equal(held, -(-occupied // 8))
             assert int(np.sum(np.asarray(cache.refs) > 0)) == held.sum() and int(cache.peak) <= 3 * 3
     np.testing.assert_array_equal(tokens["paged"], tokens["contiguous"])
-
-
-def test_int8_pages_generate_as_the_contiguous_int8_cache(params):
-    """``kv_dtype: int8`` on pages: codes in the pool, one float16 scale per slot and KV head in scale pages. The
-    full cache (the decode kernel reads a page's codes and scales) and SnapKV (compactions move scales with their
-    codes, copy-on-write after a fork), each on a context forked to three questions: the next-token logits and the
-    greedy tokens of the contiguous 8-bit cache; a page's bytes count the codes and the scales."""
-    for policy in ({}, dict(policy="snapkv", budget=16, window=4, interval=8)):
-        out = {}
-        for layout in ("contiguous", "paged"):
-            cache = lcx.CacheConfig(layout=layout, page_size=8, kv_dtype="int8", **policy)
-            gen = lcx.Generator(CFG, params, max_new_tokens=8, cache=cache, capacity=None if policy else 72)
-            state = gen.prefill(QUESTIONS, state=gen.fork(gen.prefill([CONTEXT]), len(QUESTIONS)))
-            out[layout] = (np.asarray(state.logits), gen.result(gen.decode(state)).tokens)
-        assert state.cache.k.dtype == jnp.int8 and state.cache.k_scale.dtype == jnp.float16, gen.kind.name
-        np.testing.assert_allclose(out["paged"][0], out["contiguous"][0], atol=1e-5, err_msg=gen.kind.name)
-        np.testing.assert_array_equal(out["paged"][1], out["contiguous"][1], err_msg=gen.kind.name)
-    assert gen.kind.page_nbytes() == 2 * CFG.n_layers * CFG.n_kv_heads * 8 * (CFG.head_dim + 2)  # K and V, 8 slots
 
 
 def test_paged_settings_and_exhausted_pool_fail_clearly(params):
