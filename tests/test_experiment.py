@@ -30,7 +30,7 @@ finetune:
 eval: {{task: passkey, params: {{instruction: false}}, lengths: [128], depths: [0.5], samples: 2, batch_size: 2,
        perplexity: {{task: corpus, samples: 2, batch_size: 2}}}}
 ablate:
-  policies: [full, {{policy: streaming, sinks: 2}}, {{policy: memory, sinks: 2, block: 16, topk: 1}}]
+  policies: [full, {{policy: streaming, sinks: 2}}]
   budgets: [64]
   interval: 16
   prefill_chunk: 64
@@ -53,11 +53,10 @@ def test_experiment_all_stages_then_rerun_reuses_outputs(micro, tmp_path, capsys
         assert {"results.csv", "results.md", "accuracy_vs_length.png", "perplexity_vs_length.png", "done.json"} <= {
             p.name for p in (run / stage).iterdir()}
     rows = read_csv(run / "ablate" / "results.csv")
-    assert {(r["policy"], r["budget"]) for r in rows} == {("full", ""), ("streaming", "64"), ("memory", "64")}
+    assert {(r["policy"], r["budget"]) for r in rows} == {("full", ""), ("streaming", "64")}
     # both metrics for every setting, each with its 95% interval; settings name their non-default parameters
     assert {(r["setting"], r["metric"]) for r in rows} == {
-        (s, m) for s in ("full", "streaming @64 sinks=2", "memory @64 block=16 sinks=2 topk=1")
-        for m in ("accuracy", "perplexity")}
+        (s, m) for s in ("full", "streaming @64 sinks=2") for m in ("accuracy", "perplexity")}
     for r in rows:
         assert r["lo"] <= r["value"] <= r["hi"]
         assert 0.0 <= r["value"] <= 1.0 if r["metric"] == "accuracy" else r["value"] > 1.0
