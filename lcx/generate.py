@@ -406,10 +406,13 @@ class Generator:
         self.kind = cache_kind(config, self.cache_config, mesh)  # validates the policy against the model
         self.policy = self.cache_config.make_policy()
         reconstructs, calibrates = (getattr(self.policy, n, False) for n in ("reconstructs", "calibrates"))
-        if (reconstructs or calibrates) and self.kind.name != "slots":
-            raise ConfigError(f"cache.policy={self.cache_config.policy!r} is built for the contiguous slot cache of a "
-                              f"model whose layers are all global; this configuration's cache type is "
-                              f"{self.kind.name!r}")
+        # reconstruction passes run on the slot cache, also as the global layers' of a sliding-window model
+        slots = self.kind.name == "slots" or (self.kind.name == "hybrid" and reconstructs
+                                              and getattr(self.kind.glob, "name", None) == "slots")
+        if (reconstructs or calibrates) and not slots:
+            raise ConfigError(f"cache.policy={self.cache_config.policy!r} is built for the contiguous slot cache"
+                              + ("" if reconstructs else " of a model whose layers are all global")
+                              + f"; this configuration's cache type is {self.kind.name!r}")
         if calibrates:
             self.policy = self._calibrated(self.policy, params, calibration)
         if mesh is not None and self.kind.name not in ("slots", "hybrid"):

@@ -399,3 +399,50 @@ def test_policies_bad_config_fails_at_load(cache, message):
     with pytest.raises(ConfigError) as err:
         from_dict(Config, {"model": to_dict(CFG), "cache": cache})
     assert message in str(err.value)
+
+
+def test_policies_kvzip_on_a_sliding_window_model_compresses_its_global_layers():
+    """KVzip on a Gemma-3-shaped model (local, local, global): the reconstruction passes score the global layer's
+    slots and read the local layers' windows without appending to them.
+
+    - Window longer than the prompt and a pass (a local layer then attends as a global one does): the global layer
+      keeps what the same layer keeps, with the same scores, when every layer of the model is global.
+    - Window 8 (the passes' 13 tokens outgrow it): the local cache after the passes equals the one the full policy
+      leaves, the global layer keeps its budget per KV head, and decoding continues from there."""
+    from lcx.cache.reconstruct import Reconstruction
+
+    base = ModelConfig(vocab_size=61, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48, head_dim=8,
+                       family="gemma3", query_scale=12.0, init_std=0.3)
+    hybrid = dataclasses.replace(base, layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+                                 sliding_window=128)
+    weights = lcx.init_params(base, jax.random.key(1))
+    prompt = [np.random.default_rng(6).integers(0, 61, 30).tolist()]
+    rec = Reconstruction(first=(3, 4, 5), later=(6,), suffix=(7,), skip=1, tail=3)
+    kvzip = CacheConfig(policy="kvzip", budget=12, interval=24, sinks=2, chunk=8, prefill_chunk=32)
+
+    def prefill(cfg, cache):
+        gen = Generator(cfg, weights, max_new_tokens=4, cache=cache, reconstruction=rec, capacity=36)
+        return gen, gen.prefill(prompt)
+
+    def kept(layer):  # [k] (sorted positions, their scores) of one layer's view
+        pos, valid, score = (np.asarray(x)[0] for x in (layer.pos, layer.valid, layer.score))
+        return [(pos[h][valid[h]], score[h][valid[h]]) for h in range(pos.shape[0])]
+
+    _, every = prefill(base, kvzip)
+    _, wide = prefill(hybrid, kvzip)
+    want = kept(jax.tree.map(lambda x: x[2], every.cache))  # the all-global model's last layer
+    got = kept(jax.tree.map(lambda x: x[0], wide.cache.glob))
+    for (want_pos, want_score), (got_pos, got_score) in zip(want, got):
+        order = np.argsort(want_pos), np.argsort(got_pos)
+        np.testing.assert_array_equal(want_pos[order[0]], got_pos[order[1]])
+        np.testing.assert_allclose(want_score[order[0]], got_score[order[1]], rtol=1e-4, atol=1e-7)
+    assert np.asarray(wide.cache.loc.valid).sum() > 0
+
+    narrow = dataclasses.replace(hybrid, sliding_window=8)
+    gen, state = prefill(narrow, kvzip)
+    _, plain = prefill(narrow, CacheConfig(interval=24, prefill_chunk=32))
+    for name in ("k", "v", "pos", "valid", "count"):
+        np.testing.assert_array_equal(np.asarray(getattr(state.cache.loc, name)),
+                                      np.asarray(getattr(plain.cache.loc, name)), err_msg=name)
+    assert np.asarray(state.cache.glob.valid).sum(-1).tolist() == [[[12, 12]]]
+    assert gen.result(gen.decode(state)).lengths.tolist() == [4]

@@ -34,7 +34,7 @@ import numpy as np
 
 from lcx import sharding
 from lcx.cache.base import AUTO_PREFILL_CHUNK, CacheKind, CacheState, kind_class, register_kind
-from lcx.cache.kv_cache import FIELDS, KVCache, SlotCacheKind
+from lcx.cache.kv_cache import FIELDS, SCALE_FIELDS, KVCache, SlotCacheKind
 from lcx.cache.policy import make_policy
 from lcx.cache.schema import Field
 from lcx.model.config import ModelConfig
@@ -238,13 +238,28 @@ class HybridKind(CacheKind):
         return HybridCache(glob=None if self.glob is None else self.glob.layer_axes(), loc=self.loc.layer_axes(),
                            lengths=None, kind=self)
 
+    @property
+    def policy(self):
+        """The requested policy: the global layers' (the local ones keep their window)."""
+        return self.loc.policy if self.glob is None else self.glob.policy
+
     # ------------------------------------------------------------------------------------------- in the model
-    def attend(self, layer: HybridCache, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None):
+    def attend(self, layer: HybridCache, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None,
+               probe=None):
+        """The layer's group attends (and appends). With a ``probe`` (a reconstruction pass, ``lcx.cache
+        .reconstruct``) a global layer scores its slots without appending, and a local layer reads its window and
+        the pass as a prefill chunk would, into a copy with room for the pass: the local slots stay as they were."""
         if spec is None:
             raise ValueError("a hybrid (sliding-window) cache needs the layer's AttentionSpec")
         group = GLOBAL if spec.window is None else LOCAL
+        if probe is not None and group == LOCAL:
+            out, _ = self.loc.attend(with_room(getattr(layer, LOCAL), q.shape[1]), q, key, val, cos=cos, sin=sin,
+                                     positions=positions, ok=ok, stat_weights=None, spec=spec)
+            return out, layer
+        extra = {} if probe is None else {"probe": probe}
         out, new = getattr(self, group).attend(getattr(layer, group), q, key, val, cos=cos, sin=sin,
-                                               positions=positions, ok=ok, stat_weights=stat_weights, spec=spec)
+                                               positions=positions, ok=ok, stat_weights=stat_weights, spec=spec,
+                                               **extra)
         return out, layer.replace(**{group: new})
 
     # ------------------------------------------------------------------------------------------- between calls
@@ -308,4 +323,19 @@ class HybridKind(CacheKind):
         return state.replace(glob=glob), handle
 
 
-__all__ = ["HybridCache", "HybridKind", "local_budget", "local_room"]
+def with_room(layer: KVCache, n: int) -> KVCache:
+    """One layer's view of a slot cache (no ``layers`` axis) with ``n`` empty slots after its own: every buffer
+    with a ``length`` axis padded with its declared empty value."""
+    fields = {**FIELDS, **SCALE_FIELDS}
+    grown = {}
+    for name, field in fields.items():
+        x = getattr(layer, name, None)
+        if x is None or "length" not in field.axes:
+            continue
+        widths = [(0, 0)] * x.ndim
+        widths[field.axes.index("length") - 1] = (0, n)  # the per-layer view drops the leading "layers" axis
+        grown[name] = jnp.pad(x, widths, constant_values=field.fill)
+    return layer.replace(**grown)
+
+
+__all__ = ["HybridCache", "HybridKind", "local_budget", "local_room", "with_room"]
