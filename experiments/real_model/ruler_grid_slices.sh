@@ -20,6 +20,8 @@ lcx run $C name=smollm2_ruler_grid_05 'ablate.compressions=[0.5]' "ablate.polici
 sinks: 4, horizon: 512}, {policy: chunkkv, window: 32, kernel: 5, chunk: 20}, {$SNAP, head_budget: adaptive}, \
 {$SNAP, budget_schedule: pyramid}]"
 lcx run $C name=smollm2_ruler_grid_0875 'ablate.compressions=[0.875]' "ablate.policies=[tova, {$POOLED}]"
+lcx run $C name=smollm2_ruler_grid_0875b 'ablate.compressions=[0.875]' \
+  'ablate.policies=[{policy: streaming, sinks: 4}, {policy: chunkkv, window: 32, kernel: 5, chunk: 20}]'
 lcx run $C name=smollm2_ruler_grid_05b 'ablate.compressions=[0.5]' \
   'ablate.policies=[{policy: h2o, recent: 32}, knorm, {policy: duo, sinks: 4, recent: 64}]'
 d=docs/real_model
