@@ -406,10 +406,9 @@ class Generator:
         self.kind = cache_kind(config, self.cache_config, mesh)  # validates the policy against the model
         self.policy = self.cache_config.make_policy()
         reconstructs, calibrates = (getattr(self.policy, n, False) for n in ("reconstructs", "calibrates"))
-        # reconstruction passes run on the slot cache, also as the global layers' of a sliding-window model
-        slots = self.kind.name == "slots" or (self.kind.name == "hybrid" and reconstructs
-                                              and getattr(self.kind.glob, "name", None) == "slots")
-        if (reconstructs or calibrates) and not slots:
+        # reconstruction passes run on the slot cache, also as the global layers' of a sliding-window model;
+        # calibrated head splits only on a model whose layers are all global
+        if (reconstructs and not self.kind.reconstructable) or (calibrates and self.kind.name != "slots"):
             raise ConfigError(f"cache.policy={self.cache_config.policy!r} is built for the contiguous slot cache"
                               + ("" if reconstructs else " of a model whose layers are all global")
                               + f"; this configuration's cache type is {self.kind.name!r}")

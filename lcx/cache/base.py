@@ -172,6 +172,11 @@ class CacheKind(abc.ABC):
     def kv_dtype(self) -> str:
         """Storage dtype of the ``"kv"`` buffers."""
 
+    @property
+    def reconstructable(self) -> bool:
+        """Whether a reconstruction pass (``lcx.cache.reconstruct``) can score this cache's slots in place."""
+        return False
+
     # ------------------------------------------------------------------------------------------- host planning
     @abc.abstractmethod
     def plan(self, batch: int, max_prompt: int, max_new_tokens: int) -> int:

@@ -239,6 +239,11 @@ class HybridKind(CacheKind):
                            lengths=None, kind=self)
 
     @property
+    def reconstructable(self) -> bool:
+        """The global layers' slots are scored by the pass; the local ones read it into a padded copy (``attend``)."""
+        return self.glob is not None and self.glob.reconstructable
+
+    @property
     def policy(self):
         """The requested policy: the global layers' (the local ones keep their window)."""
         return self.loc.policy if self.glob is None else self.glob.policy

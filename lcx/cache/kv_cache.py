@@ -151,6 +151,10 @@ class SlotCacheKind(CacheKind):
                 "head_dim": m.head_dim, "keep_heads": self.keep_heads, "heads": m.n_heads}
 
     @property
+    def reconstructable(self) -> bool:
+        return True
+
+    @property
     def kv_dtype(self) -> str:
         return self.dtype if self.quant is None else storage_dtype(self.quant)
 
