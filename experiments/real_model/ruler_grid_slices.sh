@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The RULER-style grid of experiments/configs/smollm2_ruler_grid.yaml in the slices a 2-core CPU can run in an
-# afternoon and an evening (each ~4-5 minutes per setting, KVzip ~10), then one table and plot over them and the earlier runs
-# whose results sit in docs/real_model/ (KVzip per head and pooled at 0.5 / 0.75, DuoAttention at 0.75, full,
+# afternoon and an evening (each ~4 minutes per setting, KVzip ~8), then one table and plot over them and the
+# earlier runs whose results sit in docs/real_model/ (KVzip per head and pooled at 0.5 / 0.75, DuoAttention at 0.75, full,
 # streaming, SnapKV and TOVA at 0.5, KVzip int8 at 0.5) - the same 22 prompts everywhere.
 # Usage (from the repository root, after experiments/real_model/run.sh fetched the model and `pip install -e
 # ".[test]"` for kvpress):  bash experiments/real_model/ruler_grid_slices.sh

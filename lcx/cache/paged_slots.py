@@ -101,6 +101,10 @@ class PagedSlotKind(SlotCacheKind):
         return cls(**{f.name: getattr(slots, f.name) for f in dataclasses.fields(slots)}, page=cache.page_size)
 
     @property
+    def reconstructable(self) -> bool:
+        return False  # the passes' scoring (``SlotCacheKind.attend`` with ``probe=``) reads contiguous slots
+
+    @property
     def slots(self) -> SlotCacheKind:
         """The contiguous kind with the same policy and budgets (whose attention and eviction run on the views)."""
         return SlotCacheKind(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SlotCacheKind)})
