@@ -35,6 +35,7 @@ lcx run $C name=smollm2_ruler_grid_025b 'ablate.compressions=[0.25]' "ablate.pol
 sinks: 4, horizon: 512}, {policy: chunkkv, window: 32, kernel: 5, chunk: 20}, {policy: duo, sinks: 4, recent: 64}]"
 lcx run $C name=smollm2_ruler_grid_025c 'ablate.compressions=[0.25]' "ablate.policies=[{$KVZ}, {$POOLED}]"
 lcx run $C name=smollm2_ruler_grid_int8b 'ablate.compressions=[0.75]' "ablate.policies=[{$POOLED, kv_dtype: int8}]"
+lcx run $C name=smollm2_ruler_grid_075c 'ablate.compressions=[0.75]' "ablate.policies=[{$POOLED}]"
 d=docs/real_model
 python experiments/real_model/ruler_grid.py $d/ruler.csv $d/ruler_kvzip.csv $d/ruler_kvzip_05.csv \
   $d/ruler_kvzip_05_int8.csv $d/ruler_kvzip_global_05.csv $d/ruler_kvzip_global_075.csv \
