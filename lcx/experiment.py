@@ -9,7 +9,7 @@ Run directory::
     runs/NAME/train/                      metrics.jsonl, checkpoints/ (lcx.train)
     runs/NAME/finetune/                   the same, started from train/ (or finetune.init_from)
     runs/NAME/router/                     a learned memory router distilled from the model (lcx.train.router)
-    runs/NAME/eval/, runs/NAME/ablate/    results.csv, results.md, *.png, done.json
+    runs/NAME/eval/, runs/NAME/ablate/    results.csv, results.md, outputs.jsonl, *.png, done.json
 
 Evaluating a model without training: ``checkpoint: PATH`` at the top level (a Hugging Face directory, a ``.gguf``
 file, or an lcx run / stage directory) with ``stages: [eval]`` or ``[ablate]``. The model section comes from the

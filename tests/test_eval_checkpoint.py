@@ -77,6 +77,14 @@ def test_checkpoint_ablate_in_its_own_tokens(hf_dir, tmp_path):
     md = (out / "results.md").read_text()
     assert "macro average" in md and "niah_single_1" in md and str(hf_dir) in md
     assert (out / "accuracy_vs_compression.png").is_file()
+    # every prompt's generation and grade, one line each: the cell's value is their mean
+    generations = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert sorted((g["setting"], g["task"], g["sample"]) for g in generations) == sorted(
+        (r["setting"], r["task"], 0) for r in rows)
+    for g in generations:
+        cell = next(r for r in rows if (r["setting"], r["task"]) == (g["setting"], g["task"]))
+        assert g["grade"] == float(cell["value"]) and g["length"] == 320 and g["depth"] is None
+        assert isinstance(g["output"], str) and g["answer"]
 
 
 def test_one_shot_protocol_equals_prefill_when_nothing_is_evicted(hf_dir, monkeypatch):

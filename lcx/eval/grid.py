@@ -6,11 +6,16 @@ Each row of the results is one (setting, length, depth, metric) cell with its va
 interval of the retrieval accuracy over the cell's prompts, and exp(mean NLL -/+ 1.96 standard errors over windows)
 for perplexity. ``setting`` names the policy, its budget, every parameter that differs from the policy's default and
 the RoPE variant, so two settings never share a label.
+
+Retrieval cells also leave each prompt's generation and grade in ``outputs.jsonl`` (one JSON object per prompt:
+setting, task, length, depth, sample, answer, output, grade), so two settings can be compared prompt by prompt - on
+the same prompts, a paired comparison - rather than only by their averages.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Mapping
@@ -21,7 +26,7 @@ from tqdm import tqdm
 
 from lcx.config import CacheConfig, ConfigError, ModelConfig
 from lcx.eval.config import AblateConfig, EvalConfig, RopeVariant, Setting
-from lcx.eval.evaluate import answer_tokens, retrieval_scores, window_nll, with_depth
+from lcx.eval.evaluate import answer_tokens, grade, retrieval_outputs, window_nll, with_depth
 from lcx.eval.report import write_report
 from lcx.eval.stats import perplexity_interval, wilson_interval
 from lcx.generate import CacheCapacityError, plan_capacity, release_compiled
@@ -116,7 +121,7 @@ def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, setti
                                             else n)
                   for s in settings for v in ropes for n in ev.lengths}
     cells = list(_cells(settings, ropes, tasks, ev))
-    rows = []
+    rows, generations = [], []
     bar = tqdm(cells, desc=title, unit="cell", disable=not progress, dynamic_ncols=True)
     for setting, variant, name, length, depth, metric in bar:
         release_compiled()  # programs of earlier cells, once they fill the process's memory map
@@ -152,15 +157,21 @@ def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, setti
             value, (lo, hi) = math.exp(float(np.mean(nll))), perplexity_interval(nll)
         else:
             samples = ev.samples
-            scores = retrieval_scores(
+            examples, outputs = retrieval_outputs(
                 model, params, tasks[name], length=length, depth=depth, samples=samples,
                 batch_size=min(ev.batch_size, samples), seed=ev.seed, cache=cache, max_new_tokens=per_task[name],
                 capacity=fixed, protocol=setting.protocol, unroll=ev.unroll,
                 buffer=max_new + (ONE_SHOT_ROOM if setting.protocol == "one_shot" else 0), counts=counts)
+            scores = np.asarray([grade(tasks[name], out, ex) for ex, out in zip(examples, outputs)], np.float64)
+            generations += [{"setting": label, "task": name, "length": length, "depth": depth, "sample": i,
+                             "answer": ex.answer, "output": out, "grade": float(g)}
+                            for i, (ex, out, g) in enumerate(zip(examples, outputs, scores))]
             value, (lo, hi) = float(np.mean(scores)), wilson_interval(float(np.sum(scores)), len(scores))
         rows.append({**_row(cache, variant, length, depth, metric, value, (lo, hi), label, samples,
                             time.perf_counter() - t0, name, setting, len(tasks)), **counts})
     write_report(rows, out_dir, title)
+    if generations:
+        (out_dir / "outputs.jsonl").write_text("".join(json.dumps(g) + "\n" for g in generations))
     return rows
 
 
