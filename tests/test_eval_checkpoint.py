@@ -16,6 +16,7 @@ from lcx.data.haystack import NOISE, prose_text
 from lcx.data.tokenizer import HFTokenizer, resolve_tokenizer
 from lcx.eval import evaluate
 from lcx.eval.evaluate import retrieval_outputs, window_nll
+from lcx.eval.paired import paired_table, read_outputs
 from lcx.experiment import load_experiment, run
 
 VOCAB = 512
@@ -85,6 +86,10 @@ def test_checkpoint_ablate_in_its_own_tokens(hf_dir, tmp_path):
         cell = next(r for r in rows if (r["setting"], r["task"]) == (g["setting"], g["task"]))
         assert g["grade"] == float(cell["value"]) and g["length"] == 320 and g["depth"] is None
         assert isinstance(g["output"], str) and g["answer"]
+    # which lcx.eval.paired compares prompt by prompt with the full cache
+    table = paired_table(read_outputs([out / "outputs.jsonl"]), "full")
+    assert {line.split(" | ")[0] for line in table.splitlines()[2:]} == {
+        "| snapkv @c=0.5 window=8 one-shot", "| snapkv @c=0.5 window=8"}
 
 
 def test_one_shot_protocol_equals_prefill_when_nothing_is_evicted(hf_dir, monkeypatch):
