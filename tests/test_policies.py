@@ -193,9 +193,10 @@ def test_policies_attention_stats_equal_numpy_softmax(impl, heads):
 @pytest.mark.parametrize("name", sorted(POLICY_PARAMS))
 def test_policies_budget_above_length_reproduces_full(name, params):
     prompts = [np.random.default_rng(1).integers(0, 61, 20).tolist(), [5, 6, 7]]
-    ref = Generator(CFG, params, max_new_tokens=8)
+    # the scanned decoder (one layer body to compile; tests/test_generate_unrolled.py: the same tokens unrolled)
+    ref = Generator(CFG, params, max_new_tokens=8, unroll=False)
     ref_state = ref.decode(ref.prefill(prompts))
-    gen = Generator(CFG, params, max_new_tokens=8,
+    gen = Generator(CFG, params, max_new_tokens=8, unroll=False,
                     cache=CacheConfig(**{"policy": name, "budget": 64, "interval": 8, **POLICY_PARAMS[name]}))
     state = gen.decode(gen.prefill(prompts))
     np.testing.assert_array_equal(np.asarray(state.tokens), np.asarray(ref_state.tokens))
@@ -207,7 +208,7 @@ def test_policies_budget_above_length_reproduces_full(name, params):
 @pytest.mark.parametrize("name", ["streaming", "snapkv"])
 def test_policies_decoding_16x_budget_keeps_cache_at_capacity(name, params):
     budget, interval, new = 16, 8, 16 * 16
-    gen = Generator(CFG, params, max_new_tokens=new,
+    gen = Generator(CFG, params, max_new_tokens=new, unroll=False,
                     cache=CacheConfig(policy=name, budget=budget, interval=interval, **POLICY_PARAMS[name]))
     state = gen.prefill([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]])
     capacity = budget + interval
@@ -229,11 +230,13 @@ def test_policies_expected_attention_query_moments_run_over_chunks_and_decode(pa
     layer."""
     prompt = np.random.default_rng(4).integers(0, 61, (1, 20))
     cache = dict(policy="expected_attention", interval=8, sinks=2, horizon=16)
-    gen = Generator(CFG, params, max_new_tokens=16, cache=CacheConfig(budget=10, prefill_chunk=8, **cache))
+    gen = Generator(CFG, params, max_new_tokens=16, unroll=False,
+                    cache=CacheConfig(budget=10, prefill_chunk=8, **cache))
     state = gen.decode(gen.prefill(prompt))
     c = state.cache
     fed = np.concatenate([prompt[0], np.asarray(state.tokens[0])])[None]  # every token the cache has read
-    once = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(budget=64, prefill_chunk=64, **cache))
+    once = Generator(CFG, params, max_new_tokens=1, unroll=False,
+                     cache=CacheConfig(budget=64, prefill_chunk=64, **cache))
     ref = once.prefill(fed).cache
     assert np.asarray(c.q_count).tolist() == [[36.0 - 2]] * CFG.n_layers == np.asarray(ref.q_count).tolist()
     for name in ("q_mean", "q_m2"):
@@ -274,7 +277,7 @@ def test_policies_kvzip_scores_each_row_by_its_own_context(params):
     a, b = rng.integers(0, 61, 30).tolist(), rng.integers(0, 61, 19).tolist()
     rec = Reconstruction(first=(3, 4, 5), later=(6,), suffix=(7,), skip=1, tail=3)
     cache = CacheConfig(policy="kvzip", budget=12, interval=24, sinks=2, chunk=8, prefill_chunk=32)
-    gen = Generator(CFG, params, max_new_tokens=4, cache=cache, reconstruction=rec, capacity=36)
+    gen = Generator(CFG, params, max_new_tokens=4, unroll=False, cache=cache, reconstruction=rec, capacity=36)
 
     def kept(prompts):
         c = gen.prefill(prompts).cache
@@ -316,7 +319,7 @@ def test_policies_duo_calibration_splits_heads_by_distant_attention(params):
 
     cache = CacheConfig(policy="duo", budget=48, interval=16, sinks=sinks, recent=recent, head_ratio=0.5,
                         queries=queries)
-    gen = Generator(CFG, params, max_new_tokens=4, cache=cache, calibration=ids)
+    gen = Generator(CFG, params, max_new_tokens=4, cache=cache, calibration=ids)  # the default (unrolled) decoder
     stream = gen.policy.streaming()
     assert (stream == streaming_heads(ref, 0.5)).all() and stream.sum() == CFG.n_layers * CFG.n_kv_heads // 2
     c = gen.prefill([ids[0, :40].tolist()]).cache
@@ -348,7 +351,7 @@ def test_policies_kvzip_and_duo_in_an_ablation_grid():
 
 def test_policies_long_prompt_is_compressed_between_chunks(params):
     prompt = np.random.default_rng(2).integers(0, 61, (1, 100))
-    gen = Generator(CFG, params, max_new_tokens=4,
+    gen = Generator(CFG, params, max_new_tokens=4, unroll=False,
                     cache=CacheConfig(policy="streaming", budget=24, interval=8, sinks=2, prefill_chunk=64))
     state = gen.prefill(prompt)
     assert state.cache.capacity == 32 and int(state.cache.count.max()) <= 24
@@ -421,7 +424,7 @@ def test_policies_kvzip_on_a_sliding_window_model_compresses_its_global_layers()
     kvzip = CacheConfig(policy="kvzip", budget=12, interval=24, sinks=2, chunk=8, prefill_chunk=32)
 
     def prefill(cfg, cache):
-        gen = Generator(cfg, weights, max_new_tokens=4, cache=cache, reconstruction=rec, capacity=36)
+        gen = Generator(cfg, weights, max_new_tokens=4, unroll=False, cache=cache, reconstruction=rec, capacity=36)
         return gen, gen.prefill(prompt)
 
     def kept(layer):  # [k] (sorted positions, their scores) of one layer's view
