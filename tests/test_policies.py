@@ -424,7 +424,8 @@ def test_policies_kvzip_on_a_sliding_window_model_compresses_its_global_layers()
     kvzip = CacheConfig(policy="kvzip", budget=12, interval=24, sinks=2, chunk=8, prefill_chunk=32)
 
     def prefill(cfg, cache):
-        gen = Generator(cfg, weights, max_new_tokens=4, unroll=False, cache=cache, reconstruction=rec, capacity=36)
+        # the default (unrolled) decoder: the only test of KVzip's passes over a hybrid cache's per-layer buffers
+        gen = Generator(cfg, weights, max_new_tokens=4, cache=cache, reconstruction=rec, capacity=36)
         return gen, gen.prefill(prompt)
 
     def kept(layer):  # [k] (sorted positions, their scores) of one layer's view
