@@ -27,6 +27,11 @@ def grade(task: Task, output: str, example: Example) -> float:
     return task.score(example, output)
 
 
+def grades(task: Task, examples: list[Example], outputs: list[str]) -> np.ndarray:
+    """``[n]`` grades of each example's generation."""
+    return np.asarray([grade(task, out, ex) for ex, out in zip(examples, outputs)], np.float64)
+
+
 def with_depth(task: Task, depth: float | None) -> Task:
     if depth is None:
         return task
@@ -53,7 +58,7 @@ def retrieval_scores(model: ModelConfig, params, task: Task, *, length: int, dep
                                           batch_size=batch_size, seed=seed, cache=cache,
                                           max_new_tokens=max_new_tokens, capacity=capacity, protocol=protocol,
                                           unroll=unroll, buffer=buffer, counts=counts)
-    return np.asarray([grade(task, out, ex) for ex, out in zip(examples, outputs)], np.float64)
+    return grades(task, examples, outputs)
 
 
 def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, depth: float | None, samples: int,

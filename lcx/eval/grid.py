@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from lcx.config import CacheConfig, ConfigError, ModelConfig
 from lcx.eval.config import AblateConfig, EvalConfig, RopeVariant, Setting
-from lcx.eval.evaluate import answer_tokens, grade, retrieval_outputs, window_nll, with_depth
+from lcx.eval.evaluate import answer_tokens, grades, retrieval_outputs, window_nll, with_depth
 from lcx.eval.report import write_report
 from lcx.eval.stats import perplexity_interval, wilson_interval
 from lcx.generate import CacheCapacityError, plan_capacity, release_compiled
@@ -162,7 +162,7 @@ def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, setti
                 batch_size=min(ev.batch_size, samples), seed=ev.seed, cache=cache, max_new_tokens=per_task[name],
                 capacity=fixed, protocol=setting.protocol, unroll=ev.unroll,
                 buffer=max_new + (ONE_SHOT_ROOM if setting.protocol == "one_shot" else 0), counts=counts)
-            scores = np.asarray([grade(tasks[name], out, ex) for ex, out in zip(examples, outputs)], np.float64)
+            scores = grades(tasks[name], examples, outputs)
             generations += [{"setting": label, "task": name, "length": length, "depth": depth, "sample": i,
                              "answer": ex.answer, "output": out, "grade": float(g)}
                             for i, (ex, out, g) in enumerate(zip(examples, outputs, scores))]

@@ -13,8 +13,6 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
-
 from lcx.eval.stats import paired_difference
 
 KEY = ("task", "length", "depth", "sample")  # what makes two lines the same prompt
@@ -24,9 +22,12 @@ def read_outputs(paths: list[Path]) -> list[dict]:
     """The graded generations of every file; a setting that appears in two files keeps the later file's lines."""
     by_setting: dict[str, list[dict]] = {}
     for path in paths:
-        lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-        for setting in dict.fromkeys(g["setting"] for g in lines):
-            by_setting[setting] = [g for g in lines if g["setting"] == setting]
+        in_file: dict[str, list[dict]] = {}
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                g = json.loads(line)
+                in_file.setdefault(g["setting"], []).append(g)
+        by_setting.update(in_file)
     return [g for lines in by_setting.values() for g in lines]
 
 
@@ -47,20 +48,11 @@ def paired_table(generations: list[dict], baseline: str) -> str:
         if not shared:
             raise ValueError(f"setting {setting!r} shares no prompt with {baseline!r} (prompts are matched by "
                              f"{', '.join(KEY)})")
-        tasks = [k[0] for k in shared]
-        a = np.asarray([base[k] for k in shared])
-        b = np.asarray([grades[setting][k] for k in shared])
-        r = paired_difference(a, b, tasks)
-        lines.append(f"| {setting} | {len(shared)} | {100 * _macro(a, tasks):.1f}% | {100 * _macro(b, tasks):.1f}% | "
+        r = paired_difference([base[k] for k in shared], [grades[setting][k] for k in shared], [k[0] for k in shared])
+        lines.append(f"| {setting} | {len(shared)} | {100 * r.mean_a:.1f}% | {100 * r.mean_b:.1f}% | "
                      f"{100 * r.diff:+.1f} ({100 * r.lo:+.1f} to {100 * r.hi:+.1f}) | {r.better} / {r.worse} | "
                      f"{r.p:.2g} |")
     return "\n".join(lines) + "\n"
-
-
-def _macro(grades: np.ndarray, tasks: list[str]) -> float:
-    """The mean over tasks of each task's mean grade (the tables' macro average)."""
-    names = np.asarray(tasks)
-    return float(np.mean([grades[names == t].mean() for t in dict.fromkeys(tasks)]))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,7 +29,8 @@ def perplexity_interval(nll: np.ndarray, z: float = 1.96) -> tuple[float, float]
 
 class Paired(NamedTuple):
     """``b`` against ``a`` on the same prompts: the macro-average difference and its 95% interval, the prompts on
-    which ``b`` grades higher / lower, and the exact two-sided sign test's p-value over those prompts."""
+    which ``b`` grades higher / lower, the exact two-sided sign test's p-value over those prompts, and the macro
+    averages of ``a`` and ``b`` themselves."""
 
     diff: float
     lo: float
@@ -37,6 +38,8 @@ class Paired(NamedTuple):
     better: int
     worse: int
     p: float
+    mean_a: float
+    mean_b: float
 
 
 def sign_test(better: int, worse: int) -> float:
@@ -64,15 +67,13 @@ def paired_difference(a, b, groups=None, z: float = 1.96) -> Paired:
         raise ValueError(f"groups must name the task of each of the {len(a)} prompts, got shape {groups.shape}")
     d = b - a
     names = list(dict.fromkeys(groups.tolist()))
-    means, variances = [], []
-    for name in names:
-        part = d[groups == name]
-        means.append(float(part.mean()))
-        variances.append(float(part.var(ddof=1)) / len(part) if len(part) > 1 else 0.0)
-    diff = float(np.mean(means))
+    masks = [groups == name for name in names]
+    variances = [float(d[m].var(ddof=1)) / m.sum() if m.sum() > 1 else 0.0 for m in masks]
+    mean_a, mean_b = (float(np.mean([x[m].mean() for m in masks])) for x in (a, b))
+    diff = mean_b - mean_a  # the mean over tasks of each task's mean difference
     half = z * math.sqrt(sum(variances)) / len(names)
     better, worse = int(np.sum(d > 0)), int(np.sum(d < 0))
-    return Paired(diff, diff - half, diff + half, better, worse, sign_test(better, worse))
+    return Paired(diff, diff - half, diff + half, better, worse, sign_test(better, worse), mean_a, mean_b)
 
 
 __all__ = ["Paired", "paired_difference", "perplexity_interval", "sign_test", "wilson_interval"]
