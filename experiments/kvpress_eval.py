@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     import transformers
     from tqdm import tqdm
 
-    from lcx.eval.grid import _max_new, _tokenized
+    from lcx.eval.grid import _max_new, grid_tasks, prompts
     from lcx.eval.report import write_report
     from lcx.eval.stats import wilson_interval
     from lcx.experiment import load_experiment, run_tokenizer
@@ -94,21 +94,23 @@ def main(argv=None) -> None:
     for name in args.presses:
         press(name, 0.5)  # an unknown name fails before the model loads
     tok = run_tokenizer(cfg, cfg.model)
-    tasks = {name: _tokenized(task, tok, ev.chat) for name, task in ev.make_tasks().items()}
+    tasks, _ = grid_tasks(ev, tok)
     max_new = _max_new(ev, tasks)
+    # the prompts lcx's grid feeds its own model, cell by cell (task, length, depth), in the checkpoint's tokens
+    retrieval = [cell for cell in prompts(ev, tok) if cell.metric == "accuracy"]
     model = transformers.AutoModelForCausalLM.from_pretrained(cfg.checkpoint, attn_implementation="sdpa").eval()
     out = args.out or Path("runs") / f"{cfg.name}_kvpress"
-    cells = [(p, r, t, n) for p in args.presses for r in args.ratios for t in tasks for n in ev.lengths]
+    cells = [(p, r, cell) for p in args.presses for r in args.ratios for cell in retrieval]
     rows = []
-    for name, ratio, task_name, length in tqdm(cells, desc="kvpress", unit="cell", dynamic_ncols=True):
-        task = tasks[task_name]
-        examples = task.examples(ev.seed, 0, ev.samples, length, "validation")
+    for name, ratio, cell in tqdm(cells, desc="kvpress", unit="cell", dynamic_ncols=True):
+        examples, task_name = cell.examples, cell.name
         start = time.perf_counter()
-        scores = [task.score(ex, tok.decode(np.array(generate(model, ex, press(name, ratio), max_new[task_name],
-                                                                tok.eos_id), np.int64)))
+        scores = [cell.task.score(ex, tok.decode(np.array(generate(model, ex, press(name, ratio),
+                                                                     max_new[task_name], tok.eos_id), np.int64)))
                   for ex in examples]
         lo, hi = wilson_interval(float(np.sum(scores)), len(scores))
-        rows.append({"policy": f"kvpress:{name}", "budget": "", "rope": "trained", "length": length, "depth": "",
+        rows.append({"policy": f"kvpress:{name}", "budget": "", "rope": "trained", "length": cell.length,
+                     "depth": "" if cell.depth is None else cell.depth,
                      "metric": "accuracy", "value": float(np.mean(scores)), "lo": lo, "hi": hi,
                      "setting": f"kvpress:{name} @c={ratio:g} one-shot", "samples": len(scores),
                      "seconds": round(time.perf_counter() - start, 2), "task": task_name if len(tasks) > 1 else "",

@@ -157,15 +157,31 @@ def unknown_key(key: str, full: str, allowed: Sequence[str]) -> ConfigError:
     return ConfigError(f"unknown key {full!r}{hint} (allowed: {sorted(allowed)})")
 
 
-def from_dict(cls, data: Mapping[str, Any] | None, prefix: str = ""):
-    """Build dataclass ``cls`` from a plain mapping, rejecting unknown keys with a did-you-mean."""
+def run_attribute(default: Any, *, compare: bool = True) -> Any:
+    """A dataclass field that is not a config key: set by the code that builds the object (a task's tokenizer),
+    never read from a config mapping (``from_dict`` treats it as unknown), left out of ``to_dict``, and - unlike an
+    attribute set on the instance - kept by ``dataclasses.replace`` and ``copy``. Keyword-only, so a base class can
+    declare it before its subclasses' parameters."""
+    return dataclasses.field(default=default, kw_only=True, repr=False, compare=compare,
+                             metadata={"run_attribute": True})
+
+
+def config_fields(cls) -> list[dataclasses.Field]:
+    """The fields of dataclass ``cls`` (or an instance) a config mapping may set: not its ``run_attribute`` ones."""
+    return [f for f in dataclasses.fields(cls) if f.init and not f.metadata.get("run_attribute")]
+
+
+def from_dict(cls, data: Mapping[str, Any] | None, prefix: str = "", attributes: Mapping[str, Any] | None = None):
+    """Build dataclass ``cls`` from a plain mapping, rejecting unknown keys with a did-you-mean. ``attributes``:
+    fields the caller sets itself, already typed - its ``run_attribute`` fields, or a field it converted (a task's
+    parameters) - passed to the constructor with the rest."""
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"{prefix or cls.__name__}={data!r} is invalid: must be a mapping of {cls.__name__} fields")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    kwargs = {}
+    fields = {f.name: f for f in config_fields(cls)}
+    kwargs = dict(attributes or {})
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
@@ -190,7 +206,8 @@ def to_dict(obj) -> dict[str, Any]:
         if hasattr(v, "to_dict"):
             return plain(v.to_dict())
         if dataclasses.is_dataclass(v):
-            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)
+                    if not f.metadata.get("run_attribute")}
         if isinstance(v, tuple):
             return [plain(x) for x in v]
         if isinstance(v, dict):
@@ -261,5 +278,6 @@ def import_plugins(modules: Sequence[str]) -> None:
             raise ConfigError(f"plugins: module {name!r} could not be imported: {err}") from err
 
 
-__all__ = ["ConfigError", "canonical_dtype", "check", "coerce", "dtype_bytes", "format_bytes", "from_dict",
-           "import_plugins", "load_dict", "parse_bytes", "positive_int", "to_dict", "unknown_key"]
+__all__ = ["ConfigError", "canonical_dtype", "check", "coerce", "config_fields", "dtype_bytes", "format_bytes",
+           "from_dict", "import_plugins", "load_dict", "parse_bytes", "positive_int", "run_attribute", "to_dict",
+           "unknown_key"]

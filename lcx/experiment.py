@@ -225,7 +225,8 @@ def run_router(cfg: ExperimentConfig, progress: bool = True) -> dict:
         _say(f"router: {out_dir} is up to date (delete done.json to rerun)")
         return json.loads((out_dir / "router.json").read_text())["heldout"]
     _say(f"router {source} -> {out_dir}")
-    summary = train_router(model, params, cfg.router, cfg.data, out_dir, progress=progress)
+    summary = train_router(model, params, cfg.router, cfg.data, out_dir, progress=progress,
+                           tokenizer=run_tokenizer(cfg, model))
     _finish(out_dir, settings)
     _say("router: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     return summary
@@ -281,6 +282,22 @@ def run_tokenizer(cfg: ExperimentConfig, model: ModelConfig):
     return resolve_tokenizer(setting, init_from=source, vocab_size=model.vocab_size)
 
 
+def _check_variant_tokenizers(cfg: ExperimentConfig, variants: dict, tokenizer) -> None:
+    """A RoPE variant that evaluates another checkpoint reads the run's prompts: with ``data.tokenizer: auto`` its
+    own tokenizer must be the run's (an explicit ``data.tokenizer`` states that it fits every checkpoint)."""
+    from lcx.data.tokenizer import describe, resolve_tokenizer
+
+    if (cfg.data.tokenizer if cfg.data is not None else "auto") != "auto":
+        return
+    for name, (model, _, info) in sorted(variants.items()):
+        own = resolve_tokenizer("auto", init_from=info.path, vocab_size=model.vocab_size,
+                                key=f"ablate.ropes[{name}].checkpoint")
+        if own != tokenizer:
+            raise ConfigError(f"ablate.ropes variant {name!r} evaluates {info.path}, whose tokenizer is "
+                              f"{describe(own)}, not the run's {describe(tokenizer)}: every variant reads the same "
+                              "prompts; compare checkpoints of one tokenizer (or set data.tokenizer)")
+
+
 def _done(out_dir: Path, settings: dict) -> bool:
     marker = out_dir / "done.json"
     return marker.is_file() and json.loads(marker.read_text()) == settings
@@ -317,6 +334,7 @@ def run_eval_stage(cfg: ExperimentConfig, stage: str = "eval", progress: bool = 
         _say(f"{stage}: inputs changed since the last run (now checkpoint {info.path}, step {info.step}): rerunning")
     _say(f"{stage} {info.path} -> {out_dir}")
     tokenizer = run_tokenizer(cfg, model)
+    _check_variant_tokenizers(cfg, variants, tokenizer)
     if stage == "eval":
         run_eval(model, params, cfg.eval, cfg.cache, out_dir, progress=progress, tokenizer=tokenizer)
     else:

@@ -170,15 +170,27 @@ def test_perplexity_buckets_split_one_pass(hf_dir, tmp_path):
     assert abs(float(np.dot(weights, logs)) - float(np.mean(whole))) < 1e-4
 
 
-def test_generate_and_checkpoint_from_a_gguf_file(hf_dir, tmp_path, capsys):
+def test_generate_and_checkpoint_from_a_gguf_file(hf_dir, tmp_path, capsys, monkeypatch):
     """``checkpoint: X.gguf`` and ``lcx generate --model X.gguf``: the config, weights and tokenizer come from the
-    file."""
+    file. Its evaluation with needle ``depths`` and perplexity on a folder of documents (``eval.perplexity: {task:
+    documents}``) feeds the model prompts in the file's tokens: the passkey template, and pieces of the documents
+    (a depth used to rebuild the task in lcx's byte ids; the documents config was refused at load)."""
     pytest.importorskip("gguf")
     import transformers
 
     from lcx.cli import main
+    from lcx.generate import Generator
     from lcx.sources import load_source, source_kind
     from tests.test_gguf import write_gguf
+
+    fed = []  # what every prefill of the evaluation fed the model
+    prefill = Generator.prefill
+    monkeypatch.setattr(Generator, "prefill", lambda self, ids, *a, **k: fed.append(ids) or prefill(self, ids, *a, **k))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    text = prose_text()
+    for i in range(4):
+        (docs / f"{i}.txt").write_text(text[30_000 * i: 30_000 * i + 4_000])
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
     gguf_path = tmp_path / "tiny.gguf"
@@ -190,11 +202,27 @@ def test_generate_and_checkpoint_from_a_gguf_file(hf_dir, tmp_path, capsys):
     assert info.fingerprint.startswith("sha256:") and config.n_layers == 2
     path = _write(tmp_path, {"name": "g", "checkpoint": str(gguf_path), "stages": ["eval"],
                              "model": {"attention": {"impl": "xla"}},
-                             "eval": {"task": "passkey", "lengths": [160], "samples": 2, "batch_size": 2}})
+                             "eval": {"task": "passkey", "lengths": [160], "depths": [0.25, 0.75], "samples": 2,
+                                      "batch_size": 2, "perplexity": {"task": "documents", "samples": 2,
+                                                                      "batch_size": 2, "params": {"path": str(docs)}}}})
     cfg = load_experiment(path)
     assert cfg.model.vocab_size == VOCAB
     run(cfg, progress=False)
-    assert "passkey" in (tmp_path / "runs" / "g" / "eval" / "results.md").read_text()
+    out = tmp_path / "runs" / "g" / "eval"
+    assert "passkey" in (out / "results.md").read_text()
+    rows = list(__import__("csv").DictReader(open(out / "results.csv")))
+    assert [(r["metric"], r["depth"]) for r in rows] == [("accuracy", "0.25"), ("accuracy", "0.75"),
+                                                        ("perplexity", "")]
+    assert 1 < float(rows[2]["value"]) < 4 * VOCAB
+    tok = HFTokenizer(gguf_path)
+    prompts = [tok.decode(ids) for batch in fed for ids in batch]
+    passkeys = [p for p in prompts if "pass key" in p]
+    assert len(passkeys) == 4 and all(p.endswith("What is the pass key? The pass key is") for p in passkeys)
+    assert sorted({json.loads(g)["answer"] for g in (out / "outputs.jsonl").read_text().splitlines()}) == sorted(
+        {p.split("The pass key is ")[1].split(".")[0] for p in passkeys})  # each graded answer was in its prompt
+    windows = [p for p in prompts if "pass key" not in p]  # the documents' windows, up to the scored half
+    assert len(windows) == 2 and all(w[10:60] in "".join(f.read_text() for f in sorted(docs.iterdir()))
+                                     for w in windows)
     assert main(["generate", "--model", str(gguf_path), "--prompt", "The grass is", "--max-new-tokens", "4"]) == 0
     with pytest.raises(ConfigError, match="checkpoint='.*nowhere.gguf' does not exist"):
         load_experiment(_write(tmp_path, {"name": "x", "checkpoint": str(tmp_path / "nowhere.gguf"),

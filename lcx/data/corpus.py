@@ -52,7 +52,7 @@ class Corpus(Task):
 
     def __post_init__(self):
         if not 0.0 <= self.val_fraction < 1.0:
-            raise ConfigError(f"data.params.val_fraction={self.val_fraction!r} is invalid: must be in [0, 1)")
+            raise ConfigError(f"{self.key('val_fraction')}={self.val_fraction!r} is invalid: must be in [0, 1)")
 
     @property
     def root(self) -> Path:
@@ -66,16 +66,17 @@ class Corpus(Task):
 
     def files(self, split: str) -> list[Path]:
         """The files of ``split`` (``train`` or ``validation``), in path order."""
-        return [self.root / rel for rel in _split_files(str(self.root), self.pattern, self.val_fraction)[split]]
+        return [self.root / rel
+                for rel in _split_files(str(self.root), self.pattern, self.val_fraction, self.params_key)[split]]
 
     def stream(self, split: str) -> np.ndarray:
         """The token stream of ``split``: uint16 ``[n]``."""
-        return _stream(str(self.root), self.pattern, self.val_fraction, split)
+        return _stream(str(self.root), self.pattern, self.val_fraction, split, self.params_key)
 
     def num_windows(self, seq_len: int, split: str = "train") -> int:
         n = (len(self.stream(split)) - 1) // seq_len
         if n < 1:
-            raise ConfigError(f"data.params.path={str(self.root)!r}: the {split} split has "
+            raise ConfigError(f"{self.key('path')}={str(self.root)!r}: the {split} split has "
                               f"{len(self.stream(split))} tokens, fewer than one window of seq_len + 1 = "
                               f"{seq_len + 1}; add files or lower seq_len")
         return n
@@ -102,9 +103,9 @@ class Corpus(Task):
         return Example(ids, np.ones(len(ids), bool), "", (), "")
 
 
-def _walk(root: Path, pattern: str) -> list[str]:
+def _walk(root: Path, pattern: str, where: str) -> list[str]:
     if not root.is_dir():
-        raise ConfigError(f"data.params.path={str(root)!r} is not a folder; the corpus task reads a folder of files")
+        raise ConfigError(f"{where}.path={str(root)!r} is not a folder; the corpus task reads a folder of files")
     found = []
     for path in root.glob(pattern):
         rel = path.relative_to(root)
@@ -113,40 +114,41 @@ def _walk(root: Path, pattern: str) -> list[str]:
         if path.is_file():
             found.append(rel.as_posix())
     if not found:
-        raise ConfigError(f"data.params.path={str(root)!r} has no files matching data.params.glob={pattern!r}; "
+        raise ConfigError(f"{where}.path={str(root)!r} has no files matching {where}.glob={pattern!r}; "
                           "the corpus needs at least one non-empty file")
     return sorted(found)
 
 
 @functools.lru_cache(maxsize=8)
-def _split_files(root: str, pattern: str, val_fraction: float) -> dict[str, list[str]]:
+def _split_files(root: str, pattern: str, val_fraction: float, where: str) -> dict[str, list[str]]:
+    """``where``: the config key of the task's parameters, which messages name (``data.params``)."""
     if pattern == "**/*.py" and Path(root) == Path(stdlib_path()):
-        files = _walk_pruned(Path(root), ".py")  # rglob would also walk site-packages, 5x the files
+        files = _walk_pruned(Path(root), ".py", where)  # rglob would also walk site-packages, 5x the files
     else:
-        files = _walk(Path(root), pattern)
+        files = _walk(Path(root), pattern, where)
     ranked = sorted(files, key=lambda rel: (zlib.crc32(rel.encode()), rel))
     n_val = 0 if val_fraction == 0 or len(files) < 2 else max(1, round(val_fraction * len(files)))
     val = set(ranked[:n_val])
     return {"train": [f for f in files if f not in val], "validation": [f for f in files if f in val]}
 
 
-def _walk_pruned(root: Path, suffix: str) -> list[str]:
+def _walk_pruned(root: Path, suffix: str, where: str) -> list[str]:
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
         rel_dir = Path(dirpath).relative_to(root)
         found += [(rel_dir / f).as_posix() for f in filenames if f.endswith(suffix) and not f.startswith(".")]
     if not found:
-        raise ConfigError(f"data.params.path={str(root)!r} has no {suffix} files")
+        raise ConfigError(f"{where}.path={str(root)!r} has no {suffix} files")
     return sorted(found)
 
 
 @functools.lru_cache(maxsize=8)
-def _stream(root: str, pattern: str, val_fraction: float, split: str) -> np.ndarray:
-    files = _split_files(root, pattern, val_fraction)[_checked(split)]
+def _stream(root: str, pattern: str, val_fraction: float, split: str, where: str) -> np.ndarray:
+    files = _split_files(root, pattern, val_fraction, where)[_checked(split)]
     if not files:
-        raise ConfigError(f"data.params.path={root!r}: the {split} split has no files (val_fraction="
-                          f"{val_fraction}, {len(_split_files(root, pattern, val_fraction)['train'])} files in all)")
+        raise ConfigError(f"{where}.path={root!r}: the {split} split has no files (val_fraction={val_fraction}, "
+                          f"{len(_split_files(root, pattern, val_fraction, where)['train'])} files in all)")
     pieces = []
     for rel in files:
         data = np.frombuffer((Path(root) / rel).read_bytes(), np.uint8)
@@ -154,7 +156,7 @@ def _stream(root: str, pattern: str, val_fraction: float, split: str) -> np.ndar
             pieces += [np.asarray([TOKENIZER.bos_id], np.uint16), data.astype(np.uint16),
                        np.asarray([TOKENIZER.eos_id], np.uint16)]
     if not pieces:
-        raise ConfigError(f"data.params.path={root!r}: every file of the {split} split is empty")
+        raise ConfigError(f"{where}.path={root!r}: every file of the {split} split is empty")
     return np.concatenate(pieces)
 
 

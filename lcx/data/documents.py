@@ -56,24 +56,24 @@ class Documents(Task):
 
     def __post_init__(self):
         if not isinstance(self.path, str) or not self.path:
-            raise ConfigError(f"data.params.path={self.path!r} is invalid: the documents task needs a file or folder "
-                              "of text / JSONL documents")
+            raise ConfigError(f"{self.key('path')}={self.path!r} is invalid: the documents task needs a file or "
+                              "folder of text / JSONL documents")
         if self.format not in FORMATS:
-            raise ConfigError(f"data.params.format={self.format!r} is invalid: must be one of {list(FORMATS)}")
+            raise ConfigError(f"{self.key('format')}={self.format!r} is invalid: must be one of {list(FORMATS)}")
         if not 0.0 <= self.val_fraction < 1.0:
-            raise ConfigError(f"data.params.val_fraction={self.val_fraction!r} is invalid: must be in [0, 1)")
+            raise ConfigError(f"{self.key('val_fraction')}={self.val_fraction!r} is invalid: must be in [0, 1)")
 
     def documents(self, split: str) -> list[np.ndarray]:
         """The token ids of every document of ``split`` (BOS text EOS), in name order."""
-        docs = _tokenized(self.path, self.glob, self.format, self.text_field, self.tokenizer)
-        return [docs[i] for i in _split(tuple(_names(self.path, self.glob, self.format, self.text_field)),
-                                         self.val_fraction)[split_id(split)]]
+        source = (self.path, self.glob, self.format, self.text_field, self.params_key)
+        docs = _tokenized(*source, self.tokenizer)
+        return [docs[i] for i in _split(tuple(_names(*source)), self.val_fraction)[split_id(split)]]
 
     def num_rows(self, seq_len: int, split: str = "train") -> int:
         total = sum(len(d) for d in self.documents(split))
         n = (total - 1) // seq_len
         if n < 1:
-            raise ConfigError(f"data.params.path={self.path!r}: the {split} split holds {total} tokens, fewer than "
+            raise ConfigError(f"{self.key('path')}={self.path!r}: the {split} split holds {total} tokens, fewer than "
                               f"one row of seq_len + 1 = {seq_len + 1}; add documents or lower seq_len")
         return n
 
@@ -95,7 +95,7 @@ class Documents(Task):
         return True
 
     def _epoch(self, seed: int, split: str, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        return _epoch_stream(self, self.tokenizer, seed, split, epoch)
+        return _epoch_stream(self, seed, split, epoch)
 
     def score(self, example: Example, output: str) -> float:
         raise ConfigError("task 'documents' is language modelling: evaluate its perplexity, not generations")
@@ -111,9 +111,8 @@ def _row(tokens: np.ndarray, segments: np.ndarray) -> Example:
 
 
 @functools.lru_cache(maxsize=2)
-def _epoch_stream(task: Documents, tokenizer: Tokenizer, seed: int, split: str, epoch: int
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    # tokenizer: part of the cache key (the task's hash covers its fields only)
+def _epoch_stream(task: Documents, seed: int, split: str, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    # the task's hash covers its tokenizer (a field): another tokenizer, another entry
     docs = task.documents(split)
     order = np.random.default_rng([seed, split_id(split), epoch]).permutation(len(docs))
     tokens = np.concatenate([docs[i] for i in order])
@@ -121,16 +120,17 @@ def _epoch_stream(task: Documents, tokenizer: Tokenizer, seed: int, split: str, 
     return tokens, segments
 
 
-def _files(path: str, glob: str) -> list[Path]:
+def _files(path: str, glob: str, where: str) -> list[Path]:
+    """``where``: the config key of the task's parameters, which messages name (``data.params``)."""
     root = Path(path).expanduser()
     if root.is_file():
         return [root]
     if not root.is_dir():
-        raise ConfigError(f"data.params.path={path!r} does not exist: the documents task reads a file or a folder")
+        raise ConfigError(f"{where}.path={path!r} does not exist: the documents task reads a file or a folder")
     files = sorted(p for p in root.glob(glob) if p.is_file()
                    and not any(part.startswith(".") for part in p.relative_to(root).parts))
     if not files:
-        raise ConfigError(f"data.params.path={path!r} has no files matching data.params.glob={glob!r}")
+        raise ConfigError(f"{where}.path={path!r} has no files matching {where}.glob={glob!r}")
     return files
 
 
@@ -139,10 +139,10 @@ def _is_jsonl(file: Path, fmt: str) -> bool:
 
 
 @functools.lru_cache(maxsize=4)
-def _texts(path: str, glob: str, fmt: str, field: str) -> tuple[tuple[str, str], ...]:
+def _texts(path: str, glob: str, fmt: str, field: str, where: str) -> tuple[tuple[str, str], ...]:
     """``(name, text)`` of every document, in file then line order."""
     out = []
-    for file in _files(path, glob):
+    for file in _files(path, glob, where):
         try:
             raw = file.read_text(encoding="utf-8")
         except UnicodeDecodeError as err:
@@ -163,22 +163,22 @@ def _texts(path: str, glob: str, fmt: str, field: str) -> tuple[tuple[str, str],
             text = record.get(field) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise ConfigError(f"{file}:{n}: no string under data.params.text_field={field!r} (found: {keys})")
+                raise ConfigError(f"{file}:{n}: no string under {where}.text_field={field!r} (found: {keys})")
             if text:
                 out.append((f"{file}:{n}", text))
     if not out:
-        raise ConfigError(f"data.params.path={path!r}: every document is empty")
+        raise ConfigError(f"{where}.path={path!r}: every document is empty")
     return tuple(out)
 
 
-def _names(path: str, glob: str, fmt: str, field: str) -> list[str]:
-    return [name for name, _ in _texts(path, glob, fmt, field)]
+def _names(path: str, glob: str, fmt: str, field: str, where: str) -> list[str]:
+    return [name for name, _ in _texts(path, glob, fmt, field, where)]
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenized(path: str, glob: str, fmt: str, field: str, tokenizer: Tokenizer) -> list[np.ndarray]:
+def _tokenized(path: str, glob: str, fmt: str, field: str, where: str, tokenizer: Tokenizer) -> list[np.ndarray]:
     return [np.asarray(tokenizer.encode(text, bos=True, eos=True), np.int32)
-            for _, text in _texts(path, glob, fmt, field)]
+            for _, text in _texts(path, glob, fmt, field, where)]
 
 
 @functools.lru_cache(maxsize=4)

@@ -35,27 +35,28 @@ class Mixture(Task):
 
     def __post_init__(self):
         if not self.parts:
-            raise ConfigError("data.params.parts is empty: a mixture needs at least one {task: NAME, weight: W}")
+            raise ConfigError(f"{self.key('parts')} is empty: a mixture needs at least one {{task: NAME, weight: W}}")
         built = []
         for i, part in enumerate(self.parts):
+            where = self.key(f"parts[{i}]")
             if isinstance(part, tuple) and len(part) == 3 and isinstance(part[0], Task):
                 built.append(part)
                 continue
             if not isinstance(part, Mapping) or "task" not in part:
-                raise ConfigError(f"data.params.parts[{i}]={part!r} is invalid: must be a mapping like "
+                raise ConfigError(f"{where}={part!r} is invalid: must be a mapping like "
                                   "{task: corpus, weight: 0.5, params: {...}}")
             unknown = sorted(set(part) - {"task", "params", "weight", "loss_weight"})
             if unknown:
-                raise ConfigError(f"data.params.parts[{i}].{unknown[0]} is not a key of a mixture part "
+                raise ConfigError(f"{where}.{unknown[0]} is not a key of a mixture part "
                                   "(allowed: task, params, weight, loss_weight)")
             weight, loss_weight = part.get("weight", 1.0), part.get("loss_weight", 1.0)
             for name, value in (("weight", weight), ("loss_weight", loss_weight)):
                 if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                    raise ConfigError(f"data.params.parts[{i}].{name}={value!r} is invalid: must be a positive "
+                    raise ConfigError(f"{where}.{name}={value!r} is invalid: must be a positive "
                                       "number")
             if part["task"] == self.name:
-                raise ConfigError(f"data.params.parts[{i}].task='mixture' is invalid: mixtures do not nest")
-            task = make_task(part["task"], dict(part.get("params") or {}), prefix=f"data.params.parts[{i}].params")
+                raise ConfigError(f"{where}.task='mixture' is invalid: mixtures do not nest")
+            task = make_task(part["task"], dict(part.get("params") or {}), prefix=f"{where}.params")
             built.append((task, float(weight), float(loss_weight)))
         object.__setattr__(self, "parts", tuple(built))
 
@@ -64,10 +65,9 @@ class Mixture(Task):
         return any(task.packed for task, _, _ in self.parts)
 
     def with_tokenizer(self, tokenizer, *, chat: bool = False) -> "Mixture":
+        """Every part with ``tokenizer`` (the mixture's own pads the batches)."""
         parts = tuple((task.with_tokenizer(tokenizer, chat=chat), w, lw) for task, w, lw in self.parts)
-        out = dataclasses.replace(self, parts=parts)
-        object.__setattr__(out, "tokenizer", tokenizer)  # its pad id pads the batches
-        return out
+        return dataclasses.replace(self, parts=parts, tokenizer=tokenizer)
 
     @property
     def weights(self) -> np.ndarray:

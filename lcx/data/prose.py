@@ -39,7 +39,7 @@ class Prose(Task):
 
     def __post_init__(self):
         if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"data.params.val_fraction={self.val_fraction!r} is invalid: must be in (0, 1) (both "
+            raise ConfigError(f"{self.key('val_fraction')}={self.val_fraction!r} is invalid: must be in (0, 1) (both "
                               "splits need documents)")
 
     def documents(self) -> list[tuple[str, str]]:
@@ -52,7 +52,7 @@ class Prose(Task):
         files = [root] if root.is_file() else sorted(p for p in root.glob(self.glob) if p.is_file()
                                                      and not p.name.startswith("."))
         if not files:
-            raise ConfigError(f"data.params.path={self.path!r} holds no files matching data.params.glob="
+            raise ConfigError(f"{self.key('path')}={self.path!r} holds no files matching {self.key('glob')}="
                               f"{self.glob!r}; the prose task reads text files")
         return [(str(f.relative_to(root) if f != root else f.name), f.read_text(errors="replace")) for f in files]
 
@@ -65,7 +65,7 @@ class Prose(Task):
             n_val = max(1, round(self.val_fraction * len(docs)))
             chosen = set(ranked[:n_val]) if split == "validation" else set(ranked[n_val:])
             if not chosen:
-                raise ConfigError(f"data.params.path={self.path!r}: the {split} split has no documents "
+                raise ConfigError(f"{self.key('path')}={self.path!r}: the {split} split has no documents "
                                   f"({len(docs)} in all); add documents or change val_fraction")
             text = "".join(docs[i][1].rstrip() + "\n\n" for i in sorted(chosen))
             _STREAMS[key] = np.asarray(self.tokenizer.encode(text, bos=False), np.int32)
@@ -75,7 +75,7 @@ class Prose(Task):
         n = (len(self.stream(split)) - 1) // seq_len
         if n < 1:
             raise ConfigError(f"task 'prose': the {split} split has {len(self.stream(split))} tokens, fewer than one "
-                              f"window of {seq_len + 1}; lower the length or add documents (data.params.path)")
+                              f"window of {seq_len + 1}; lower the length or add documents ({self.key('path')})")
         return n
 
     def examples(self, seed: int, index: int, count: int, seq_len: int, split: str = "train") -> list[Example]:

@@ -126,12 +126,12 @@ def _frame(task: Task) -> Frame:
 
 def _check_int(value: Any, key: str, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"data.params.{key}={value!r} is invalid: must be an integer >= {minimum}")
+        raise ConfigError(f"{key}={value!r} is invalid: must be an integer >= {minimum}")
 
 
 def _check_choice(value: Any, key: str, allowed: Sequence[str], hint: str = "") -> None:
     if value not in allowed:
-        raise ConfigError(f"data.params.{key}={value!r} is invalid: must be one of {list(allowed)}{hint}")
+        raise ConfigError(f"{key}={value!r} is invalid: must be one of {list(allowed)}{hint}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,8 +211,8 @@ class RulerTask(Task):
                                     prompt.answer, prompt.references, eos=True)
 
     def _too_short(self, seq_len: int, needed: int) -> ConfigError:
-        return ConfigError(f"seq_len={seq_len} is too short for data.task={self.name!r}: its smallest example takes "
-                           f"{needed} tokens (prompt, answer and EOS), more than seq_len + 1; raise seq_len or "
+        return ConfigError(f"seq_len={seq_len} is too short for {self.task_key}={self.name!r}: its smallest example "
+                           f"takes {needed} tokens (prompt, answer and EOS), more than seq_len + 1; raise seq_len or "
                            "shrink the task's parameters")
 
     def _fit(self, make: Callable[[int], _Prompt], lo: int, seq_len: int) -> Example:
@@ -298,13 +298,14 @@ class Niah(RulerTask):
     questions_per_haystack: int = 1
 
     def __post_init__(self):
-        _check_choice(self.type_haystack, "type_haystack", NIAH_HAYSTACKS, " (RULER's 'essay' is 'prose' here)")
-        _check_choice(self.type_needle_k, "type_needle_k", NIAH_TYPES)
-        _check_choice(self.type_needle_v, "type_needle_v", NIAH_TYPES)
+        _check_choice(self.type_haystack, self.key("type_haystack"), NIAH_HAYSTACKS,
+                      " (RULER's 'essay' is 'prose' here)")
+        _check_choice(self.type_needle_k, self.key("type_needle_k"), NIAH_TYPES)
+        _check_choice(self.type_needle_v, self.key("type_needle_v"), NIAH_TYPES)
         for field in ("num_needle_k", "num_needle_v", "num_needle_q", "questions_per_haystack"):
-            _check_int(getattr(self, field), field, 1)
+            _check_int(getattr(self, field), self.key(field), 1)
         if self.depth is not None and not 0.0 <= self.depth <= 1.0:
-            raise ConfigError(f"data.params.depth={self.depth!r} is invalid: must be in [0, 1] (0 = start, 1 = end) "
+            raise ConfigError(f"{self.key('depth')}={self.depth!r} is invalid: must be in [0, 1] (0 = start, 1 = end) "
                               "or null (RULER's placement)")
 
     def examples(self, seed: int, index: int, count: int, seq_len: int, split: str = "train") -> list[Example]:
@@ -508,11 +509,11 @@ class VariableTracking(RulerTask):
     fewshot_tokens: int = 500
 
     def __post_init__(self):
-        _check_int(self.num_chains, "num_chains", 1)
-        _check_int(self.num_hops, "num_hops", 1)
-        _check_int(self.fewshot_tokens, "fewshot_tokens", 0)
+        _check_int(self.num_chains, self.key("num_chains"), 1)
+        _check_int(self.num_hops, self.key("num_hops"), 1)
+        _check_int(self.fewshot_tokens, self.key("fewshot_tokens"), 0)
         if not isinstance(self.fewshot, bool):
-            raise ConfigError(f"data.params.fewshot={self.fewshot!r} is invalid: must be true or false")
+            raise ConfigError(f"{self.key('fewshot')}={self.fewshot!r} is invalid: must be true or false")
 
     def example(self, rng: np.random.Generator, seq_len: int) -> Example:
         shot = [self._shot(rng)] if self.fewshot else []
@@ -590,13 +591,13 @@ class CommonWordsExtraction(RulerTask):
 
     def __post_init__(self):
         for field in ("freq_ucw", "short_freq_ucw", "num_cw"):
-            _check_int(getattr(self, field), field, 1)
+            _check_int(getattr(self, field), self.key(field), 1)
         for field, low in (("freq_cw", "freq_ucw"), ("short_freq_cw", "short_freq_ucw")):
-            _check_int(getattr(self, field), field, getattr(self, low) + 1)  # common must be more frequent
-        _check_int(self.short_below, "short_below", 0)
-        _check_int(self.num_fewshot, "num_fewshot", 0)
+            _check_int(getattr(self, field), self.key(field), getattr(self, low) + 1)  # common must be more frequent
+        _check_int(self.short_below, self.key("short_below"), 0)
+        _check_int(self.num_fewshot, self.key("num_fewshot"), 0)
         if self.num_cw > len(words()) // 2:
-            raise ConfigError(f"data.params.num_cw={self.num_cw} is invalid: at most {len(words()) // 2} "
+            raise ConfigError(f"{self.key('num_cw')}={self.num_cw} is invalid: at most {len(words()) // 2} "
                               f"common words (the offline word list has {len(words())} words)")
 
     def example(self, rng: np.random.Generator, seq_len: int) -> Example:
@@ -675,21 +676,21 @@ class FrequentWordsExtraction(RulerTask):
 
     def __post_init__(self):
         if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not self.alpha > 1.0:
-            raise ConfigError(f"data.params.alpha={self.alpha!r} is invalid: must be a number > 1 (the zeta "
+            raise ConfigError(f"{self.key('alpha')}={self.alpha!r} is invalid: must be a number > 1 (the zeta "
                               "distribution's exponent)")
-        _check_int(self.coded_wordlen, "coded_wordlen", 3)
+        _check_int(self.coded_wordlen, self.key("coded_wordlen"), 3)
         if self.vocab_size is not None:
-            _check_int(self.vocab_size, "vocab_size", _FWE_ANSWERS + 2)
+            _check_int(self.vocab_size, self.key("vocab_size"), _FWE_ANSWERS + 2)
             if self.vocab_size > 26 ** self.coded_wordlen // 2:
-                raise ConfigError(f"data.params.vocab_size={self.vocab_size} is invalid: too many for "
+                raise ConfigError(f"{self.key('vocab_size')}={self.vocab_size} is invalid: too many for "
                                   f"coded_wordlen={self.coded_wordlen} letters")
 
     def example(self, rng: np.random.Generator, seq_len: int) -> Example:
         size = self.vocab_size if self.vocab_size is not None else seq_len // 50
         if size < _FWE_ANSWERS + 2:
-            raise ConfigError(f"seq_len={seq_len} is too short for data.task='fwe': its vocabulary (seq_len // 50 = "
-                              f"{size} words) needs at least {_FWE_ANSWERS + 2}; raise seq_len or set "
-                              "data.params.vocab_size")
+            raise ConfigError(f"seq_len={seq_len} is too short for {self.task_key}='fwe': its vocabulary (seq_len "
+                              f"// 50 = {size} words) needs at least {_FWE_ANSWERS + 2}; raise seq_len or set "
+                              f"{self.key('vocab_size')}")
         vocab = np.asarray(["...", *_coded_words(rng, size - 1, self.coded_wordlen)])
         share = np.arange(1, size + 1, dtype=np.float64) ** -self.alpha / zeta(self.alpha)
         shuffle_seed = int(rng.integers(2 ** 63))

@@ -6,14 +6,17 @@ generation against. An example holds at most ``seq_len + 1`` tokens, so that aft
 modelling the model sees exactly ``seq_len`` input positions (the last token is only ever a target).
 
 Tasks are frozen dataclasses whose fields are their parameters, validated in ``__post_init__`` (``ConfigError``
-naming ``data.params.<field>``) and registered with ``@register``; ``make_task(name, params)`` builds one. The
-built-in tasks live in ``tasks.py`` and ``corpus.py`` and are registered when ``lcx.data`` is imported.
+naming the key where the parameter was set, ``Task.key``: ``data.params.<field>``, ``eval.params.<field>`` ...) and
+registered with ``@register``; ``make_task(name, params)`` builds one. Three more fields are not parameters but the
+run's: the tokenizer, the chat frame and the config section (``with_tokenizer``, ``make_task(prefix=)``). They are
+fields so that every copy of a task keeps them; a config's ``params`` cannot set them. The built-in tasks live in
+``tasks.py``, ``ruler.py``, ``corpus.py``, ``prose.py``, ``documents.py`` and ``mixture.py`` and are registered
+when ``lcx.data`` is imported.
 """
 
 from __future__ import annotations
 
 import abc
-import copy
 import dataclasses
 import difflib
 from collections.abc import Mapping, Sequence
@@ -21,7 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from lcx.config_base import ConfigError, from_dict, name_registry
+from lcx.config_base import ConfigError, from_dict, name_registry, run_attribute
 from lcx.data.example import Example
 from lcx.data.tokenizer import ByteTokenizer
 
@@ -61,11 +64,15 @@ class Task(abc.ABC):
     # Tasks that build their ids through ``self.tokenizer`` accept any tokenizer (``with_tokenizer``); a task
     # that is byte-level only refuses another one.
     accepts_tokenizer: ClassVar[bool] = True
-    tokenizer: ClassVar[Any] = TOKENIZER
     # what an evaluation measures: "accuracy" (generations graded by ``score``) or "perplexity" (every token a target)
     metric: ClassVar[str] = "accuracy"
-    # ``haystack.ChatTemplate`` when prompts are framed in the tokenizer's chat template (``with_tokenizer(chat=)``)
-    chat: ClassVar[Any] = None
+    # Not parameters (a config's params cannot set them) but fields all the same, so that every copy of a task -
+    # ``dataclasses.replace(task, depth=0.5)`` in an evaluation grid, ``copy.copy`` - keeps them: the tokenizer that
+    # builds the ids, the ``haystack.ChatTemplate`` framing prompts (``with_tokenizer(chat=True)``), and the config
+    # section the parameters came from (``data``, ``eval``, ``eval.perplexity``), which messages name.
+    tokenizer: Any = run_attribute(TOKENIZER)
+    chat: Any = run_attribute(None)
+    section: str = run_attribute("data", compare=False)
 
     @property
     def packed(self) -> bool:
@@ -86,18 +93,30 @@ class Task(abc.ABC):
         if tokenizer.spec == self.tokenizer.spec and not chat and self.chat is None:
             return self
         if not self.accepts_tokenizer and tokenizer.spec != TOKENIZER.spec:
-            raise ConfigError(f"data.task={self.name!r} builds byte-level examples and cannot use data.tokenizer="
+            raise ConfigError(f"{self.task_key}={self.name!r} builds byte-level examples and cannot use data.tokenizer="
                               f"{tokenizer.spec!r}; set data.tokenizer=bytes (the model then learns lcx's byte ids) "
                               "or train on task 'documents'")
-        out = copy.copy(self)
-        object.__setattr__(out, "tokenizer", tokenizer)
         template = None
         if chat:
             from lcx.data.haystack import ChatTemplate
 
             template = ChatTemplate.from_tokenizer(tokenizer)
-        object.__setattr__(out, "chat", template)
-        return out
+        return dataclasses.replace(self, tokenizer=tokenizer, chat=template)
+
+    def key(self, param: str) -> str:
+        """Where parameter ``param`` is set in the config (``data.params.depth``, ``eval.perplexity.params.path``):
+        what a message about its value names."""
+        return f"{self.params_key}.{param}"
+
+    @property
+    def params_key(self) -> str:
+        """Where this task's parameters are set in the config (``data.params``, ``eval.perplexity.params``)."""
+        return f"{self.section}.params"
+
+    @property
+    def task_key(self) -> str:
+        """Where this task is named in the config (``data.task``, ``eval.perplexity.task``)."""
+        return f"{self.section}.task"
 
     def examples(self, seed: int, index: int, count: int, seq_len: int, split: str = "train") -> list[Example]:
         rng = np.random.default_rng([seed, split_id(split), index])
@@ -129,14 +148,19 @@ def task_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_task(name: str, params: Mapping[str, Any] | None = None, prefix: str = "data.params") -> Task:
-    """The task registered as ``name`` with ``params`` (unknown names and keys: ``ConfigError`` with did-you-mean)."""
+def make_task(name: str, params: Mapping[str, Any] | None = None, prefix: str = "data.params", *,
+              name_key: str | None = None) -> Task:
+    """The task registered as ``name`` with ``params`` (unknown names and keys: ``ConfigError`` with did-you-mean).
+    ``prefix``: where ``params`` sit in the config (``eval.perplexity.params``); every message about them - now or
+    when the task builds examples - names its keys under it. ``name_key``: where ``name`` was set (default: the
+    ``task`` key beside ``params``)."""
+    section = prefix.removesuffix(".params")
     names = task_names()
     if name not in _REGISTRY:
         close = difflib.get_close_matches(str(name), names, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"data.task={name!r} is not a known task{hint} (allowed: {names})")
-    return from_dict(_REGISTRY[name], dict(params or {}), prefix=prefix)
+        raise ConfigError(f"{name_key or section + '.task'}={name!r} is not a known task{hint} (allowed: {names})")
+    return from_dict(_REGISTRY[name], dict(params or {}), prefix=prefix, attributes={"section": section})
 
 
 __all__ = ["Example", "SPLITS", "TOKENIZER", "Task", "make_task", "n_tokens", "register", "split_id",

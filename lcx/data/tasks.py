@@ -55,18 +55,19 @@ def nearest_start(text: str, depth: float) -> int:
     return int(starts[np.argmin(np.abs(starts - depth * len(text)))])
 
 
-def filler_budget(seq_len: int, fixed: int, filler_tokens: int | None, key: str) -> int:
-    """Filler bytes: ``filler_tokens`` or, when null, whatever fills ``seq_len + 1`` after the ``fixed`` tokens."""
-    room = seq_len + 1 - fixed
+def filler_budget(seq_len: int, fixed: int, task: Task) -> int:
+    """Filler bytes: ``task.filler_tokens`` or, when null, whatever fills ``seq_len + 1`` after the ``fixed``
+    tokens."""
+    room, filler_tokens = seq_len + 1 - fixed, task.filler_tokens
     if filler_tokens is None:
         if room < 0:
-            raise ConfigError(f"seq_len={seq_len} is too short for data.task={key!r}: the template alone needs "
-                              f"{fixed - 1} input tokens; raise seq_len or shrink the task parameters")
+            raise ConfigError(f"seq_len={seq_len} is too short for {task.task_key}={task.name!r}: the template alone "
+                              f"needs {fixed - 1} input tokens; raise seq_len or shrink the task parameters")
         return room
     if filler_tokens > room:
-        raise ConfigError(f"data.params.filler_tokens={filler_tokens} does not fit seq_len={seq_len} for "
-                          f"data.task={key!r}: at most {max(room, 0)} filler tokens fit (the rest of the example "
-                          f"takes {fixed} tokens)")
+        raise ConfigError(f"{task.key('filler_tokens')}={filler_tokens} does not fit seq_len={seq_len} for "
+                          f"{task.task_key}={task.name!r}: at most {max(room, 0)} filler tokens fit (the rest of the "
+                          f"example takes {fixed} tokens)")
     return filler_tokens
 
 
@@ -120,25 +121,25 @@ class Passkey(Task):
 
     def __post_init__(self):
         if self.filler_tokens is not None:
-            _positive(self.filler_tokens, "data.params.filler_tokens", zero=True)
+            _positive(self.filler_tokens, self.key("filler_tokens"), zero=True)
         if self.filler_min is not None:
-            _positive(self.filler_min, "data.params.filler_min", zero=True)
+            _positive(self.filler_min, self.key("filler_min"), zero=True)
             if self.filler_tokens is not None and self.filler_min > self.filler_tokens:
-                raise ConfigError(f"data.params.filler_min={self.filler_min} is invalid: must be <= "
-                                  f"data.params.filler_tokens={self.filler_tokens}")
-        _fraction(self.depth, "data.params.depth")
+                raise ConfigError(f"{self.key('filler_min')}={self.filler_min} is invalid: must be <= "
+                                  f"{self.key('filler_tokens')}={self.filler_tokens}")
+        _fraction(self.depth, self.key("depth"))
         if self.template not in PASSKEY_TEMPLATES:
-            raise ConfigError(f"data.params.template={self.template!r} is invalid: must be one of "
+            raise ConfigError(f"{self.key('template')}={self.template!r} is invalid: must be one of "
                               f"{list(PASSKEY_TEMPLATES)}")
         entry = PASSKEY_TEMPLATES[self.template]
         if not (isinstance(entry, tuple) and len(entry) == 3):  # entries were (needle, question) pairs before
             raise ConfigError(f"PASSKEY_TEMPLATES[{self.template!r}]={entry!r} is invalid: each entry is now (needle "
                               "with {key}, question, answer prefix), e.g. ('The pass key is {key}.', 'What is the pass "
                               "key?', 'The pass key is')")
-        _positive(self.key_min, "data.params.key_min", zero=True)
+        _positive(self.key_min, self.key("key_min"), zero=True)
         if not isinstance(self.key_max, int) or self.key_max < self.key_min:
-            raise ConfigError(f"data.params.key_max={self.key_max!r} is invalid: must be an integer >= "
-                              f"data.params.key_min={self.key_min}")
+            raise ConfigError(f"{self.key('key_max')}={self.key_max!r} is invalid: must be an integer >= "
+                              f"{self.key('key_min')}={self.key_min}")
 
     def example(self, rng: np.random.Generator, seq_len: int) -> Example:
         key = str(int(rng.integers(self.key_min, self.key_max + 1)))
@@ -162,10 +163,10 @@ class Passkey(Task):
     def _filler_length(self, rng: np.random.Generator, seq_len: int, fixed: int) -> int:
         """Haystack length (bytes or tokens) after ``fixed`` others: ``filler_tokens``, all that fits, or a draw from
         ``[filler_min, that]``."""
-        n_filler = filler_budget(seq_len, fixed, self.filler_tokens, self.name)
+        n_filler = filler_budget(seq_len, fixed, self)
         if self.filler_min is not None:
             if self.filler_min > n_filler:
-                raise ConfigError(f"data.params.filler_min={self.filler_min} does not fit seq_len={seq_len}: at "
+                raise ConfigError(f"{self.key('filler_min')}={self.filler_min} does not fit seq_len={seq_len}: at "
                                   f"most {n_filler} filler tokens fit")
             n_filler = int(rng.integers(self.filler_min, n_filler + 1))
         return n_filler
@@ -225,14 +226,14 @@ class NeedleInHaystack(Task):
 
     def __post_init__(self):
         for field in ("num_keys", "num_values", "num_queries", "value_digits"):
-            _positive(getattr(self, field), f"data.params.{field}")
+            _positive(getattr(self, field), self.key(field))
         if self.filler_tokens is not None:
-            _positive(self.filler_tokens, "data.params.filler_tokens", zero=True)
+            _positive(self.filler_tokens, self.key("filler_tokens"), zero=True)
         if self.num_queries > self.num_keys:
-            raise ConfigError(f"data.params.num_queries={self.num_queries} is invalid: must be <= "
-                              f"data.params.num_keys={self.num_keys} (queried keys are among the inserted keys)")
+            raise ConfigError(f"{self.key('num_queries')}={self.num_queries} is invalid: must be <= "
+                              f"{self.key('num_keys')}={self.num_keys} (queried keys are among the inserted keys)")
         if self.num_keys > len(_ADJECTIVES) * len(_NOUNS):
-            raise ConfigError(f"data.params.num_keys={self.num_keys} is invalid: at most "
+            raise ConfigError(f"{self.key('num_keys')}={self.num_keys} is invalid: at most "
                               f"{len(_ADJECTIVES) * len(_NOUNS)} distinct keys exist")
 
     def example(self, rng: np.random.Generator, seq_len: int) -> Example:
@@ -256,7 +257,7 @@ class NeedleInHaystack(Task):
         head = [NIAH_INSTRUCTION] if self.instruction else []
         fixed = 1 + sum(n_tokens(h) + 1 for h in head) + sum(map(n_tokens, texts)) + 1 + n_tokens(question)
         fixed += n_tokens(" " + answer) + 1
-        haystack = noise(filler_budget(seq_len, fixed, self.filler_tokens, self.name))
+        haystack = noise(filler_budget(seq_len, fixed, self))
         starts = sentence_starts(haystack)
         cuts = np.sort(rng.choice(starts, size=len(texts), replace=True))
         pieces, last = [], 0
@@ -276,7 +277,7 @@ class NeedleInHaystack(Task):
         texts = [f" One of the special magic numbers for {k} is: {v}." for k, v in needles]
         fixed = (frame.overhead(question, prefix) + pieces_length(tok, [*head, *texts, "\n", " " + answer])
                  + (tok.eos_id is not None))
-        filler, starts = haystack(tok, "noise").take(filler_budget(seq_len, fixed, self.filler_tokens, self.name))
+        filler, starts = haystack(tok, "noise").take(filler_budget(seq_len, fixed, self))
         cuts = np.sort(rng.choice(starts, size=len(texts), replace=True))
         pieces, last = [], 0
         for cut, text in zip(cuts, texts):
@@ -309,13 +310,13 @@ class AssociativeRecall(Task):
 
     def __post_init__(self):
         for field in ("num_pairs", "num_queries", "key_len", "value_len"):
-            _positive(getattr(self, field), f"data.params.{field}")
-        _positive(self.filler_tokens, "data.params.filler_tokens", zero=True)
+            _positive(getattr(self, field), self.key(field))
+        _positive(self.filler_tokens, self.key("filler_tokens"), zero=True)
         if self.num_queries > self.num_pairs:
-            raise ConfigError(f"data.params.num_queries={self.num_queries} is invalid: must be <= "
-                              f"data.params.num_pairs={self.num_pairs} (each query asks a distinct key)")
+            raise ConfigError(f"{self.key('num_queries')}={self.num_queries} is invalid: must be <= "
+                              f"{self.key('num_pairs')}={self.num_pairs} (each query asks a distinct key)")
         if self.num_pairs > 26 ** self.key_len:
-            raise ConfigError(f"data.params.num_pairs={self.num_pairs} is invalid: key_len={self.key_len} gives "
+            raise ConfigError(f"{self.key('num_pairs')}={self.num_pairs} is invalid: key_len={self.key_len} gives "
                               f"only {26 ** self.key_len} distinct keys")
 
     def example(self, rng: np.random.Generator, seq_len: int) -> Example:
@@ -340,7 +341,7 @@ class AssociativeRecall(Task):
             filler = [haystack(tok, "noise").take(self.filler_tokens)[0], "\n"] if self.filler_tokens else []
             example = self.frame.example([pairs, *filler], "", parts[0][0], parts[1:], answer, refs, eos=False)
         if len(example.ids) > seq_len + 1:
-            raise ConfigError(f"data.task='mqar' needs {len(example.ids) - 1} input tokens with num_pairs="
+            raise ConfigError(f"{self.task_key}='mqar' needs {len(example.ids) - 1} input tokens with num_pairs="
                               f"{self.num_pairs}, num_queries={self.num_queries}, filler_tokens={self.filler_tokens}; "
                               f"seq_len={seq_len} is too short")
         return example

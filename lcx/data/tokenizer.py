@@ -19,6 +19,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
+
 from lcx.config_base import ConfigError
 
 BYTES = "bytes"
@@ -96,6 +98,18 @@ class HFTokenizer:
     def _set_ids(self, bos: int | None, eos: int | None, pad: int | None) -> None:
         self.bos_id, self.eos_id = bos, eos
         self.pad_id = pad if pad is not None else (eos if eos is not None else 0)
+
+    # Equal when they read the same file with the same special ids: a task compares (and hashes) its tokenizer, and
+    # two loads of one checkpoint's tokenizer build the same examples.
+    def __eq__(self, other) -> bool:
+        return isinstance(other, HFTokenizer) and self._identity == other._identity
+
+    def __hash__(self) -> int:
+        return hash(self._identity)
+
+    @property
+    def _identity(self) -> tuple:
+        return (self.spec, self.bos_id, self.eos_id, self.pad_id)
 
     @property
     def vocab_size(self) -> int:
@@ -176,11 +190,38 @@ def resolve_tokenizer(setting: str, *, init_from: str | Path | None = None, voca
         setting = _auto_setting(init_from)
     tok = ByteTokenizer() if setting == BYTES else HFTokenizer(Path(setting).expanduser())
     if vocab_size is not None and tok.vocab_size > vocab_size:
-        source = "lcx's byte tokenizer" if setting == BYTES else str(getattr(tok, "file", setting))
+        source = describe(tok)
         raise ConfigError(f"{key}={setting!r}: {source} has {tok.vocab_size} ids but model.vocab_size={vocab_size}; "
                           "the tokenizer does not belong to this model (choose the model's own tokenizer, or a "
                           "model with a vocabulary at least that large)")
     return tok
+
+
+def describe(tokenizer) -> str:
+    """A tokenizer as messages name it: lcx's byte tokenizer, or its file."""
+    return "lcx's byte tokenizer" if tokenizer.spec == BYTES else str(tokenizer.spec)
+
+
+def check_model_tokens(tokenizer, ids, vocab_size: int, what: str) -> None:
+    """Refuse token ids that are not the model's before they reach it (``what`` names their source, e.g. ``task
+    'passkey'``): a ``tokenizer`` with more ids than the model's ``vocab_size``, one that covers under half of it,
+    or any of ``ids`` (arrays) past the vocabulary.
+
+    Under half: lcx's 260 byte ids fed to a 49,152-token BPE model is what a task that lost the run's tokenizer
+    looks like, and it runs without an error - the model reads garbage and every score is 0. Checkpoints pad their
+    vocabulary by far less (Qwen2 0.2%, Gemma 3 0.02%); a byte-level lcx model has 260 rows."""
+    n = tokenizer.vocab_size
+    if n > vocab_size or 2 * n < vocab_size:
+        relation = "more ids than" if n > vocab_size else "under half of"
+        raise ConfigError(f"{what} builds its tokens with {describe(tokenizer)} ({n} ids), {relation} the model's "
+                          f"vocabulary of {vocab_size}: these are not the model's tokens. Build the task with the "
+                          "model's own tokenizer (data.tokenizer: auto for a checkpoint; Task.with_tokenizer in code)")
+    top = max((int(np.max(row)) for row in ids if len(row)), default=-1)
+    low = min((int(np.min(row)) for row in ids if len(row)), default=0)
+    if top >= vocab_size or low < 0:
+        bad = top if top >= vocab_size else low
+        raise ConfigError(f"{what} has token id {bad} in its prompts, outside the model's vocabulary [0, {vocab_size})"
+                          f" ({describe(tokenizer)})")
 
 
 def _auto_setting(init_from: str | Path | None) -> str:
@@ -215,4 +256,5 @@ def run_tokenizer(path: str | Path) -> str | None:
     return None
 
 
-__all__ = ["AUTO", "BYTES", "ByteTokenizer", "HFTokenizer", "Tokenizer", "resolve_tokenizer", "run_tokenizer"]
+__all__ = ["AUTO", "BYTES", "ByteTokenizer", "HFTokenizer", "Tokenizer", "check_model_tokens", "describe",
+           "resolve_tokenizer", "run_tokenizer"]

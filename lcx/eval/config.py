@@ -15,12 +15,16 @@ def _positive_ints(values: Sequence[int], key: str) -> None:
 
 
 def _with_task_params(cls, data: Mapping[str, Any], prefix: str):
-    """``cls`` from ``data`` whose ``params`` (the task's parameters, any mapping) become a sorted tuple of pairs."""
+    """``cls`` from ``data`` whose ``params`` (the task's parameters, any mapping) become a sorted tuple of pairs -
+    given to the constructor with the other keys, so the task is validated once, with its parameters."""
     data = dict(data)
     params = data.pop("params", None) or {}
     if not isinstance(params, Mapping):
         raise ConfigError(f"{prefix}.params={params!r} is invalid: must be a mapping of task parameters")
-    return dataclasses.replace(from_dict(cls, data, prefix=prefix), params=tuple(sorted(params.items())))
+    odd = [k for k in params if not isinstance(k, str)]
+    if odd:
+        raise ConfigError(f"{prefix}.params has the key {odd[0]!r}: parameter names are strings")
+    return from_dict(cls, data, prefix=prefix, attributes={"params": tuple(sorted(params.items()))})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +154,10 @@ class EvalConfig:
 
         if not self.tasks:
             return {self.task: make_task(self.task, dict(self.params), prefix="eval.params")}
-        return {name: make_task(name, {}, prefix=f"eval.tasks[{name}]") for name in self.task_names()}
+        for i, name in enumerate(self.tasks):  # an unknown name: named by its place in the list
+            if name != "ruler":
+                make_task(name, {}, prefix="eval.params", name_key=f"eval.tasks[{i}]")
+        return {name: make_task(name, {}, prefix="eval.params") for name in self.task_names()}
 
     def make_task(self):
         return next(iter(self.make_tasks().values()))

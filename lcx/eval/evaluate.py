@@ -18,6 +18,7 @@ import numpy as np
 from lcx.config import CacheConfig, ConfigError, ModelConfig
 from lcx.data.policy_inputs import policy_inputs
 from lcx.data.task import TOKENIZER, Example, Task
+from lcx.data.tokenizer import check_model_tokens
 from lcx.eval.stats import perplexity_interval, wilson_interval  # noqa: F401  (re-exported)
 from lcx.generate import Generator, PositionRangeWarning
 
@@ -33,11 +34,24 @@ def grades(task: Task, examples: list[Example], outputs: list[str]) -> np.ndarra
 
 
 def with_depth(task: Task, depth: float | None) -> Task:
+    """``task`` with its needle at ``depth`` (None: as it is). A copy keeps the task's tokenizer and chat frame."""
     if depth is None:
         return task
     if not any(f.name == "depth" for f in dataclasses.fields(task)):
-        raise ConfigError(f"eval.depths is set, but task {task.name!r} has no depth parameter (only passkey does)")
+        raise ConfigError(f"eval.depths is set, but task {task.name!r} has no depth parameter (passkey and the "
+                          "RULER-style niah_* tasks have one)")
     return dataclasses.replace(task, depth=depth)
+
+
+def cell_examples(task: Task, *, length: int, depth: float | None, samples: int, seed: int) -> list[Example]:
+    """The ``samples`` validation examples of ``length`` tokens a retrieval cell asks, the needle at ``depth``."""
+    return with_depth(task, depth).examples(seed, 0, samples, length, "validation")
+
+
+def check_fits(task: Task, model: ModelConfig, ids) -> None:
+    """Refuse, before anything runs, a task whose prompts ``ids`` (arrays) are not in ``model``'s tokens
+    (``lcx.data.tokenizer.check_model_tokens``): byte ids fed to a BPE model, or ids past its vocabulary."""
+    check_model_tokens(task.tokenizer, ids, model.vocab_size, f"task {task.name!r}")
 
 
 def answer_tokens(examples: list[Example], tokenizer=TOKENIZER) -> int:
@@ -81,7 +95,8 @@ def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, de
     ``counts``: a dict that receives ``prompt_tokens`` (what the batches would prefill without sharing) and
     ``prefilled_tokens`` (what went through the model)."""
     tok = task.tokenizer
-    examples = with_depth(task, depth).examples(seed, 0, samples, length, "validation")
+    examples = cell_examples(task, length=length, depth=depth, samples=samples, seed=seed)
+    check_fits(task, model, [ex.prompt_ids for ex in examples])
     max_new = max_new_tokens or answer_tokens(examples, tok)
     # one_shot: the prefill sees the context only; the question is read after it, into the same cache - planned
     # for it as for generated tokens (a grid's ``buffer`` already holds room for it)
@@ -168,24 +183,9 @@ def window_nll(model: ModelConfig, params, task: Task, *, length: int, samples: 
     With ``tail``, the windows are the last ``length`` tokens of windows of ``longest`` tokens (the first token
     kept when it is BOS) and the last ``tail`` tokens are scored: the same text at every length. ``per_token``: the
     NLL of every scored token, ``[samples, length - prefix]``."""
-    if tail is not None:
-        if not 0 < tail < length:
-            raise ConfigError(f"eval.perplexity.tail={tail} is invalid: must be in [1, {length - 1}] for length "
-                              f"{length}")
-        examples = task.examples(seed, 0, samples, longest or length, "validation")
-        ids = np.stack([ex.ids[:(longest or length)][-length:] for ex in examples])  # [n, length]
-        bos = task.tokenizer.bos_id
-        if bos is not None:
-            starts_with_bos = np.asarray([ex.ids[0] == bos for ex in examples])
-            ids[:, 0] = np.where(starts_with_bos, bos, ids[:, 0])
-        prefix = length - tail
-    else:
-        prefix = prefix or max(1, length // 2)
-        if not 0 < prefix < length:
-            raise ConfigError(f"eval.ppl_prefix={prefix} is invalid: must be in [1, {length - 1}] for length "
-                              f"{length}")
-        examples = task.examples(seed, 0, samples, length, "validation")
-        ids = np.stack([ex.ids[: length] for ex in examples])  # [n, length]
+    ids, prefix = perplexity_windows(task, length=length, samples=samples, seed=seed, prefix=prefix, tail=tail,
+                                     longest=longest)
+    check_fits(task, model, ids)
     gen = Generator(model, params, max_new_tokens=length - prefix, cache=cache, capacity=capacity, unroll=unroll,
                     **policy_inputs(cache.make_policy(), task.frame))
     nll = []
@@ -196,6 +196,28 @@ def window_nll(model: ModelConfig, params, task: Task, *, length: int, samples: 
         nll.append(-logprobs if per_token else -np.mean(logprobs, axis=1))
     gen.close()
     return np.concatenate(nll)
+
+
+def perplexity_windows(task: Task, *, length: int, samples: int, seed: int, prefix: int | None = None,
+                       tail: int | None = None, longest: int | None = None) -> tuple[np.ndarray, int]:
+    """The ``[samples, length]`` windows a perplexity cell scores and the ``prefix`` prefilled before the scored
+    tokens (``window_nll`` explains ``tail`` and ``longest``)."""
+    if tail is not None:
+        if not 0 < tail < length:
+            raise ConfigError(f"eval.perplexity.tail={tail} is invalid: must be in [1, {length - 1}] for length "
+                              f"{length}")
+        examples = task.examples(seed, 0, samples, longest or length, "validation")
+        ids = np.stack([ex.ids[:(longest or length)][-length:] for ex in examples])  # [n, length]
+        bos = task.tokenizer.bos_id
+        if bos is not None:
+            starts_with_bos = np.asarray([ex.ids[0] == bos for ex in examples])
+            ids[:, 0] = np.where(starts_with_bos, bos, ids[:, 0])
+        return ids, length - tail
+    prefix = prefix or max(1, length // 2)
+    if not 0 < prefix < length:
+        raise ConfigError(f"eval.ppl_prefix={prefix} is invalid: must be in [1, {length - 1}] for length {length}")
+    examples = task.examples(seed, 0, samples, length, "validation")
+    return np.stack([ex.ids[: length] for ex in examples]), prefix  # [n, length]
 
 
 def perplexity(model: ModelConfig, params, task: Task, *, length: int, samples: int, batch_size: int, seed: int,

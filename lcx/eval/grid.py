@@ -26,7 +26,10 @@ from tqdm import tqdm
 
 from lcx.config import CacheConfig, ConfigError, ModelConfig
 from lcx.eval.config import AblateConfig, EvalConfig, RopeVariant, Setting
-from lcx.eval.evaluate import answer_tokens, grades, retrieval_outputs, window_nll, with_depth
+from lcx.data.task import TOKENIZER, Example, Task
+from lcx.data.tokenizer import describe
+from lcx.eval.evaluate import (answer_tokens, cell_examples, check_fits, grades, perplexity_windows,
+                               retrieval_outputs, window_nll, with_depth)
 from lcx.eval.report import write_report
 from lcx.eval.stats import perplexity_interval, wilson_interval
 from lcx.generate import CacheCapacityError, plan_capacity, release_compiled
@@ -103,14 +106,86 @@ def _cells(settings, ropes, tasks, ev: EvalConfig):
                     yield setting, variant, "", length, None, "perplexity"
 
 
+def grid_tasks(ev: EvalConfig, tokenizer=None) -> tuple[dict[str, Task], Task]:
+    """The tasks of ``ev`` as the grid runs them - name -> task, and the perplexity task (``eval.perplexity``'s, or
+    the one task) - built with the run's ``tokenizer`` (None: lcx's byte tokenizer) and ``ev.chat``."""
+    tasks = {name: _tokenized(task, tokenizer, ev.chat) for name, task in ev.make_tasks().items()}
+    ppl_task = (_tokenized(ev.perplexity.make_task(), tokenizer, False) if ev.perplexity is not None
+                else next(iter(tasks.values())))
+    return tasks, ppl_task
+
+
+@dataclasses.dataclass(frozen=True)
+class CellPrompts:
+    """What one (task, length, depth) cell of a grid feeds the model, built by ``task`` - the task as the cell runs
+    it (the run's tokenizer and chat frame, the needle at ``depth``): ``examples`` (retrieval; none for perplexity)
+    and ``ids``, the token ids of each prompt or perplexity window. ``name``: the task's name in the results (empty
+    for ``eval.perplexity``'s)."""
+
+    name: str
+    length: int
+    depth: float | None
+    metric: str
+    task: Task
+    ids: tuple[np.ndarray, ...]
+    examples: tuple[Example, ...] = ()
+
+
+def _ppl_args(ev: EvalConfig) -> dict:
+    """How the grid scores perplexity: ``eval.perplexity``'s windows, or the evaluation's own (a text task)."""
+    pcfg = ev.perplexity
+    if pcfg is None:
+        return {"samples": ev.samples, "batch_size": ev.batch_size, "prefix": ev.ppl_prefix, "tail": None,
+                "buckets": ev.ppl_buckets}
+    return {"samples": pcfg.samples, "batch_size": pcfg.batch_size, "prefix": pcfg.prefix, "tail": pcfg.tail,
+            "buckets": ()}
+
+
+def prompts(ev: EvalConfig, tokenizer=None, *, samples: int | None = None) -> list[CellPrompts]:
+    """Every (task, length, depth) cell's prompts, built as the grid builds them, without a model: what a config
+    will feed the model can be read (``tokenizer.decode``) before anything runs, and the grid checks them before its
+    first cell. ``samples``: prompts per cell (None: the evaluation's; the first ``n`` are the same at any ``n``)."""
+    tasks, ppl_task = grid_tasks(ev, tokenizer)
+    out = []
+    for length in ev.lengths:
+        for name, task in tasks.items():
+            if ev.metric != "accuracy":
+                continue
+            for depth in (ev.depths or (None,)):
+                examples = cell_examples(task, length=length, depth=depth, samples=samples or ev.samples,
+                                         seed=ev.seed)
+                out.append(CellPrompts(name, length, depth, "accuracy", with_depth(task, depth),
+                                       tuple(ex.prompt_ids for ex in examples), tuple(examples)))
+        if ev.metric == "perplexity" or ev.perplexity is not None:
+            args = _ppl_args(ev)
+            ids, _ = perplexity_windows(ppl_task, length=length, samples=samples or args["samples"], seed=ev.seed,
+                                        prefix=args["prefix"], tail=args["tail"], longest=max(ev.lengths))
+            name = "" if ev.perplexity is not None else next(iter(tasks))
+            out.append(CellPrompts(name, length, None, "perplexity", ppl_task, tuple(ids)))
+    return out
+
+
+def check_prompts(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, tokenizer=None) -> None:
+    """Before anything runs: every cell's task builds its prompts with the run's ``tokenizer`` (a copy that fell
+    back to lcx's byte tokenizer is an error, not a table of zeros) and in every model's vocabulary
+    (``evaluate.check_fits``), from the first prompt of each cell."""
+    expected = TOKENIZER if tokenizer is None else tokenizer
+    for cell in prompts(ev, tokenizer, samples=1):
+        if cell.task.tokenizer != expected:
+            raise ConfigError(f"eval cell (task {cell.name or cell.task.name!r}, length {cell.length}, depth "
+                              f"{cell.depth}) builds its prompts with {describe(cell.task.tokenizer)}, not the run's "
+                              f"{describe(expected)}")
+        for model, _ in models.values():
+            check_fits(cell.task, model, cell.ids)
+
+
 def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, settings: list[Setting],
          ropes: tuple[RopeVariant, ...], out_dir: Path, title: str, progress: bool,
          tokenizer=None) -> list[dict]:
     """``models``: variant name -> (model config, params) of that variant's checkpoint (RoPE overrides applied);
     ``tokenizer``: the run's (None: lcx's byte tokenizer), which builds and grades every task."""
-    tasks = {name: _tokenized(task, tokenizer, ev.chat) for name, task in ev.make_tasks().items()}
-    ppl_task = (_tokenized(ev.perplexity.make_task(), tokenizer, False) if ev.perplexity is not None
-                else next(iter(tasks.values())))
+    tasks, ppl_task = grid_tasks(ev, tokenizer)
+    check_prompts(models, ev, tokenizer)
     per_task = _max_new(ev, tasks)
     max_new = max(per_task.values())  # one compiled decode loop for every task
     # Preflight: every cell must fit before anything runs.
@@ -135,15 +210,12 @@ def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, setti
         t0 = time.perf_counter()
         counts = {}  # retrieval: the prompt tokens asked for and prefilled (shared contexts once)
         if metric == "perplexity":
-            pcfg = ev.perplexity
-            task = ppl_task if pcfg is not None else tasks[name]
-            samples = pcfg.samples if pcfg is not None else ev.samples
-            buckets = ev.ppl_buckets if pcfg is None else ()
-            prefix = pcfg.prefix if pcfg is not None else ev.ppl_prefix
-            nll = window_nll(model, params, task, length=length, samples=samples,
-                             batch_size=min(pcfg.batch_size if pcfg else ev.batch_size, samples), seed=ev.seed,
-                             cache=cache, prefix=prefix, capacity=fixed, tail=pcfg.tail if pcfg is not None else None,
-                             longest=max(ev.lengths), unroll=ev.unroll, per_token=bool(buckets))
+            args = _ppl_args(ev)
+            samples, buckets, prefix = args["samples"], args["buckets"], args["prefix"]
+            nll = window_nll(model, params, ppl_task, length=length, samples=samples,
+                             batch_size=min(args["batch_size"], samples), seed=ev.seed, cache=cache, prefix=prefix,
+                             capacity=fixed, tail=args["tail"], longest=max(ev.lengths), unroll=ev.unroll,
+                             per_token=bool(buckets))
             if buckets:  # one row per bucket of scored positions (the window's time on the last one)
                 start = prefix or max(1, length // 2)
                 edges = [b for b in buckets if start < b <= length]

@@ -37,6 +37,7 @@ from lcx.cache.memory import learned, make_router
 from lcx.config_base import ConfigError
 from lcx.data.batches import BatchSource
 from lcx.data.task import TOKENIZER
+from lcx.data.tokenizer import check_model_tokens
 from lcx.model import attention_inputs
 from lcx.model.config import ModelConfig
 from lcx.train.config import DataConfig
@@ -145,10 +146,14 @@ def losses(params, stats, queries, mass, eligible, share, gate_threshold):
                                "recall_needed": jnp.mean(needed)}
 
 
-def sample_queries(rng: np.random.Generator, batch: dict, cfg: RouterConfig) -> np.ndarray:
+def sample_queries(rng: np.random.Generator, batch: dict, cfg: RouterConfig, pad_id: int = TOKENIZER.pad_id
+                   ) -> np.ndarray:
     """``[B, Q]`` query positions within each sequence's real tokens that have at least one eligible block; a share
-    ``answer_queries`` from positions whose next token is an answer token, where a sequence has any."""
-    lengths = np.sum(batch["inputs"] != TOKENIZER.pad_id, axis=1)
+    ``answer_queries`` from positions whose next token is an answer token, where a sequence has any. ``pad_id``: the
+    batch's padding (the task's tokenizer's; an end-of-text id in many BPE tokenizers, so a sequence's real tokens
+    run up to its last non-pad token rather than being counted)."""
+    real = batch["inputs"] != pad_id
+    lengths = np.where(real.any(axis=1), real.shape[1] - np.argmax(real[:, ::-1], axis=1), 0)
     lo = cfg.sinks + cfg.block + cfg.window - 1
     out = []
     for row, n in enumerate(lengths):
@@ -193,16 +198,21 @@ def quest_scores(queries, stats):
 
 
 def train_router(model: ModelConfig, params, cfg: RouterConfig, data: DataConfig, out_dir: str | Path, *,
-                 progress: bool = True) -> dict:
+                 progress: bool = True, tokenizer=None) -> dict:
     """Distil a learned router for ``model`` (frozen ``params``) on ``data``; writes ``out_dir`` (orbax params,
-    ``router.json``, ``metrics.jsonl``) and returns the summary written to ``router.json``."""
+    ``router.json``, ``metrics.jsonl``) and returns the summary written to ``router.json``. ``tokenizer``: the
+    model's (None: lcx's byte tokenizer), which builds the data task's sequences."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if cfg.seq_len > model.max_position_embeddings:
         raise ConfigError(f"router.seq_len={cfg.seq_len} is invalid: the teacher's full attention must be within the "
                           f"model's trained range (max_position_embeddings={model.max_position_embeddings})")
-    source = BatchSource(data.make_task(), seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
+    task = data.make_task().with_tokenizer(tokenizer or TOKENIZER)
+    source = BatchSource(task, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
                          prompt_loss_weight=data.prompt_loss_weight)
+    pad = task.tokenizer.pad_id
+    # the teacher must read its own tokens: byte ids fed to a BPE model distil a router from garbage attention
+    check_model_tokens(task.tokenizer, list(source(0)["inputs"]), model.vocab_size, f"data.task={data.task!r}")
     optimizer = optax.adamw(cfg.lr, weight_decay=0.0)
     router = init_router(jax.random.key(cfg.seed), model.n_layers, model.head_dim, cfg.rank)
     opt_state = optimizer.init(router)
@@ -225,28 +235,30 @@ def train_router(model: ModelConfig, params, cfg: RouterConfig, data: DataConfig
         for i in bar:
             batch = source(i)
             router, opt_state, metrics = step(router, opt_state, jnp.asarray(batch["inputs"]),
-                                              jnp.asarray(sample_queries(rng, batch, cfg)))
+                                              jnp.asarray(sample_queries(rng, batch, cfg, pad)))
             if (i + 1) % cfg.log_every == 0 or i + 1 == cfg.steps:
                 row = {"step": i + 1, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 bar.set_postfix(kl=f"{row['route_kl']:.3f}", gate=f"{row['gate_accuracy']:.2f}")
-    summary = {"steps": cfg.steps, "seconds": round(time.perf_counter() - t0, 1), **evaluate(model, params, router,
-                                                                                            cfg, source, rng)}
+    heldout = evaluate(model, params, router, cfg, source, rng, pad_id=pad)
+    summary = {"steps": cfg.steps, "seconds": round(time.perf_counter() - t0, 1), **heldout}
     learned.save(out_dir, router, model, cfg.rank,
                  {"positions": cfg.positions, "window": cfg.window, "block": cfg.block, "sinks": cfg.sinks,
                   "heldout": summary})
     return summary
 
 
-def evaluate(model, params, router, cfg: RouterConfig, source: BatchSource, rng, batches: int = 4) -> dict:
+def evaluate(model, params, router, cfg: RouterConfig, source: BatchSource, rng, batches: int = 4, *,
+             pad_id: int = TOKENIZER.pad_id) -> dict:
     """Held-out recall@k of the learned router and of Quest against the teacher, and the gate's skip rate."""
     inputs = jax.jit(functools.partial(attention_inputs, model, rotated=cfg.positions == "original"))
     learned_hits, quest_hits, skip = [], [], []
     for i in range(batches):
         batch = source(i, "validation")
         q, k = inputs(params, jnp.asarray(batch["inputs"]))
-        stats, queries, mass, eligible, share = teacher(q, k, jnp.asarray(sample_queries(rng, batch, cfg)), cfg)
+        stats, queries, mass, eligible, share = teacher(q, k, jnp.asarray(sample_queries(rng, batch, cfg, pad_id)),
+                                                        cfg)
         scores, gate = router_scores(router, queries, stats)
         learned_hits.append(recall_at_k(scores, mass, eligible, cfg.topk))
         quest_hits.append(recall_at_k(quest_scores(queries, stats), mass, eligible, cfg.topk))
