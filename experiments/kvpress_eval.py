@@ -19,6 +19,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -82,6 +83,7 @@ def main(argv=None) -> None:
     import transformers
     from tqdm import tqdm
 
+    from lcx.eval.evaluate import check_fits
     from lcx.eval.grid import _max_new, grid_tasks, prompts
     from lcx.eval.report import write_report
     from lcx.eval.stats import wilson_interval
@@ -97,7 +99,11 @@ def main(argv=None) -> None:
     tasks, _ = grid_tasks(ev, tok)
     max_new = _max_new(ev, tasks)
     # the prompts lcx's grid feeds its own model, cell by cell (task, length, depth), in the checkpoint's tokens
-    retrieval = [cell for cell in prompts(ev, tok) if cell.metric == "accuracy"]
+    if ev.metric != "accuracy":
+        raise SystemExit(f"{args.config}: eval.task {ev.task!r} measures perplexity; kvpress_eval runs retrieval tasks")
+    retrieval = prompts(dataclasses.replace(ev, perplexity=None), tok)
+    for cell in retrieval:
+        check_fits(cell.task, cfg.model, cell.ids)
     model = transformers.AutoModelForCausalLM.from_pretrained(cfg.checkpoint, attn_implementation="sdpa").eval()
     out = args.out or Path("runs") / f"{cfg.name}_kvpress"
     cells = [(p, r, cell) for p in args.presses for r in args.ratios for cell in retrieval]

@@ -35,6 +35,8 @@ import yaml
 
 from lcx.config import (Config, ConfigError, ModelConfig, RopeConfig, check_cache, from_dict, import_plugins,
                         load_dict, to_dict)
+from lcx.config_base import config_fields, unknown_key
+from lcx.data.tokenizer import BYTES
 from lcx import context_parallel
 from lcx.eval.config import AblateConfig, EvalConfig
 from lcx.sharding import MeshConfig
@@ -106,6 +108,8 @@ class ExperimentConfig(Config):
                               f"{list(STAGES)}")
         for stage in self.stages:
             self.require(stage)
+        if self.finetune is not None and self.data is not None:
+            finetune_data(self)  # its task and parameters, now rather than when the stage starts
         if self.ablate is not None:  # every grid cell's policy must work with this model
             for cache in self.ablate.caches(max(self.eval.lengths) if self.eval is not None else 256):
                 check_cache(cache, self.model)
@@ -196,9 +200,18 @@ def finetune_sections(cfg: ExperimentConfig) -> tuple[ModelConfig, TrainConfig, 
     init_from = ft.init_from or str(cfg.run_dir / "train")
     train = from_dict(TrainConfig, {**to_dict(cfg.train), "init_from": init_from, **dict(ft.train)},
                       prefix="finetune.train")
-    data = DataConfig(**{**{f.name: getattr(cfg.data, f.name) for f in dataclasses.fields(DataConfig)},
-                         **dict(ft.data)})
-    return model, train, data
+    return model, train, finetune_data(cfg)
+
+
+def finetune_data(cfg: ExperimentConfig) -> DataConfig:
+    """The finetune stage's data section: ``data`` with ``finetune.data``'s keys over it (messages name
+    ``finetune.data``)."""
+    given = dict(cfg.finetune.data)
+    unknown = sorted(set(given) - {f.name for f in config_fields(DataConfig)})
+    if unknown:
+        raise unknown_key(unknown[0], f"finetune.data.{unknown[0]}", [f.name for f in config_fields(DataConfig)])
+    return DataConfig(**{**{f.name: getattr(cfg.data, f.name) for f in config_fields(DataConfig)}, **given},
+                      section="finetune.data")
 
 
 def run_finetune(cfg: ExperimentConfig, progress: bool = True, allow_changes: bool = False):
@@ -219,14 +232,17 @@ def run_router(cfg: ExperimentConfig, progress: bool = True) -> dict:
     model, params, info = latest_params(cfg)
     source = info.path
     out_dir = cfg.run_dir / "router"
-    settings = json.loads(json.dumps({"stage": "router", "checkpoint": info.to_dict(), "router": to_dict(cfg.router),
-                                      "data": to_dict(cfg.data)}, default=str))
+    tokenizer = run_tokenizer(cfg, model)
+    settings = {"stage": "router", "checkpoint": info.to_dict(), "router": to_dict(cfg.router),
+                "data": to_dict(cfg.data)}
+    if tokenizer.spec != BYTES:  # distilled on byte ids before this fix (CHANGELOG): such a done.json is stale
+        settings["prompt_fixes"] = ["router sequences in the run's tokenizer"]
+    settings = json.loads(json.dumps(settings, default=str))
     if _done(out_dir, settings):
         _say(f"router: {out_dir} is up to date (delete done.json to rerun)")
         return json.loads((out_dir / "router.json").read_text())["heldout"]
     _say(f"router {source} -> {out_dir}")
-    summary = train_router(model, params, cfg.router, cfg.data, out_dir, progress=progress,
-                           tokenizer=run_tokenizer(cfg, model))
+    summary = train_router(model, params, cfg.router, cfg.data, out_dir, progress=progress, tokenizer=tokenizer)
     _finish(out_dir, settings)
     _say("router: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     return summary
@@ -290,8 +306,7 @@ def _check_variant_tokenizers(cfg: ExperimentConfig, variants: dict, tokenizer) 
     if (cfg.data.tokenizer if cfg.data is not None else "auto") != "auto":
         return
     for name, (model, _, info) in sorted(variants.items()):
-        own = resolve_tokenizer("auto", init_from=info.path, vocab_size=model.vocab_size,
-                                key=f"ablate.ropes[{name}].checkpoint")
+        own = resolve_tokenizer("auto", init_from=info.path, vocab_size=model.vocab_size)
         if own != tokenizer:
             raise ConfigError(f"ablate.ropes variant {name!r} evaluates {info.path}, whose tokenizer is "
                               f"{describe(own)}, not the run's {describe(tokenizer)}: every variant reads the same "
@@ -307,10 +322,15 @@ def _finish(out_dir: Path, settings: dict) -> None:
     (out_dir / "done.json").write_text(json.dumps(settings, indent=2, sort_keys=True))
 
 
-def _settings(cfg: ExperimentConfig, stage: str, info, variants: dict | None = None) -> dict:
-    """What an eval / ablate stage consumes: its settings and the exact checkpoints (step + content fingerprint)."""
+def _settings(cfg: ExperimentConfig, stage: str, info, variants: dict | None = None, tokenizer=None) -> dict:
+    """What an eval / ablate stage consumes: its settings and the exact checkpoints (step + content fingerprint).
+
+    ``prompt_fixes``: fixes that changed the prompts this stage feeds, recorded only where they did - a done.json
+    written before one lacks it, so exactly the stages whose results the fix changed rerun."""
     out = {"stage": stage, "checkpoint": info.to_dict(), "model": to_dict(cfg.model), "eval": cfg.eval.to_dict(),
            "tokenizer": cfg.data.tokenizer if cfg.data is not None else "auto"}
+    if cfg.eval.depths and tokenizer is not None and tokenizer.spec != BYTES:
+        out["prompt_fixes"] = ["eval.depths in the run's tokenizer"]  # byte ids before (CHANGELOG)
     if variants:
         out["variant_checkpoints"] = {name: v[2].to_dict() for name, v in sorted(variants.items())}
     out["cache" if stage == "eval" else "ablate"] = (cfg.cache.to_dict() if stage == "eval"
@@ -325,7 +345,8 @@ def run_eval_stage(cfg: ExperimentConfig, stage: str = "eval", progress: bool = 
     model, params, info = latest_params(cfg)
     variants = variant_checkpoints(cfg) if stage == "ablate" else {}
     out_dir = cfg.run_dir / stage
-    settings = _settings(cfg, stage, info, variants)
+    tokenizer = run_tokenizer(cfg, model)
+    settings = _settings(cfg, stage, info, variants, tokenizer)
     if _done(out_dir, settings):
         _say(f"{stage}: {out_dir / 'results.md'} is up to date with checkpoint {info.path} (delete done.json to "
              "rerun)")
@@ -333,7 +354,6 @@ def run_eval_stage(cfg: ExperimentConfig, stage: str = "eval", progress: bool = 
     if (out_dir / "done.json").is_file():
         _say(f"{stage}: inputs changed since the last run (now checkpoint {info.path}, step {info.step}): rerunning")
     _say(f"{stage} {info.path} -> {out_dir}")
-    tokenizer = run_tokenizer(cfg, model)
     _check_variant_tokenizers(cfg, variants, tokenizer)
     if stage == "eval":
         run_eval(model, params, cfg.eval, cfg.cache, out_dir, progress=progress, tokenizer=tokenizer)

@@ -131,8 +131,8 @@ def test_tokens_that_are_not_the_models_are_refused_before_anything_runs(tok, mo
     small = ModelConfig(vocab_size=300, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
     passkey = make_task("passkey", {})
     ids = [ex.prompt_ids for ex in passkey.examples(0, 0, 1, 300, "validation")]
-    with pytest.raises(ConfigError, match=r"task 'passkey' builds its tokens with lcx's byte tokenizer \(260 ids\), "
-                                          r"under half of the model's vocabulary of 49152"):
+    with pytest.raises(ConfigError, match=r"data.task='passkey' builds its tokens with lcx's byte tokenizer "
+                                          r"\(260 ids\), under half of the model's vocabulary of 49152"):
         check_fits(passkey, smol, ids)
     with pytest.raises(ConfigError, match=r"\(512 ids\), more ids than the model's vocabulary of 300"):
         check_fits(passkey.with_tokenizer(tok), small, ids)
@@ -167,7 +167,9 @@ def test_nested_task_params_are_validated_under_their_own_keys(documents):
               r"eval.perplexity.params.val_fraction=2.0 is invalid"),
              ({"params": {"depth": 1.5}}, r"eval.params.depth=1.5 is invalid"),
              ({"task": "niah_single_1", "params": {"type_haystack": "essay"}}, r"eval.params.type_haystack='essay'"),
-             ({"tasks": ["passkey", "niha"]}, r"eval.tasks\[1\]='niha' is not a known task; did you mean 'niah'\?")]
+             ({"tasks": ["passkey", "niha"]}, r"eval.tasks\[1\]='niha' is not a known task; did you mean 'niah'\?"),
+             ({"task": "prose", "perplexity": {"task": "prose"}},
+              r"eval.perplexity is set, but eval.task='prose' already measures perplexity")]
     for body, message in cases:
         with pytest.raises(ConfigError, match=message):
             EvalConfig.from_mapping({"task": "passkey", **body})
@@ -285,3 +287,19 @@ def test_router_distillation_reads_the_model_tokens(tok, tmp_path):
              "answer": np.zeros((1, 64), np.float32)}
     picks = sample_queries(np.random.default_rng(0), batch, dataclasses.replace(cfg, queries=64), pad_id=eos)
     assert picks.max() == 36 and picks.min() >= cfg.sinks + cfg.block + cfg.window - 1  # the EOS at 31 is real
+
+
+def test_a_stage_whose_prompts_the_fix_changed_reruns(ckpt, tok, tmp_path):
+    """A done.json written before the fix records the same settings: ``prompt_fixes`` (only where the prompts
+    changed - depths in a checkpoint's tokenizer) makes exactly those stages rerun, and no other."""
+    from lcx.experiment import _settings
+    from lcx.train.checkpoint import CheckpointInfo
+
+    info = CheckpointInfo(ckpt, 0, "sha256:0")
+    path = tmp_path / "exp.yaml"
+    for depths, fixed in ((None, False), ([0.25, 0.75], True)):
+        path.write_text(yaml.safe_dump({"name": "x", "runs_dir": str(tmp_path), "checkpoint": str(ckpt),
+                                        "stages": ["eval"], "eval": {"task": "passkey", "depths": depths}}))
+        cfg = load_experiment(path)
+        assert ("prompt_fixes" in _settings(cfg, "eval", info, {}, tok)) == fixed
+        assert "prompt_fixes" not in _settings(cfg, "eval", info, {}, TOKENIZER)  # byte-level runs: unchanged

@@ -157,6 +157,9 @@ def test_eval_markdown_table_layout():
              "value": v} for n, d, v in [(64, 0.0, 1.0), (64, 1.0, 0.5), (128, 0.0, 0.0), (128, 1.0, 0.0)]]
     table = markdown_table(rows, "t")
     assert "| setting | 64 tokens | 128 tokens |" in table and "| full | 75% | 0% |" in table
+    # and where the needle was lost: a column per (length, depth)
+    assert "| setting | 64 @ 0% | 64 @ 100% | 128 @ 0% | 128 @ 100% |" in table
+    assert "| full | 100% | 50% | 0% | 0% |" in table
     assert np.isclose(0.75, np.mean([1.0, 0.5]))
 
 

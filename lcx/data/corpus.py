@@ -24,7 +24,7 @@ from typing import ClassVar
 import numpy as np
 
 from lcx.config_base import ConfigError
-from lcx.data.task import TOKENIZER, Example, Task, register, split_id
+from lcx.data.task import TOKENIZER, Example, ParamError, Task, register, split_id
 
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
@@ -51,6 +51,7 @@ class Corpus(Task):
     bos: bool = False
 
     def __post_init__(self):
+        self._check_accepts(self.tokenizer)  # a copy given another tokenizer (dataclasses.replace) too
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"{self.key('val_fraction')}={self.val_fraction!r} is invalid: must be in [0, 1)")
 
@@ -66,12 +67,13 @@ class Corpus(Task):
 
     def files(self, split: str) -> list[Path]:
         """The files of ``split`` (``train`` or ``validation``), in path order."""
-        return [self.root / rel
-                for rel in _split_files(str(self.root), self.pattern, self.val_fraction, self.params_key)[split]]
+        with self.located():
+            return [self.root / rel for rel in _split_files(str(self.root), self.pattern, self.val_fraction)[split]]
 
     def stream(self, split: str) -> np.ndarray:
         """The token stream of ``split``: uint16 ``[n]``."""
-        return _stream(str(self.root), self.pattern, self.val_fraction, split, self.params_key)
+        with self.located():
+            return _stream(str(self.root), self.pattern, self.val_fraction, split)
 
     def num_windows(self, seq_len: int, split: str = "train") -> int:
         n = (len(self.stream(split)) - 1) // seq_len
@@ -103,9 +105,9 @@ class Corpus(Task):
         return Example(ids, np.ones(len(ids), bool), "", (), "")
 
 
-def _walk(root: Path, pattern: str, where: str) -> list[str]:
+def _walk(root: Path, pattern: str) -> list[str]:
     if not root.is_dir():
-        raise ConfigError(f"{where}.path={str(root)!r} is not a folder; the corpus task reads a folder of files")
+        raise ParamError(f"{{params}}.path={str(root)!r} is not a folder; the corpus task reads a folder of files")
     found = []
     for path in root.glob(pattern):
         rel = path.relative_to(root)
@@ -114,41 +116,41 @@ def _walk(root: Path, pattern: str, where: str) -> list[str]:
         if path.is_file():
             found.append(rel.as_posix())
     if not found:
-        raise ConfigError(f"{where}.path={str(root)!r} has no files matching {where}.glob={pattern!r}; "
-                          "the corpus needs at least one non-empty file")
+        raise ParamError(f"{{params}}.path={str(root)!r} has no files matching {{params}}.glob={pattern!r}; the "
+                         "corpus needs at least one non-empty file")
     return sorted(found)
 
 
 @functools.lru_cache(maxsize=8)
-def _split_files(root: str, pattern: str, val_fraction: float, where: str) -> dict[str, list[str]]:
-    """``where``: the config key of the task's parameters, which messages name (``data.params``)."""
+def _split_files(root: str, pattern: str, val_fraction: float) -> dict[str, list[str]]:
+    # cached per source, whichever config section names it: bad values raise ParamError (Task.located names the key)
     if pattern == "**/*.py" and Path(root) == Path(stdlib_path()):
-        files = _walk_pruned(Path(root), ".py", where)  # rglob would also walk site-packages, 5x the files
+        files = _walk_pruned(Path(root), ".py")  # rglob would also walk site-packages, 5x the files
     else:
-        files = _walk(Path(root), pattern, where)
+        files = _walk(Path(root), pattern)
     ranked = sorted(files, key=lambda rel: (zlib.crc32(rel.encode()), rel))
     n_val = 0 if val_fraction == 0 or len(files) < 2 else max(1, round(val_fraction * len(files)))
     val = set(ranked[:n_val])
     return {"train": [f for f in files if f not in val], "validation": [f for f in files if f in val]}
 
 
-def _walk_pruned(root: Path, suffix: str, where: str) -> list[str]:
+def _walk_pruned(root: Path, suffix: str) -> list[str]:
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
         rel_dir = Path(dirpath).relative_to(root)
         found += [(rel_dir / f).as_posix() for f in filenames if f.endswith(suffix) and not f.startswith(".")]
     if not found:
-        raise ConfigError(f"{where}.path={str(root)!r} has no {suffix} files")
+        raise ParamError(f"{{params}}.path={str(root)!r} has no {suffix} files")
     return sorted(found)
 
 
 @functools.lru_cache(maxsize=8)
-def _stream(root: str, pattern: str, val_fraction: float, split: str, where: str) -> np.ndarray:
-    files = _split_files(root, pattern, val_fraction, where)[_checked(split)]
+def _stream(root: str, pattern: str, val_fraction: float, split: str) -> np.ndarray:
+    files = _split_files(root, pattern, val_fraction)[_checked(split)]
     if not files:
-        raise ConfigError(f"{where}.path={root!r}: the {split} split has no files (val_fraction={val_fraction}, "
-                          f"{len(_split_files(root, pattern, val_fraction, where)['train'])} files in all)")
+        raise ParamError(f"{{params}}.path={root!r}: the {split} split has no files (val_fraction={val_fraction}, "
+                         f"{len(_split_files(root, pattern, val_fraction)['train'])} files in all)")
     pieces = []
     for rel in files:
         data = np.frombuffer((Path(root) / rel).read_bytes(), np.uint8)
@@ -156,7 +158,7 @@ def _stream(root: str, pattern: str, val_fraction: float, split: str, where: str
             pieces += [np.asarray([TOKENIZER.bos_id], np.uint16), data.astype(np.uint16),
                        np.asarray([TOKENIZER.eos_id], np.uint16)]
     if not pieces:
-        raise ConfigError(f"{where}.path={root!r}: every file of the {split} split is empty")
+        raise ParamError(f"{{params}}.path={root!r}: every file of the {split} split is empty")
     return np.concatenate(pieces)
 
 

@@ -32,7 +32,7 @@ from typing import ClassVar
 import numpy as np
 
 from lcx.config_base import ConfigError
-from lcx.data.task import Example, Task, register, split_id
+from lcx.data.task import Example, ParamError, Task, register, split_id
 from lcx.data.tokenizer import Tokenizer
 
 FORMATS = ("auto", "text", "jsonl")
@@ -65,9 +65,10 @@ class Documents(Task):
 
     def documents(self, split: str) -> list[np.ndarray]:
         """The token ids of every document of ``split`` (BOS text EOS), in name order."""
-        source = (self.path, self.glob, self.format, self.text_field, self.params_key)
-        docs = _tokenized(*source, self.tokenizer)
-        return [docs[i] for i in _split(tuple(_names(*source)), self.val_fraction)[split_id(split)]]
+        source = (self.path, self.glob, self.format, self.text_field)
+        with self.located():
+            docs = _tokenized(*source, self.tokenizer)
+            return [docs[i] for i in _split(tuple(_names(*source)), self.val_fraction)[split_id(split)]]
 
     def num_rows(self, seq_len: int, split: str = "train") -> int:
         total = sum(len(d) for d in self.documents(split))
@@ -120,17 +121,17 @@ def _epoch_stream(task: Documents, seed: int, split: str, epoch: int) -> tuple[n
     return tokens, segments
 
 
-def _files(path: str, glob: str, where: str) -> list[Path]:
-    """``where``: the config key of the task's parameters, which messages name (``data.params``)."""
+def _files(path: str, glob: str) -> list[Path]:
+    # under caches per source, whichever config section names it: bad values raise ParamError (Task.located)
     root = Path(path).expanduser()
     if root.is_file():
         return [root]
     if not root.is_dir():
-        raise ConfigError(f"{where}.path={path!r} does not exist: the documents task reads a file or a folder")
+        raise ParamError(f"{{params}}.path={path!r} does not exist: the documents task reads a file or a folder")
     files = sorted(p for p in root.glob(glob) if p.is_file()
                    and not any(part.startswith(".") for part in p.relative_to(root).parts))
     if not files:
-        raise ConfigError(f"{where}.path={path!r} has no files matching {where}.glob={glob!r}")
+        raise ParamError(f"{{params}}.path={path!r} has no files matching {{params}}.glob={glob!r}")
     return files
 
 
@@ -139,10 +140,10 @@ def _is_jsonl(file: Path, fmt: str) -> bool:
 
 
 @functools.lru_cache(maxsize=4)
-def _texts(path: str, glob: str, fmt: str, field: str, where: str) -> tuple[tuple[str, str], ...]:
+def _texts(path: str, glob: str, fmt: str, field: str) -> tuple[tuple[str, str], ...]:
     """``(name, text)`` of every document, in file then line order."""
     out = []
-    for file in _files(path, glob, where):
+    for file in _files(path, glob):
         try:
             raw = file.read_text(encoding="utf-8")
         except UnicodeDecodeError as err:
@@ -163,22 +164,22 @@ def _texts(path: str, glob: str, fmt: str, field: str, where: str) -> tuple[tupl
             text = record.get(field) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise ConfigError(f"{file}:{n}: no string under {where}.text_field={field!r} (found: {keys})")
+                raise ParamError(f"{file}:{n}: no string under {{params}}.text_field={field!r} (found: {keys})")
             if text:
                 out.append((f"{file}:{n}", text))
     if not out:
-        raise ConfigError(f"{where}.path={path!r}: every document is empty")
+        raise ParamError(f"{{params}}.path={path!r}: every document is empty")
     return tuple(out)
 
 
-def _names(path: str, glob: str, fmt: str, field: str, where: str) -> list[str]:
-    return [name for name, _ in _texts(path, glob, fmt, field, where)]
+def _names(path: str, glob: str, fmt: str, field: str) -> list[str]:
+    return [name for name, _ in _texts(path, glob, fmt, field)]
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenized(path: str, glob: str, fmt: str, field: str, where: str, tokenizer: Tokenizer) -> list[np.ndarray]:
+def _tokenized(path: str, glob: str, fmt: str, field: str, tokenizer: Tokenizer) -> list[np.ndarray]:
     return [np.asarray(tokenizer.encode(text, bos=True, eos=True), np.int32)
-            for _, text in _texts(path, glob, fmt, field, where)]
+            for _, text in _texts(path, glob, fmt, field)]
 
 
 @functools.lru_cache(maxsize=4)

@@ -58,16 +58,16 @@ class Mixture(Task):
                 raise ConfigError(f"{where}.task='mixture' is invalid: mixtures do not nest")
             task = make_task(part["task"], dict(part.get("params") or {}), prefix=f"{where}.params")
             built.append((task, float(weight), float(loss_weight)))
+        # every part builds its ids with the mixture's tokenizer and frame, however the mixture got them
+        # (``with_tokenizer`` or ``dataclasses.replace``); a byte-level part refuses another tokenizer
+        chat = self.chat is not None
+        built = [(task if task.tokenizer == self.tokenizer and (task.chat is not None) == chat
+                  else task.with_tokenizer(self.tokenizer, chat=chat), w, lw) for task, w, lw in built]
         object.__setattr__(self, "parts", tuple(built))
 
     @property
     def packed(self) -> bool:
         return any(task.packed for task, _, _ in self.parts)
-
-    def with_tokenizer(self, tokenizer, *, chat: bool = False) -> "Mixture":
-        """Every part with ``tokenizer`` (the mixture's own pads the batches)."""
-        parts = tuple((task.with_tokenizer(tokenizer, chat=chat), w, lw) for task, w, lw in self.parts)
-        return dataclasses.replace(self, parts=parts, tokenizer=tokenizer)
 
     @property
     def weights(self) -> np.ndarray:

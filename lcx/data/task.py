@@ -7,9 +7,10 @@ modelling the model sees exactly ``seq_len`` input positions (the last token is 
 
 Tasks are frozen dataclasses whose fields are their parameters, validated in ``__post_init__`` (``ConfigError``
 naming the key where the parameter was set, ``Task.key``: ``data.params.<field>``, ``eval.params.<field>`` ...) and
-registered with ``@register``; ``make_task(name, params)`` builds one. Three more fields are not parameters but the
-run's: the tokenizer, the chat frame and the config section (``with_tokenizer``, ``make_task(prefix=)``). They are
-fields so that every copy of a task keeps them; a config's ``params`` cannot set them. The built-in tasks live in
+registered with ``@register``; ``make_task(name, params)`` builds one. Four more fields are not parameters but the
+run's: the tokenizer, the chat frame and where the task was set in the config (``with_tokenizer``,
+``make_task(prefix=, name_key=)``). They are fields so that every copy of a task keeps them; a config's ``params``
+cannot set them. The built-in tasks live in
 ``tasks.py``, ``ruler.py``, ``corpus.py``, ``prose.py``, ``documents.py`` and ``mixture.py`` and are registered
 when ``lcx.data`` is imported.
 """
@@ -17,6 +18,7 @@ when ``lcx.data`` is imported.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import difflib
 from collections.abc import Mapping, Sequence
@@ -31,6 +33,21 @@ from lcx.data.tokenizer import ByteTokenizer
 TOKENIZER = ByteTokenizer()
 SPLITS = {"train": 0, "validation": 1}
 _REGISTRY: dict[str, type["Task"]] = {}
+
+
+class ParamError(ConfigError):
+    """A bad parameter value found by a helper that tasks of every config section share (a cached reader of a
+    corpus or a folder of documents: one cache entry per source, whichever section names it). ``template`` names
+    the parameters' keys as ``{params}.path``; ``Task.located`` re-raises it with the section the task's parameters
+    came from (``data.params`` until then)."""
+
+    def __init__(self, template: str):
+        self.template = template
+        super().__init__(self.at("data.params"))
+
+    def at(self, params_key: str) -> str:
+        """The message with the parameters' key ``params_key`` (``eval.perplexity.params``)."""
+        return self.template.replace("{params}", params_key)
 
 
 def text_example(prompt: str, answer_parts: Sequence[tuple[str, bool]], answer: str,
@@ -73,6 +90,7 @@ class Task(abc.ABC):
     tokenizer: Any = run_attribute(TOKENIZER)
     chat: Any = run_attribute(None)
     section: str = run_attribute("data", compare=False)
+    name_key: str | None = run_attribute(None, compare=False)  # where the name was set, if not ``{section}.task``
 
     @property
     def packed(self) -> bool:
@@ -92,16 +110,25 @@ class Task(abc.ABC):
         the reply."""
         if tokenizer.spec == self.tokenizer.spec and not chat and self.chat is None:
             return self
-        if not self.accepts_tokenizer and tokenizer.spec != TOKENIZER.spec:
-            raise ConfigError(f"{self.task_key}={self.name!r} builds byte-level examples and cannot use data.tokenizer="
-                              f"{tokenizer.spec!r}; set data.tokenizer=bytes (the model then learns lcx's byte ids) "
-                              "or train on task 'documents'")
+        self._check_accepts(tokenizer)
         template = None
         if chat:
             from lcx.data.haystack import ChatTemplate
 
             template = ChatTemplate.from_tokenizer(tokenizer)
         return dataclasses.replace(self, tokenizer=tokenizer, chat=template)
+
+    def _check_accepts(self, tokenizer) -> None:
+        """Refuse another tokenizer than lcx's bytes for a byte-level task (``accepts_tokenizer = False``)."""
+        if self.accepts_tokenizer or tokenizer.spec == TOKENIZER.spec:
+            return
+        if self.section.startswith("eval"):
+            hint = ("for perplexity in a checkpoint's own tokens use task 'prose' (long English prose, any tokenizer) "
+                    "or 'documents' (your files)")
+        else:
+            hint = "set data.tokenizer=bytes (the model then learns lcx's byte ids) or train on task 'documents'"
+        raise ConfigError(f"{self.task_key}={self.name!r} builds byte-level examples and cannot use the tokenizer "
+                          f"{tokenizer.spec!r}; {hint}")
 
     def key(self, param: str) -> str:
         """Where parameter ``param`` is set in the config (``data.params.depth``, ``eval.perplexity.params.path``):
@@ -113,10 +140,18 @@ class Task(abc.ABC):
         """Where this task's parameters are set in the config (``data.params``, ``eval.perplexity.params``)."""
         return f"{self.section}.params"
 
+    @contextlib.contextmanager
+    def located(self):
+        """Re-raise a shared helper's ``ParamError`` naming this task's keys."""
+        try:
+            yield
+        except ParamError as err:
+            raise ConfigError(err.at(self.params_key)) from None
+
     @property
     def task_key(self) -> str:
-        """Where this task is named in the config (``data.task``, ``eval.perplexity.task``)."""
-        return f"{self.section}.task"
+        """Where this task is named in the config (``data.task``, ``eval.perplexity.task``, ``eval.tasks[1]``)."""
+        return self.name_key or f"{self.section}.task"
 
     def examples(self, seed: int, index: int, count: int, seq_len: int, split: str = "train") -> list[Example]:
         rng = np.random.default_rng([seed, split_id(split), index])
@@ -160,8 +195,9 @@ def make_task(name: str, params: Mapping[str, Any] | None = None, prefix: str = 
         close = difflib.get_close_matches(str(name), names, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{name_key or section + '.task'}={name!r} is not a known task{hint} (allowed: {names})")
-    return from_dict(_REGISTRY[name], dict(params or {}), prefix=prefix, attributes={"section": section})
+    return from_dict(_REGISTRY[name], dict(params or {}), prefix=prefix,
+                     attributes={"section": section, "name_key": name_key})
 
 
-__all__ = ["Example", "SPLITS", "TOKENIZER", "Task", "make_task", "n_tokens", "register", "split_id",
+__all__ = ["Example", "ParamError", "SPLITS", "TOKENIZER", "Task", "make_task", "n_tokens", "register", "split_id",
            "task_names", "text_example"]

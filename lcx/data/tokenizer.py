@@ -215,7 +215,9 @@ def check_model_tokens(tokenizer, ids, vocab_size: int, what: str) -> None:
         relation = "more ids than" if n > vocab_size else "under half of"
         raise ConfigError(f"{what} builds its tokens with {describe(tokenizer)} ({n} ids), {relation} the model's "
                           f"vocabulary of {vocab_size}: these are not the model's tokens. Build the task with the "
-                          "model's own tokenizer (data.tokenizer: auto for a checkpoint; Task.with_tokenizer in code)")
+                          "model's own tokenizer: data.tokenizer: auto takes a checkpoint's tokenizer.json or GGUF "
+                          "metadata (a directory without tokenizer.json falls back to bytes), data.tokenizer: PATH "
+                          "names one; Task.with_tokenizer in code")
     top = max((int(np.max(row)) for row in ids if len(row)), default=-1)
     low = min((int(np.min(row)) for row in ids if len(row)), default=0)
     if top >= vocab_size or low < 0:

@@ -135,6 +135,19 @@ class EvalConfig:
         if len(metrics) > 1 and "perplexity" in metrics.values():
             raise ConfigError(f"eval.tasks={list(self.tasks)!r} is invalid: several tasks must all be retrieval "
                               "tasks; measure perplexity with eval.perplexity")
+        if self.perplexity is not None and "perplexity" in metrics.values():
+            given = f"eval.tasks={list(self.tasks)!r}" if self.tasks else f"eval.task={self.task!r}"
+            raise ConfigError(f"eval.perplexity is set, but {given} already measures perplexity: eval.perplexity "
+                              "measures it next to a retrieval task (set the text task as eval.task with its params, "
+                              "or a retrieval task here)")
+        # perplexity windows must leave tokens to score at every length: checked now, naming the key
+        shortest = min(self.lengths)
+        for key, value in (("eval.ppl_prefix", self.ppl_prefix),
+                           ("eval.perplexity.prefix", self.perplexity and self.perplexity.prefix),
+                           ("eval.perplexity.tail", self.perplexity and self.perplexity.tail)):
+            if value is not None and not 0 < value < shortest:
+                raise ConfigError(f"{key}={value!r} is invalid: must be in [1, {shortest - 1}] (below the shortest "
+                                  f"of eval.lengths={list(self.lengths)})")
 
     @property
     def metric(self) -> str:
@@ -154,10 +167,13 @@ class EvalConfig:
 
         if not self.tasks:
             return {self.task: make_task(self.task, dict(self.params), prefix="eval.params")}
-        for i, name in enumerate(self.tasks):  # an unknown name: named by its place in the list
-            if name != "ruler":
-                make_task(name, {}, prefix="eval.params", name_key=f"eval.tasks[{i}]")
-        return {name: make_task(name, {}, prefix="eval.params") for name in self.task_names()}
+        from lcx.data.ruler import RULER_SUITE
+
+        keys = {}  # each task's place in the list (the suite's tasks: the place of ``ruler``)
+        for i, entry in enumerate(self.tasks):
+            for name in (RULER_SUITE if entry == "ruler" else (entry,)):
+                keys.setdefault(name, f"eval.tasks[{i}]")
+        return {name: make_task(name, {}, prefix="eval.params", name_key=keys[name]) for name in self.task_names()}
 
     def make_task(self):
         return next(iter(self.make_tasks().values()))

@@ -51,7 +51,7 @@ def cell_examples(task: Task, *, length: int, depth: float | None, samples: int,
 def check_fits(task: Task, model: ModelConfig, ids) -> None:
     """Refuse, before anything runs, a task whose prompts ``ids`` (arrays) are not in ``model``'s tokens
     (``lcx.data.tokenizer.check_model_tokens``): byte ids fed to a BPE model, or ids past its vocabulary."""
-    check_model_tokens(task.tokenizer, ids, model.vocab_size, f"task {task.name!r}")
+    check_model_tokens(task.tokenizer, ids, model.vocab_size, f"{task.task_key}={task.name!r}")
 
 
 def answer_tokens(examples: list[Example], tokenizer=TOKENIZER) -> int:

@@ -115,7 +115,7 @@ def grid_tasks(ev: EvalConfig, tokenizer=None) -> tuple[dict[str, Task], Task]:
     return tasks, ppl_task
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # arrays: compared by identity
 class CellPrompts:
     """What one (task, length, depth) cell of a grid feeds the model, built by ``task`` - the task as the cell runs
     it (the run's tokenizer and chat frame, the needle at ``depth``): ``examples`` (retrieval; none for perplexity)
@@ -185,7 +185,6 @@ def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, setti
     """``models``: variant name -> (model config, params) of that variant's checkpoint (RoPE overrides applied);
     ``tokenizer``: the run's (None: lcx's byte tokenizer), which builds and grades every task."""
     tasks, ppl_task = grid_tasks(ev, tokenizer)
-    check_prompts(models, ev, tokenizer)
     per_task = _max_new(ev, tasks)
     max_new = max(per_task.values())  # one compiled decode loop for every task
     # Preflight: every cell must fit before anything runs.
@@ -195,6 +194,7 @@ def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, setti
                                             max(ev.lengths) if s.compression is None and s.protocol == "streaming"
                                             else n)
                   for s in settings for v in ropes for n in ev.lengths}
+    check_prompts(models, ev, tokenizer)  # after the capacity check: it builds a prompt per cell
     cells = list(_cells(settings, ropes, tasks, ev))
     rows, generations = [], []
     bar = tqdm(cells, desc=title, unit="cell", disable=not progress, dynamic_ncols=True)

@@ -1,6 +1,6 @@
 """Results of an evaluation grid: ``results.csv`` (long format: one row per setting, length, depth and metric, with
 the value and its 95% interval), ``results.md`` (one table per metric: a row per setting, a column per context
-length) and PNG plots (metric vs length per metric - perplexity on a log scale - and, for retrieval over depths, a
+length; with several needle depths, accuracy per length and depth too) and PNG plots (metric vs length per metric - perplexity on a log scale - and, for retrieval over depths, a
 depth x length heat map per setting)."""
 
 from __future__ import annotations
@@ -123,7 +123,34 @@ def markdown_table(rows: list[dict], title: str) -> str:
                 values.append(_fmt(metric, value) + interval)
             lines.append(f"| {key} | " + " | ".join(values) + " |")
         out.append("\n".join(lines) + "\n")
-    return "\n".join(out)
+        if metric == "accuracy":
+            out.append(_depth_table(sub, title))
+    return "\n".join(part for part in out if part)
+
+
+def _depth_table(rows: list[dict], title: str) -> str:
+    """With several needle depths, accuracy per (length, depth): where in the context a policy loses the needle
+    (a recency policy keeps late needles only). Empty otherwise."""
+    depths = sorted({r["depth"] for r in rows if r["depth"] != ""})
+    if len(depths) < 2:
+        return ""
+    columns = sorted({(r["length"], r["depth"]) for r in rows if r["depth"] != ""})
+    order, cells = _by_setting(rows)
+    lines = [f"### {title} (accuracy by needle depth, 95% interval)", "",
+             "| setting | " + " | ".join(f"{n} @ {d:.0%}" for n, d in columns) + " |",
+             "|---" * (len(columns) + 1) + "|"]
+    for key in order:
+        values = []
+        for n, d in columns:
+            cell = [r for r in cells[key][n] if r["depth"] == d]
+            if not cell:
+                values.append("-")
+                continue
+            value, lo, hi = _pooled("accuracy", cell)
+            values.append(_fmt("accuracy", value) + ("" if np.isnan(lo) else f" ({_fmt('accuracy', lo)}–"
+                                                                          f"{_fmt('accuracy', hi)})"))
+        lines.append(f"| {key} | " + " | ".join(values) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _style(rows: list[dict], plt) -> dict[str, dict]:

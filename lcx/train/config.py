@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from lcx.config_base import ConfigError, canonical_dtype
+from lcx.config_base import ConfigError, canonical_dtype, config_fields, run_attribute
 from lcx.context_parallel import STRATEGIES
 from lcx.model.config import REMAT_POLICIES
 
@@ -136,6 +136,8 @@ class DataConfig:
     ``tokenizer``: ``auto`` (the tokenizer of ``train.init_from``'s model - a Hugging Face directory's
     ``tokenizer.json`` or what an lcx run recorded - else bytes), ``bytes``, or a path to a ``tokenizer.json`` (or
     a directory holding one); see ``lcx.data.tokenizer``. The synthetic tasks are byte-level only.
+    ``section``: where the values were set (``data``; ``finetune.data`` for the finetune stage's), which messages
+    name - not a config key.
     """
 
     task: str = "passkey"
@@ -143,18 +145,20 @@ class DataConfig:
     seed: int | None = None
     prompt_loss_weight: float = 0.0
     tokenizer: str = "auto"
+    section: str = run_attribute("data", compare=False)
 
     def __post_init__(self):
         if not isinstance(self.params, Mapping):
-            raise ConfigError(f"data.params={self.params!r} is invalid: must be a mapping of task parameters")
+            raise ConfigError(f"{self.section}.params={self.params!r} is invalid: must be a mapping of task "
+                              "parameters")
         # Frozen and hashable like the other configs: params are kept as sorted (key, value) pairs.
         object.__setattr__(self, "params", _FrozenParams(self.params))
         if self.seed is not None:
-            _int(self.seed, "data.seed", minimum=0)
-        _number(self.prompt_loss_weight, "data.prompt_loss_weight", 0.0, 1.0)
+            _int(self.seed, f"{self.section}.seed", minimum=0)
+        _number(self.prompt_loss_weight, f"{self.section}.prompt_loss_weight", 0.0, 1.0)
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
-            raise ConfigError(f"data.tokenizer={self.tokenizer!r} is invalid: must be 'auto', 'bytes' or a path to a "
-                              "tokenizer.json")
+            raise ConfigError(f"{self.section}.tokenizer={self.tokenizer!r} is invalid: must be 'auto', 'bytes' or a "
+                              "path to a tokenizer.json")
         task = self.make_task()  # validates the name and the parameters now, not at the first batch
         if self.tokenizer not in ("auto", "bytes"):
             from lcx.data.tokenizer import resolve_tokenizer
@@ -164,7 +168,7 @@ class DataConfig:
     def make_task(self):
         from lcx.data import make_task
 
-        return make_task(self.task, dict(self.params))
+        return make_task(self.task, dict(self.params), prefix=f"{self.section}.params")
 
     def to_dict(self) -> dict[str, Any]:
         return {"task": self.task, "params": _thaw(self.params), "seed": self.seed,

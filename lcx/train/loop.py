@@ -34,6 +34,7 @@ import jax
 import yaml
 
 from lcx.config import ConfigError, ModelConfig, to_dict
+from lcx.config_base import config_fields
 from lcx.data.batches import BatchSource
 from lcx.data.tokenizer import resolve_tokenizer
 from lcx.train import checkpoint as ckpt
@@ -122,7 +123,7 @@ def _write_config(path: Path, model: ModelConfig, train: TrainConfig, data: Data
 def _with_defaults(saved: dict, cls) -> dict:
     """A section an older lcx wrote, with the fields added to ``cls`` since then at their declared defaults (so older
     runs stay resumable)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    defaults = {f.name: f.default for f in config_fields(cls) if f.default is not dataclasses.MISSING}
     return {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
 
 
