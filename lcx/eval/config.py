@@ -29,9 +29,12 @@ def _with_task_params(cls, data: Mapping[str, Any], prefix: str):
 
 @dataclasses.dataclass(frozen=True)
 class PerplexityConfig:
-    """``eval.perplexity``: perplexity on held-out text (a task whose every token is a target, e.g. ``corpus``) at
-    the same lengths, measured next to the retrieval task: ``samples`` windows, the first ``prefix`` tokens (null:
-    half the length) prefilled, the rest scored one token at a time through the cache (StreamingLLM protocol).
+    """``eval.perplexity``: perplexity on held-out text (a task whose every token is a target: ``prose`` or your
+    own ``documents`` in any tokenizer, ``corpus`` in lcx's bytes) at the same lengths, measured next to the
+    retrieval task: ``samples`` windows, the first ``prefix`` tokens (null: half the length) prefilled, the rest scored
+    one token at a time through the cache (StreamingLLM protocol). A ``documents`` window is a stretch of the
+    validation documents' token stream (each ``BOS text EOS``), so documents shorter than the length share a window
+    and the later ones are read with the earlier ones in context.
 
     ``tail``: score the same last ``tail`` tokens at every length - each length's window is the end of the same
     longest window (BOS first when the task's windows start with it) - so the lengths differ only in how much
