@@ -122,7 +122,7 @@ def _epoch_stream(task: Documents, seed: int, split: str, epoch: int) -> tuple[n
 
 
 def _files(path: str, glob: str) -> list[Path]:
-    # under caches per source, whichever config section names it: bad values raise ParamError (Task.located)
+    # read through caches shared by every config section: bad values raise ParamError (Task.located names the key)
     root = Path(path).expanduser()
     if root.is_file():
         return [root]

@@ -148,9 +148,7 @@ def prompts(ev: EvalConfig, tokenizer=None, *, samples: int | None = None) -> li
     tasks, ppl_task = grid_tasks(ev, tokenizer)
     out = []
     for length in ev.lengths:
-        for name, task in tasks.items():
-            if ev.metric != "accuracy":
-                continue
+        for name, task in (tasks.items() if ev.metric == "accuracy" else ()):
             for depth in (ev.depths or (None,)):
                 examples = cell_examples(task, length=length, depth=depth, samples=samples or ev.samples,
                                          seed=ev.seed)

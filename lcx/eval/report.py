@@ -1,7 +1,7 @@
 """Results of an evaluation grid: ``results.csv`` (long format: one row per setting, length, depth and metric, with
 the value and its 95% interval), ``results.md`` (one table per metric: a row per setting, a column per context
-length; with several needle depths, accuracy per length and depth too) and PNG plots (metric vs length per metric - perplexity on a log scale - and, for retrieval over depths, a
-depth x length heat map per setting)."""
+length; with several needle depths, accuracy per length and depth too) and PNG plots (metric vs length per metric -
+perplexity on a log scale - and, for retrieval over depths, a depth x length heat map per setting)."""
 
 from __future__ import annotations
 
@@ -108,47 +108,33 @@ def markdown_table(rows: list[dict], title: str) -> str:
     out = []
     for metric in dict.fromkeys(r["metric"] for r in rows):
         sub = [r for r in rows if r["metric"] == metric]
-        lengths = sorted({r["length"] for r in sub})
         order, cells = _by_setting(sub)
-        head = "| setting | " + " | ".join(f"{n} tokens" for n in lengths) + " |"
-        lines = [f"### {title} ({metric}, 95% interval)", "", head, "|---" * (len(lengths) + 1) + "|"]
-        for key in order:
-            values = []
-            for n in lengths:
-                if not cells[key][n]:
-                    values.append("-")
-                    continue
-                value, lo, hi = _pooled(metric, cells[key][n])
-                interval = "" if np.isnan(lo) else f" ({_fmt(metric, lo)}–{_fmt(metric, hi)})"
-                values.append(_fmt(metric, value) + interval)
-            lines.append(f"| {key} | " + " | ".join(values) + " |")
-        out.append("\n".join(lines) + "\n")
-        if metric == "accuracy":
-            out.append(_depth_table(sub, title))
-    return "\n".join(part for part in out if part)
+        lengths = sorted({r["length"] for r in sub})
+        out.append(_table(f"{title} ({metric}, 95% interval)", metric, order, [f"{n} tokens" for n in lengths],
+                          [lambda key, n=n: cells[key][n] for n in lengths]))
+        depths = sorted({r["depth"] for r in sub if r["depth"] != ""})
+        if metric == "accuracy" and len(depths) > 1:  # where in the context a policy loses the needle
+            columns = sorted({(r["length"], r["depth"]) for r in sub if r["depth"] != ""})
+            out.append(_table(f"{title} (accuracy by needle depth, 95% interval)", metric, order,
+                              [f"{n} @ {d:.0%}" for n, d in columns],
+                              [lambda key, n=n, d=d: [r for r in cells[key][n] if r["depth"] == d]
+                               for n, d in columns]))
+    return "\n".join(out)
 
 
-def _depth_table(rows: list[dict], title: str) -> str:
-    """With several needle depths, accuracy per (length, depth): where in the context a policy loses the needle
-    (a recency policy keeps late needles only). Empty otherwise."""
-    depths = sorted({r["depth"] for r in rows if r["depth"] != ""})
-    if len(depths) < 2:
-        return ""
-    columns = sorted({(r["length"], r["depth"]) for r in rows if r["depth"] != ""})
-    order, cells = _by_setting(rows)
-    lines = [f"### {title} (accuracy by needle depth, 95% interval)", "",
-             "| setting | " + " | ".join(f"{n} @ {d:.0%}" for n, d in columns) + " |",
-             "|---" * (len(columns) + 1) + "|"]
+def _table(heading: str, metric: str, order: list[str], labels: list[str], columns: list) -> str:
+    """A markdown table: a line per setting of ``order``, a column per label; ``columns[j](setting)`` gives the
+    column's rows of that setting (pooled into one value with its interval; none: ``-``)."""
+    lines = [f"### {heading}", "", "| setting | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
     for key in order:
         values = []
-        for n, d in columns:
-            cell = [r for r in cells[key][n] if r["depth"] == d]
+        for column in columns:
+            cell = column(key)
             if not cell:
                 values.append("-")
                 continue
-            value, lo, hi = _pooled("accuracy", cell)
-            values.append(_fmt("accuracy", value) + ("" if np.isnan(lo) else f" ({_fmt('accuracy', lo)}–"
-                                                                          f"{_fmt('accuracy', hi)})"))
+            value, lo, hi = _pooled(metric, cell)
+            values.append(_fmt(metric, value) + ("" if np.isnan(lo) else f" ({_fmt(metric, lo)}–{_fmt(metric, hi)})"))
         lines.append(f"| {key} | " + " | ".join(values) + " |")
     return "\n".join(lines) + "\n"
 

@@ -241,7 +241,7 @@ def train_router(model: ModelConfig, params, cfg: RouterConfig, data: DataConfig
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 bar.set_postfix(kl=f"{row['route_kl']:.3f}", gate=f"{row['gate_accuracy']:.2f}")
-    heldout = evaluate(model, params, router, cfg, source, rng, pad_id=pad)
+    heldout = evaluate(model, params, router, cfg, source, rng)
     summary = {"steps": cfg.steps, "seconds": round(time.perf_counter() - t0, 1), **heldout}
     learned.save(out_dir, router, model, cfg.rank,
                  {"positions": cfg.positions, "window": cfg.window, "block": cfg.block, "sinks": cfg.sinks,
@@ -249,16 +249,15 @@ def train_router(model: ModelConfig, params, cfg: RouterConfig, data: DataConfig
     return summary
 
 
-def evaluate(model, params, router, cfg: RouterConfig, source: BatchSource, rng, batches: int = 4, *,
-             pad_id: int = TOKENIZER.pad_id) -> dict:
+def evaluate(model, params, router, cfg: RouterConfig, source: BatchSource, rng, batches: int = 4) -> dict:
     """Held-out recall@k of the learned router and of Quest against the teacher, and the gate's skip rate."""
+    pad = source.task.tokenizer.pad_id
     inputs = jax.jit(functools.partial(attention_inputs, model, rotated=cfg.positions == "original"))
     learned_hits, quest_hits, skip = [], [], []
     for i in range(batches):
         batch = source(i, "validation")
         q, k = inputs(params, jnp.asarray(batch["inputs"]))
-        stats, queries, mass, eligible, share = teacher(q, k, jnp.asarray(sample_queries(rng, batch, cfg, pad_id)),
-                                                        cfg)
+        stats, queries, mass, eligible, share = teacher(q, k, jnp.asarray(sample_queries(rng, batch, cfg, pad)), cfg)
         scores, gate = router_scores(router, queries, stats)
         learned_hits.append(recall_at_k(scores, mass, eligible, cfg.topk))
         quest_hits.append(recall_at_k(quest_scores(queries, stats), mass, eligible, cfg.topk))
