@@ -14,8 +14,8 @@ import pytest
 from lcx.config_base import ConfigError
 from lcx.data import ByteTokenizer, HFTokenizer, make_task, task_names
 from lcx.data.haystack import NOISE, prose_text
-from lcx.data.ruler import (CWE_INSTRUCTION, FWE_INSTRUCTION, RULER_SUITE, VT_INSTRUCTION, _largest_fitting,
-                            macro_average, words, zeta)
+from lcx.data.ruler import CWE_INSTRUCTION, FWE_INSTRUCTION, RULER_SUITE, VT_INSTRUCTION, macro_average, words, zeta
+from lcx.data.ruler.base import _largest_fitting
 
 SEQ = 2048
 NIAH = [name for name in RULER_SUITE if name.startswith("niah")]

@@ -10,9 +10,8 @@ naming the key where the parameter was set, ``Task.key``: ``data.params.<field>`
 registered with ``@register``; ``make_task(name, params)`` builds one. Four more fields are not parameters but the
 run's: the tokenizer, the chat frame and where the task was set in the config (``with_tokenizer``,
 ``make_task(prefix=, name_key=)``). They are fields so that every copy of a task keeps them; a config's ``params``
-cannot set them. The built-in tasks live in
-``tasks.py``, ``ruler.py``, ``corpus.py``, ``prose.py``, ``documents.py`` and ``mixture.py`` and are registered
-when ``lcx.data`` is imported.
+cannot set them. The built-in tasks live in ``tasks.py``, ``ruler/``, ``corpus.py``, ``prose.py``, ``documents.py``
+and ``mixture.py`` and are registered when ``lcx.data`` is imported.
 """
 
 from __future__ import annotations
