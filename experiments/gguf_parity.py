@@ -1,6 +1,6 @@
 """lcx vs transformers on a real GGUF file: logits, greedy generation and tokenizer, both from the same file.
 
-lcx loads the file with ``lcx.gguf.load_gguf`` (its own name map, q/k un-permutation and tokenizer builder, the
+lcx loads the file with ``lcx.checkpoints.gguf.load_gguf`` (its own name map, q/k un-permutation and tokenizer builder, the
 ``gguf`` package's dequantization); transformers with ``AutoModelForCausalLM.from_pretrained(dir,
 gguf_file=name)`` (its own GGUF loader, float32). Both see the dequantized weights, so the logits should agree to
 float32 rounding whatever the quantization.
@@ -44,8 +44,8 @@ def lcx_side(path: Path, ids: list[int], new_tokens: int):
     import numpy as np
 
     import lcx
-    from lcx.generate import generate
-    from lcx.gguf import load_gguf
+    from lcx.engine import generate
+    from lcx.checkpoints.gguf import load_gguf
 
     t = time.time()
     config, params = load_gguf(path)

@@ -163,7 +163,7 @@ def lcx_run(config, weights, params: dict | None, budget: int | None, prompt: li
     the tokens and the seconds taken (JIT compilation included)."""
     import numpy as np
 
-    from lcx.generate import Generator
+    from lcx.engine import Generator
 
     start = time.perf_counter()
     cache = lcx_cache_config(params, budget, len(prompt), new_tokens)
@@ -191,7 +191,7 @@ def lcx_scores(config, weights, params: dict, prompt: list[int], budget: int):
     import numpy as np
 
     from lcx.cache.policy import SlotView
-    from lcx.generate import Generator
+    from lcx.engine import Generator
 
     length = len(prompt)
     cache_cfg = lcx_cache_config(params, length, length, 1)

@@ -82,7 +82,7 @@ def lcx_run(path: Path, prompt: list[int], ratio: float, chunk: int, new_tokens:
 
     from lcx import hf
     from lcx.cache.config import CacheConfig
-    from lcx.generate import Generator
+    from lcx.engine import Generator
 
     config, weights = hf.load_hf(path)
     start = time.perf_counter()

@@ -37,9 +37,9 @@ from lcx.config import (Config, ConfigError, ModelConfig, RopeConfig, check_cach
                         load_dict, to_dict)
 from lcx.config_base import config_fields, unknown_key
 from lcx.data.tokenizer import BYTES
-from lcx import context_parallel
+from lcx.parallel import context as context_parallel
 from lcx.eval.config import AblateConfig, EvalConfig
-from lcx.sharding import MeshConfig
+from lcx.parallel.sharding import MeshConfig
 from lcx.train.config import DataConfig, TrainConfig
 from lcx.train.router import RouterConfig
 
@@ -151,7 +151,7 @@ def with_checkpoint_model(data: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(source, str) or not source:
         raise ConfigError(f"checkpoint={source!r} is invalid: a path to a Hugging Face directory, a .gguf file or an "
                           "lcx run / stage directory")
-    from lcx.sources import source_config
+    from lcx.checkpoints.sources import source_config
 
     given = data.get("model") or {}
     if not isinstance(given, Mapping):
@@ -255,7 +255,7 @@ def latest_params(cfg: ExperimentConfig):
 
     source = cfg.eval.checkpoint if cfg.eval is not None else None
     if source is None and cfg.checkpoint is not None:
-        from lcx.sources import load_source
+        from lcx.checkpoints.sources import load_source
 
         # the model section already is the checkpoint's, with the experiment's overrides (attention, dtype)
         _, params, info = load_source(cfg.checkpoint, dtype=cfg.model.param_dtype)

@@ -95,11 +95,11 @@ def _release_compiled_programs():
     ``vm.max_map_count`` (65,530 regions; measured ~15,000 after its first 9 tests), the next mapping failed inside
     XLA and the worker died with a segfault in ``executable.serialize()`` - in a test that passes alone. Clearing the
     caches unmaps the programs no test holds any more (a later module that needs one again reads it back from the
-    persistent compilation cache); it is done once a worker holds more than ``lcx.generate.MAX_MAPPINGS``, so
-    programs that modules share stay compiled until then (``lcx.generate.release_compiled``, which evaluation grids
+    persistent compilation cache); it is done once a worker holds more than ``lcx.engine.MAX_MAPPINGS``, so
+    programs that modules share stay compiled until then (``lcx.engine.release_compiled``, which evaluation grids
     call between cells for the same reason)."""
     yield
-    from lcx.generate import release_compiled
+    from lcx.engine import release_compiled
 
     release_compiled()
 

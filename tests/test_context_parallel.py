@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lcx import context_parallel as cp
+from lcx.parallel import context as cp
 from lcx.config import ConfigError
 from lcx.kernels import blockwise
 from lcx.kernels.reference import attention_reference
@@ -101,7 +101,7 @@ def test_context_parallel_config_errors():
     with pytest.raises(ConfigError, match=r"train.context_parallel='ulysses' is invalid: must be one of"):
         TrainConfig(context_parallel="ulysses")
     with pytest.raises(ConfigError, match=r"mesh.seq=3 is invalid: it must divide the 8 devices"):
-        from lcx.sharding import MeshConfig
+        from lcx.parallel.sharding import MeshConfig
 
         MeshConfig(seq=3).shape(8)
     from pathlib import Path

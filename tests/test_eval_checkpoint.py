@@ -96,7 +96,7 @@ def test_one_shot_protocol_equals_prefill_when_nothing_is_evicted(hf_dir, monkey
     """Context prefilled, question teacher-forced: the next-token logits of prefilling the whole prompt, for the full
     cache and for a compressing policy whose budget holds every token; a budget that evicts changes them. The
     evaluation's one-shot path runs end to end, prefilling a haystack that two questions share once."""
-    from lcx.generate import Generator
+    from lcx.engine import Generator
     from lcx.hf import load_hf
 
     config, params = load_hf(hf_dir)
@@ -179,8 +179,8 @@ def test_generate_and_checkpoint_from_a_gguf_file(hf_dir, tmp_path, capsys, monk
     import transformers
 
     from lcx.cli import main
-    from lcx.generate import Generator
-    from lcx.sources import load_source, source_kind
+    from lcx.engine import Generator
+    from lcx.checkpoints.sources import load_source, source_kind
     from tests.test_gguf import write_gguf
 
     fed = []  # what every prefill of the evaluation fed the model

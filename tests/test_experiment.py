@@ -13,7 +13,7 @@ from lcx.config import ConfigError
 from lcx.data import make_task
 from lcx.eval import grade, markdown_table, read_csv
 from lcx.experiment import finetune_sections, load_experiment
-from lcx.generate import CacheCapacityError
+from lcx.engine import CacheCapacityError
 
 MICRO = """
 name: micro

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from lcx import hf
 from lcx.config import CacheConfig, ConfigError
-from lcx.generate import Generator
+from lcx.engine import Generator
 from lcx.model import families
 from lcx.model.decoder import abstract_params
 from tests.conftest import hf_logits, random_hf_model

@@ -12,7 +12,7 @@ import pytest
 import lcx
 from lcx.cache import init_cache, kv_bytes
 from lcx.config import CacheConfig, ConfigError
-from lcx.generate import CacheCapacityError, Generator, generate
+from lcx.engine import CacheCapacityError, Generator, generate
 
 CFG = lcx.ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, init_std=0.1)
 
@@ -181,7 +181,7 @@ def test_generate_score_equals_full_forward_log_probs(params):
 
 def test_greedy_equals_argmax_on_ties_infinities_and_nans():
     """The two-reduction greedy pick is jnp.argmax exactly: the first maximum, the first NaN of a row with one."""
-    from lcx.sampling import greedy
+    from lcx.engine.sampling import greedy
 
     rng = np.random.default_rng(0)
     x = rng.integers(-3, 4, (64, 257)).astype(np.float32)  # many ties

@@ -11,7 +11,7 @@ import pytest
 
 import lcx
 from lcx.config import ConfigError
-from lcx.generate import CacheCapacityError, Generator, PositionRangeWarning
+from lcx.engine import CacheCapacityError, Generator, PositionRangeWarning
 
 CFG = lcx.ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64,
                       max_position_embeddings=32, attention=lcx.AttentionConfig("xla"))

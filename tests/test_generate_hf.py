@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 from lcx import hf
 from lcx.config import CacheConfig
-from lcx.generate import generate
+from lcx.engine import generate
 from tests.conftest import random_hf_model
 
 

@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, numpy as np, lcx
     from lcx.config import CacheConfig
-    from lcx.generate import Generator
+    from lcx.engine import Generator
     mode, path = sys.argv[1], sys.argv[2]
     cfg = lcx.ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, init_std=0.1)
     params = lcx.init_params(cfg, jax.random.key(0))
@@ -58,7 +58,7 @@ def test_generate_restore_refuses_other_settings(tmp_path):
 
     import lcx
     from lcx.config import ConfigError
-    from lcx.generate import Generator
+    from lcx.engine import Generator
 
     cfg = lcx.ModelConfig(vocab_size=31, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
     params = lcx.init_params(cfg, jax.random.key(0))

@@ -12,7 +12,7 @@ import lcx
 from lcx.cache.base import round_chunk
 from lcx.cache.kv_cache import SlotCacheKind
 from lcx.cache.memory.kind import MemoryKind
-from lcx.generate import Generator, auto_prefill_chunk
+from lcx.engine import Generator, auto_prefill_chunk
 
 CFG = lcx.ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                       max_position_embeddings=512)

@@ -12,7 +12,7 @@ import pytest
 
 import lcx
 from lcx.config import CacheConfig, ConfigError
-from lcx.generate import Generator
+from lcx.engine import Generator
 from lcx.model import Decoder
 from lcx.model.decoder import is_unrolled, unroll_params
 
@@ -111,7 +111,7 @@ def test_unrolled_decode_loop_reads_weights_in_place(params):
 
 
 def test_unrolled_params_are_refused_on_a_mesh_and_by_unroll_false(params):
-    mesh = lcx.sharding.make_mesh(1, 1)
+    mesh = lcx.parallel.sharding.make_mesh(1, 1)
     with pytest.raises(ConfigError, match="on a mesh pass the stacked params"):
         Generator(CFG, unroll_params(params), max_new_tokens=4, mesh=mesh)
     with pytest.raises(ConfigError, match="unroll=False needs stacked params"):

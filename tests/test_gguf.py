@@ -1,4 +1,4 @@
-"""GGUF import (``lcx.gguf``) and ``lcx convert``, against transformers' own GGUF loader and the source models.
+"""GGUF import (``lcx.checkpoints.gguf``) and ``lcx convert``, against transformers' own GGUF loader and the source models.
 
 Each test writes a tiny GGUF with ``gguf.GGUFWriter`` the way llama.cpp's converter does: llama q/k rows permuted
 for its interleaved RoPE, 1-D tensors in F32, metadata under llama.cpp's keys, a byte-level BPE tokenizer trained
@@ -20,7 +20,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import lcx  # noqa: E402
-from lcx import gguf as lcx_gguf  # noqa: E402
+from lcx.checkpoints import gguf as lcx_gguf  # noqa: E402
 from lcx.config_base import ConfigError  # noqa: E402
 from lcx.data.tokenizer import HFTokenizer  # noqa: E402
 from tests.conftest import hf_logits, random_hf_model  # noqa: E402
@@ -376,7 +376,7 @@ def test_dtype_and_mesh_and_hf_reexport(tmp_path):
     assert lcx_gguf.read_gguf_config(path) == host_config and host_config.param_dtype == "float32"
     assert isinstance(host["embed"], np.ndarray) and host["embed"].dtype == np.float32
     np.testing.assert_allclose(np.asarray(params["embed"], np.float32), host["embed"], rtol=1e-2, atol=1e-3)
-    mesh = lcx.sharding.make_mesh(1, 1)
+    mesh = lcx.parallel.sharding.make_mesh(1, 1)
     _, sharded = lcx_gguf.load_gguf(path, mesh=mesh)
     assert isinstance(sharded["embed"], jax.Array)
     np.testing.assert_array_equal(np.asarray(sharded["embed"]), host["embed"])

@@ -18,7 +18,7 @@ kvpress = pytest.importorskip("kvpress")
 
 from lcx import hf  # noqa: E402
 from lcx.cache.config import CacheConfig  # noqa: E402
-from lcx.generate import Generator  # noqa: E402
+from lcx.engine import Generator  # noqa: E402
 from tests.conftest import random_hf_model  # noqa: E402
 
 PROMPT, RATIO, NEW = 40, 0.5, 16

@@ -11,17 +11,16 @@ import pytest
 
 from lcx import cli
 from lcx.config import CacheConfig, ConfigError, ModelConfig, load_dict, load_model_config
+from lcx.cli.plan import load_model
+from lcx.config import apply_model_overrides as apply_overrides
+from lcx.config_base import format_bytes, parse_bytes
 from lcx.plan import (
     Checkpoint,
     PlanInputs,
-    apply_overrides,
     checkpoints,
-    format_bytes,
     kv_bytes_per_token,
-    load_model,
     make_plan,
     max_context,
-    parse_bytes,
     render,
     valid_model_axis_sizes,
     weight_bytes,
@@ -563,7 +562,7 @@ def test_plan_data_axis_must_divide_the_devices(capsys):
 def test_plan_uses_the_runtime_arithmetic():
     """One planner arithmetic: the KV bytes and the memory rule are the functions generation checks with."""
     from lcx.cache import kv_bytes
-    from lcx.device_memory import usable_bytes
+    from lcx.parallel.device_memory import usable_bytes
 
     m = model("llama3-8b")
     plan = plan_for("llama3-8b", context=1000, batch=2)

@@ -10,7 +10,7 @@ import pytest
 import lcx
 from lcx.cli import main
 from lcx.config import ConfigError
-from lcx.plan_train import TrainPlanInputs, train_plan
+from lcx.plan.training import TrainPlanInputs, train_plan
 from lcx.train import TrainConfig
 from lcx.train.loop import training_model
 from lcx.train.step import compile_train_step

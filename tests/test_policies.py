@@ -12,7 +12,7 @@ import pytest
 import lcx
 from lcx.cache import SlotView, evict, layer_budgets, make_policy, simulate
 from lcx.config import CacheConfig, Config, ConfigError, ModelConfig
-from lcx.generate import Generator
+from lcx.engine import Generator
 
 CFG = ModelConfig(vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48, init_std=0.15)
 POLICY_PARAMS = {"window": {}, "streaming": {"sinks": 2}, "h2o": {}, "observed": {}, "tova": {},

@@ -165,7 +165,7 @@ def test_per_head_cache_attends_exactly_what_each_head_keeps():
     import jax
 
     import lcx
-    from lcx.generate import Generator
+    from lcx.engine import Generator
     from tests.test_policies import CFG
 
     params = lcx.init_params(CFG, jax.random.key(0))

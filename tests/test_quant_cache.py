@@ -9,7 +9,7 @@ import pytest
 
 import lcx
 from lcx.config import CacheConfig, ConfigError, ModelConfig
-from lcx.generate import Generator
+from lcx.engine import Generator
 from lcx.kernels.quant import dequantize
 
 CFG = ModelConfig(vocab_size=61, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48, init_std=0.1)

@@ -11,7 +11,7 @@ import pytest
 import lcx
 from lcx.cache.base import CacheCapacityError
 from lcx.config import ConfigError
-from lcx.serve import Server
+from lcx.engine.server import Server
 
 CFG = lcx.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                       max_position_embeddings=256)

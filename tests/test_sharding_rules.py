@@ -9,10 +9,11 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 import lcx
-from lcx import plan, sharding
+from lcx import plan
+from lcx.parallel import sharding
 from lcx.model import placement
 from lcx.config import ConfigError, from_dict
-from lcx.distributed import DistributedConfig, initialize_from_env
+from lcx.parallel.distributed import DistributedConfig, initialize_from_env
 
 
 def abstract_mesh(data: int, model: int) -> AbstractMesh:

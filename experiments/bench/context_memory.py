@@ -20,7 +20,7 @@ import argparse  # noqa: E402
 import time  # noqa: E402
 
 import lcx  # noqa: E402
-from lcx import sharding  # noqa: E402
+from lcx.parallel import sharding  # noqa: E402
 from lcx.config_base import format_bytes, parse_bytes  # noqa: E402
 from lcx.train import TrainConfig  # noqa: E402
 from lcx.train.loop import training_model  # noqa: E402

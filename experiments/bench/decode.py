@@ -22,7 +22,7 @@ import numpy as np
 import lcx
 from lcx import hf
 from lcx.config import CacheConfig
-from lcx.generate import Generator
+from lcx.engine import Generator
 
 
 def _hf_model(vocab: int):

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 import lcx  # noqa: E402
 from lcx.config_base import format_bytes  # noqa: E402
-from lcx.generate import Generator  # noqa: E402
+from lcx.engine import Generator  # noqa: E402
 from lcx.plan import kv_bytes_for_context  # noqa: E402
 
 

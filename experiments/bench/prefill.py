@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import lcx  # noqa: E402
 from lcx import hf  # noqa: E402
-from lcx.generate import Generator  # noqa: E402
+from lcx.engine import Generator  # noqa: E402
 from decode_sweep import Shape, hf_model  # noqa: E402  (the sibling script: shapes, the transformers model)
 
 

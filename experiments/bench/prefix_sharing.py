@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 import lcx  # noqa: E402
 from lcx.config_base import format_bytes  # noqa: E402
-from lcx.generate import Generator  # noqa: E402
+from lcx.engine import Generator  # noqa: E402
 
 
 def separate(config, params, context, questions, new: int):

@@ -3,7 +3,7 @@
 ``--requests`` requests (32), each a ``--system``-token system prompt (2K) shared by all, a question of 16-64 tokens
 and an answer of 16-64 greedy tokens (drawn per request), on a random-weight Llama-style model. Three ways:
 
-- ``lcx.serve.Server``: continuous batching over a paged cache (``--rows`` rows, 16-token pages), the system
+- ``lcx.engine.server.Server``: continuous batching over a paged cache (``--rows`` rows, 16-token pages), the system
   prompt's pages prefilled once and kept across requests;
 - ``lcx.generate``, static batches of ``--rows`` requests in arrival order (each batch decodes to its longest
   answer: a finished row waits for the others);
@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 import lcx  # noqa: E402
-from lcx.serve import Server  # noqa: E402
+from lcx.engine.server import Server  # noqa: E402
 
 
 def requests(args, vocab: int):
@@ -97,7 +97,7 @@ def main(argv=None) -> None:
           f"in all); {args.rows} rows / batch\n")
     print("| way | seconds | requested tokens / s | prompt tokens prefilled | tokens = server's |")
     print("|---|---|---|---|---|")
-    ways = [("lcx.serve.Server (continuous, paged, prefix pages)", serve, True),
+    ways = [("lcx.engine.server.Server (continuous, paged, prefix pages)", serve, True),
             ("lcx.generate, static batches", static, True)]
     if not args.no_transformers:
         ways.append(("transformers generate, static batches", transformers_way, False))

@@ -32,7 +32,7 @@ import lcx  # noqa: E402
 from lcx.data import make_task  # noqa: E402
 from lcx.data.tokenizer import resolve_tokenizer  # noqa: E402
 from lcx.eval import evaluate  # noqa: E402
-from lcx.sources import load_source  # noqa: E402
+from lcx.checkpoints.sources import load_source  # noqa: E402
 
 BATCH = 4
 

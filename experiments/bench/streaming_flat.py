@@ -16,7 +16,7 @@ import numpy as np
 
 import lcx
 from lcx.config import CacheConfig
-from lcx.generate import Generator
+from lcx.engine import Generator
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lcx import sharding
+from lcx.parallel import sharding
 from lcx.cache import schema
 from lcx.cache.schema import Field
 from lcx.config_base import ConfigError, name_registry

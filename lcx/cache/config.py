@@ -34,7 +34,7 @@ class CacheConfig:
     layout="contiguous", page_size=16, **policy_params)``. ``budget`` is the number of tokens per sequence and layer
     the cache keeps (with ``full``: the most it may hold; ``budget_schedule: pyramid`` spreads it over the layers,
     ``pyramid_beta`` setting the slope, ``lcx.cache.schedule``); ``prefill_chunk`` the most prompt tokens per compiled
-    prefill call (None: chosen from the prompt and the memory plan, see ``lcx.generate.auto_prefill_chunk``);
+    prefill call (None: chosen from the prompt and the memory plan, see ``lcx.engine.auto_prefill_chunk``);
     ``interval`` extra slots let decode compact every ``interval`` steps instead of every step; ``max_bytes`` caps
     the KV memory, checked before anything runs. Policy parameters (``sinks``, ``span``, ...) go to the policy named
     by ``policy`` and are validated by it. ``layout``: ``contiguous`` (each sequence its own slots) or ``paged`` (a

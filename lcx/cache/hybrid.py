@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lcx import sharding
+from lcx.parallel import sharding
 from lcx.cache.base import AUTO_PREFILL_CHUNK, CacheKind, CacheState, kind_class, register_kind
 from lcx.cache.kv_cache import FIELDS, SCALE_FIELDS, KVCache, SlotCacheKind
 from lcx.cache.policy import make_policy

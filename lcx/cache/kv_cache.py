@@ -37,7 +37,7 @@ from lcx.cache.schema import Field
 from lcx.config_base import ConfigError, canonical_dtype, format_bytes
 from lcx.kernels.quant import QUANT_DTYPES, SCALE_DTYPE, storage_dtype
 from lcx.model.config import ModelConfig
-from lcx.sharding import BSKD, ROWS, per_shard
+from lcx.parallel.sharding import BSKD, ROWS, per_shard
 
 FIELDS: Mapping[str, Field] = {
     "k": Field(("layers", "batch", "kv_heads", "length", "head_dim"), "kv", 0, role="kv"),

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from lcx import kernels
 from lcx.kernels import Attended
 from lcx.model.config import AttentionSpec
-from lcx.sharding import BK, BKS, BKSD, ROWS
+from lcx.parallel.sharding import BK, BKS, BKSD, ROWS
 
 
 @flax.struct.dataclass

@@ -33,7 +33,7 @@ from lcx.kernels import Attended, merge_partials
 from lcx.kernels.quant import dequantize
 from lcx.model.config import AttentionSpec
 from lcx.model.rope import apply_rope
-from lcx.sharding import BTHD, per_shard
+from lcx.parallel.sharding import BTHD, per_shard
 
 BLOCK_Q = 128  # reconstruction queries scored per step: bounds the [b, h, Q, s + W + t] probabilities
 

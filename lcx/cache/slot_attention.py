@@ -38,7 +38,7 @@ from lcx.kernels import Attended
 from lcx.kernels.quant import dequantize, quantize
 from lcx.model.config import AttentionSpec
 from lcx.model.rope import apply_rope, rope_tables
-from lcx.sharding import BKS, BSKD, BTHD, ROWS, per_shard
+from lcx.parallel.sharding import BKS, BSKD, BTHD, ROWS, per_shard
 
 
 def new_slots(count: jax.Array, ok: jax.Array, capacity: int) -> jax.Array:

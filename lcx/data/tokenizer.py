@@ -6,7 +6,7 @@ Both offer the same small surface - ``encode(text, bos=, eos=)``, ``decode(ids)`
 
 - ``bytes``: UTF-8 bytes plus PAD, BOS, EOS, SEP (260 ids);
 - a path: a ``tokenizer.json`` file, a directory holding one (a Hugging Face checkpoint), or a GGUF model file
-  (``.gguf``: the tokenizer in its metadata, built by ``lcx.gguf``);
+  (``.gguf``: the tokenizer in its metadata, built by ``lcx.checkpoints.gguf``);
 - ``auto`` (the default): the tokenizer of the model a run starts from or evaluates - a Hugging Face directory's
   ``tokenizer.json``, a GGUF file's own, or the tokenizer an lcx run recorded - else ``bytes``.
 
@@ -87,7 +87,7 @@ class HFTokenizer:
         self.chat_template: str | None = _chat_template(file.parent)
 
     def _from_gguf(self, path: Path) -> None:
-        from lcx.gguf import read_gguf_tokenizer  # here: gguf and the model modules load only for a .gguf
+        from lcx.checkpoints.gguf import read_gguf_tokenizer  # here: gguf and the model modules load only for a .gguf
 
         info = read_gguf_tokenizer(path)
         self._tok = info.tokenizer

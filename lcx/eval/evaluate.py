@@ -20,7 +20,7 @@ from lcx.data.policy_inputs import policy_inputs
 from lcx.data.task import TOKENIZER, Example, Task
 from lcx.data.tokenizer import check_model_tokens
 from lcx.eval.stats import perplexity_interval, wilson_interval  # noqa: F401  (re-exported)
-from lcx.generate import Generator, PositionRangeWarning
+from lcx.engine import Generator, PositionRangeWarning
 
 
 def grade(task: Task, output: str, example: Example) -> float:

@@ -32,7 +32,7 @@ from lcx.eval.evaluate import (answer_tokens, cell_examples, check_fits, grades,
                                retrieval_outputs, window_nll, with_depth)
 from lcx.eval.report import write_report
 from lcx.eval.stats import perplexity_interval, wilson_interval
-from lcx.generate import CacheCapacityError, plan_capacity, release_compiled
+from lcx.engine import CacheCapacityError, plan_capacity, release_compiled
 
 # What every cell of one cache setting shares: the grid's own knobs, not the policy's parameters.
 _GRID_KEYS = ("policy", "budget", "interval", "prefill_chunk")

@@ -23,7 +23,7 @@ import numpy as np
 
 from lcx.cache.config import CacheConfig
 from lcx.config_base import ConfigError
-from lcx.generate import Generator, pad_prompts
+from lcx.engine import Generator, pad_prompts
 from lcx.model import attention_inputs
 from lcx.model.config import ModelConfig
 

@@ -1,6 +1,6 @@
 """One block of a blockwise attention: a contiguous chunk of queries against a contiguous chunk of keys, forward with
 residuals and backward from the *whole* attention's output and log-sum-exp - the pieces ring attention (and the
-all-gather strategy) of ``lcx.context_parallel`` are built from.
+all-gather strategy) of ``lcx.parallel.context`` are built from.
 
 Einsum legend: b batch, t queries, s keys, h query heads, k kv heads, g query heads per kv head (h = k * g + j),
 d head dim.

@@ -14,12 +14,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lcx import context_parallel, kernels, sharding
+from lcx import kernels
+from lcx.parallel import context as context_parallel
+from lcx.parallel import sharding
 from lcx.model.config import AttentionSpec, ModelConfig
 from lcx.model.layers import RMSNorm
 from lcx.model.params import as_dtype, declare, normal, zeros
 from lcx.model.rope import apply_rope
-from lcx.sharding import BSKD, BT, BTHD
+from lcx.parallel.sharding import BSKD, BT, BTHD
 
 
 def attend_spec(config: ModelConfig, spec: AttentionSpec, tables, q, key, val, cache, positions, ok, stat_weights,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from lcx.config_base import ConfigError, canonical_dtype, check, positive_int
-from lcx.context_parallel import STRATEGIES
+from lcx.parallel.names import STRATEGIES
 from lcx.kernels.backends import IMPLS
 from lcx.model import rope_scaling
 from lcx.model.families import FAMILIES, Family
@@ -75,7 +75,7 @@ class RopeConfig:
 class AttentionConfig:
     """Which attention implementation the model calls: a row of ``lcx.kernels.backends`` or ``auto`` (compiled
     Pallas kernels on a GPU, XLA elsewhere). ``context_parallel``: how attention crosses a mesh's ``seq`` axis
-    (``ring`` or ``all_gather``, ``lcx.context_parallel``); unused without one. Training sets it from
+    (``ring`` or ``all_gather``, ``lcx.parallel.context``); unused without one. Training sets it from
     ``train.context_parallel``."""
 
     impl: str = "auto"

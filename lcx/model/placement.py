@@ -1,8 +1,8 @@
 """Where the decoder's parameters live on a mesh: the logical axes of every parameter (declared once, in the model
-code) mapped through the rules of ``lcx.sharding``.
+code) mapped through the rules of ``lcx.parallel.sharding``.
 
 Query heads, KV heads and MLP columns split over ``model``; the vocabulary, embedding and norms stay whole (see
-``lcx.sharding.LOGICAL_RULES``). With KV heads replicated over the model axis the K/V projections stay whole too.
+``lcx.parallel.sharding.LOGICAL_RULES``). With KV heads replicated over the model axis the K/V projections stay whole too.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from lcx import sharding
+from lcx.parallel import sharding
 from lcx.config_base import ConfigError, dtype_bytes
 from lcx.model.config import ModelConfig
 from lcx.model.decoder import abstract_params, param_axes

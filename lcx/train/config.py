@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lcx.config_base import ConfigError, canonical_dtype, config_fields, run_attribute
-from lcx.context_parallel import STRATEGIES
+from lcx.parallel.context import STRATEGIES
 from lcx.model.config import REMAT_POLICIES
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -50,7 +50,7 @@ class TrainConfig:
     the device count; ``lcx.train.placement``).
     ``context_parallel``: on a mesh with a ``seq`` axis (``mesh: {seq: N}``), how attention crosses it: ``ring``
     (keys and values passed around the ring, per-device memory independent of the sequence's keys) or
-    ``all_gather`` (keys and values gathered per layer; faster at moderate lengths) - ``lcx.context_parallel``.
+    ``all_gather`` (keys and values gathered per layer; faster at moderate lengths) - ``lcx.parallel.context``.
     ``profile_steps: [first, last]``: a ``jax.profiler`` trace of those steps in ``run_dir/profile`` (TensorBoard's
     profile plugin or Perfetto read it).
     """

@@ -43,7 +43,8 @@ from lcx.train import settings as history
 from lcx.train.config import DataConfig, TrainConfig
 from lcx.train.metrics import MetricsLogger, truncate_metrics
 from lcx.train.optim import make_optimizer
-from lcx import context_parallel, sharding
+from lcx.parallel import context as context_parallel
+from lcx.parallel import sharding
 from lcx.train.step import TrainState, compile_train_step, init_state, state_struct, step_shardings
 from lcx.train.run_lock import RunLock
 from lcx.train.warm_start import initial_params

@@ -17,7 +17,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from lcx import sharding
+from lcx.parallel import sharding
 from lcx.model.config import ModelConfig
 from lcx.model.decoder import abstract_params, param_axes
 from lcx.model.placement import param_specs
@@ -75,7 +75,7 @@ def state_shardings(model: ModelConfig, optimizer: optax.GradientTransformation,
 
 def batch_shardings(batch_struct: dict[str, jax.ShapeDtypeStruct], mesh: Mesh) -> dict[str, NamedSharding]:
     """Every batch array ``[batch, ...]`` split by rows over ``data``; on a mesh with a ``seq`` axis ``[batch,
-    sequence]`` arrays also split their positions over it (rows laid out by ``lcx.context_parallel.layout_batch``)."""
+    sequence]`` arrays also split their positions over it (rows laid out by ``lcx.parallel.context.layout_batch``)."""
     if sharding.axis_size(mesh, "seq") > 1:
         return {name: sharding.sequence_sharding(mesh, s.ndim) for name, s in batch_struct.items()}
     return {name: sharding.batch_sharding(mesh, s.ndim) for name, s in batch_struct.items()}

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lcx import context_parallel, sharding
+from lcx.parallel import context as context_parallel
+from lcx.parallel import sharding
 from lcx.config import ModelConfig
 from lcx.model.decoder import Decoder, abstract_params
 from lcx.train import placement
@@ -134,7 +135,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelCo
 
 def batch_struct(train: TrainConfig, packed: bool = False, positions: bool = False) -> dict[str, jax.ShapeDtypeStruct]:
     """Shapes and dtypes of one batch: ``[batch_size, seq_len]`` each (``packed``: with positions and segment ids;
-    ``positions``: with positions - rows laid out for context parallelism, ``lcx.context_parallel.layout_batch``)."""
+    ``positions``: with positions - rows laid out for context parallelism, ``lcx.parallel.context.layout_batch``)."""
     shape = (train.batch_size, train.seq_len)
     out = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32), "targets": jax.ShapeDtypeStruct(shape, jnp.int32),
            "weights": jax.ShapeDtypeStruct(shape, jnp.float32), "answer": jax.ShapeDtypeStruct(shape, jnp.float32)}

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lcx import sharding
+from lcx.parallel import sharding
 from lcx.config import AttentionConfig, ModelConfig, RopeConfig
 from lcx.model.decoder import Decoder, abstract_params
 from lcx.train.checkpoint import CheckpointError, check_shapes, checkpoint_config, is_checkpoint, load_checkpoint
@@ -39,7 +39,7 @@ def _kind(path: str | Path) -> str:
 def source_config(path: str | Path) -> ModelConfig:
     """The model config stored with an lcx checkpoint or a Hugging Face directory."""
     if _kind(path) == "hf":
-        from lcx.hf import read_hf_config
+        from lcx.checkpoints.hf import read_hf_config
 
         return read_hf_config(path)
     return checkpoint_config(path)
@@ -81,7 +81,7 @@ def initial_params(model: ModelConfig, init_from: str | Path | None, seed: int, 
                                    attention=AttentionConfig())
         return _random_params(arch, seed, shardings)
     if _kind(init_from) == "hf":
-        from lcx.hf import load_hf, read_hf_params
+        from lcx.checkpoints.hf import load_hf, read_hf_params
 
         _, params = read_hf_params(init_from, "float32") if shardings is not None else load_hf(init_from, "float32")
     else:

@@ -10,7 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
-from lcx import distributed
+from lcx.parallel import distributed
 
 distributed.initialize_from_env()  # before anything touches a device; no-op without LCX_COORDINATOR
 
@@ -19,9 +19,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import lcx  # noqa: E402
-from lcx import sharding  # noqa: E402
+from lcx.parallel import sharding  # noqa: E402
 from lcx.model import placement  # noqa: E402
-from lcx.generate import Generator  # noqa: E402
+from lcx.engine import Generator  # noqa: E402
 from lcx.model import Decoder  # noqa: E402
 
 VOCAB = 64
@@ -167,7 +167,7 @@ def decode_hlo(impl: str, cases: list[list], directory: str) -> dict:
         state = gen.prefill(prompts())
         limit = sharding.put(np.int32(4), sharding.replicated(mesh))
         with sharding.use_mesh(mesh):
-            text = gen._decode_loop.lower(gen.params, state, limit).compile().as_text()
+            text = gen.programs.decode_loop.lower(gen.params, state, limit).compile().as_text()
         name = f"kv{n_kv_heads}_{mesh_shape[0]}x{mesh_shape[1]}"
         path = Path(directory) / f"{name}.hlo.txt"
         path.write_text(text)

@@ -2,7 +2,7 @@
 running kernels once per shard.
 
 Mesh axes: ``"data"`` splits the batch, ``"seq"`` the sequence of a training row's activations (context
-parallelism, ``lcx.context_parallel``; size 1 unless asked for), ``"model"`` is tensor parallelism (query heads, KV
+parallelism, ``lcx.parallel.context``; size 1 unless asked for), ``"model"`` is tensor parallelism (query heads, KV
 heads, MLP hidden).
 Model code names logical axes only; :data:`LOGICAL_RULES` maps them to mesh axes, and :func:`logical_to_mesh` turns
 a logical spec into a ``PartitionSpec``, raising when one mesh axis would split two dimensions of one array.
@@ -67,7 +67,7 @@ LOGICAL_RULES: Mapping[str, str | None] = types.MappingProxyType({
     "layers": None,
     "length": None,  # sequence positions a kernel sees whole, and cache slots
     # The positions of a training row's activations (and its batch arrays): split over "seq" when the mesh has a
-    # context-parallel axis; attention then runs lcx.context_parallel's ring or all-gather across it.
+    # context-parallel axis; attention then runs lcx.parallel.context's ring or all-gather across it.
     "sequence": "seq",
     # Cache buffers: the KV heads that keep their own token set go with their KV heads (a size of 1 - one set shared
     # by all heads of a layer - is replicated); long-term memory blocks stay whole per device.
@@ -377,7 +377,7 @@ def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
 
 def sequence_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """A training batch array ``[batch, sequence, ...]``: rows over "data", positions over "seq" (context
-    parallelism; the rows are laid out for it by ``lcx.context_parallel.layout_batch``)."""
+    parallelism; the rows are laid out for it by ``lcx.parallel.context.layout_batch``)."""
     return NamedSharding(mesh, PartitionSpec("data", "seq", *([None] * (ndim - 2))))
 
 

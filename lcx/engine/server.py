@@ -10,8 +10,10 @@ may write (its prompt and ``max_new_tokens``, beyond the pages it shares): admis
 an out-of-memory error, and a request no empty pool could hold is refused at ``submit``. Between jitted calls the
 host admits requests, prefills the admitted rows' prompts together (the other rows' caches untouched: their tokens
 are masked out), then decodes every active row ``segment`` steps at a time; a row that emits EOS or its last token is
-released at once (its pages back to the pool) and the next request takes it. Greedy decoding: a request's tokens
-equal ``lcx.generate`` of its prompt alone.
+released at once (its pages back to the pool) and the next request takes it. Each request samples with its own
+settings and key (``lcx.engine.sampling``): its tokens equal ``lcx.generate`` of its prompt alone with the same
+settings and seed (greedy by default). The compiled functions are the configuration's ``Programs``, shared with
+``Generator``.
 
 Prefix pages: after its prefill, the whole pages of a request's prompt are kept (an extra reference) keyed by their
 tokens; a later request whose prompt starts with the same whole pages (a shared system prompt) gets them without
@@ -37,10 +39,9 @@ from lcx.cache.base import CacheCapacityError, round_chunk
 from lcx.cache.config import CacheConfig
 from lcx.cache.paged import PagedCache
 from lcx.config_base import ConfigError
-from lcx.generate import Generator
-from lcx.model import Decoder
+from lcx.engine.generator import Generator
+from lcx.engine.sampling import RowSampling, SamplingConfig, request_key, sample_rows
 from lcx.model.config import ModelConfig
-from lcx.sampling import greedy
 
 
 @dataclasses.dataclass
@@ -53,6 +54,8 @@ class _Request:
     private: int = 0  # pages this request may own (not shared), counted against the pool while it runs
     prefix: tuple | None = None  # the kept prefix it reads (key), if any
     uses: list = dataclasses.field(default_factory=list)  # kept prefixes that must outlive it (read or made)
+    sampling: SamplingConfig = SamplingConfig()
+    key: np.ndarray | None = None  # its random stream's key (uint32 [2])
 
 
 @dataclasses.dataclass
@@ -62,7 +65,7 @@ class _Prefix:
 
 
 class Server:
-    """Continuous batching of greedy generation over a paged cache; see the module docstring.
+    """Continuous batching over a paged cache; see the module docstring.
 
     ``max_len``: the most tokens (prompt + new) of one request; ``pages``: the pool size (default: every row at
     ``max_len``, i.e. no admission ever waits for pages); ``segment``: decode steps per jitted call (rows admitted
@@ -101,7 +104,8 @@ class Server:
         self._next_id = 0
         self.committed = 0  # pages the running requests may own
         self.prefill_tokens = 0  # prompt tokens run through the model (shared prefixes not counted twice)
-        self._decode = _compiled_decode(config, self.kind, eos_id, self.gen.unrolled)
+        self.programs = self.gen.programs
+        self.sampling = RowSampling.build([SamplingConfig()] * self.rows, np.zeros((self.rows, 2), np.uint32))
 
     def _empty(self) -> PagedCache:
         state = self.kind.create(self.rows, self.row_pages * self.page)
@@ -109,8 +113,10 @@ class Server:
         return state.replace(k=pool(), v=pool(), refs=jnp.zeros((self.pages,), jnp.int32))
 
     # ----------------------------------------------------------------------------------------------- requests
-    def submit(self, prompt: Sequence[int], max_new_tokens: int) -> int:
-        """Queue a request; returns its id. Refused (``CacheCapacityError``) if it exceeds ``max_len``."""
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
+               seed: int | None = None) -> int:
+        """Queue a request; returns its id. Refused (``CacheCapacityError``) if it exceeds ``max_len``.
+        ``sampling``: its settings (default greedy); ``seed``: its random stream (default: its request id)."""
         prompt = np.asarray(prompt, np.int32)
         if prompt.ndim != 1 or prompt.size == 0:
             raise ConfigError("Server.submit: prompt must be a non-empty list of token ids")
@@ -121,7 +127,12 @@ class Server:
         if prompt.size + max_new_tokens > self.row_pages * self.page:
             raise CacheCapacityError(f"request of {prompt.size} prompt + {max_new_tokens} new tokens exceeds the "
                                      f"server's max_len={self.row_pages * self.page}")
-        request = _Request(self._next_id, prompt, max_new_tokens)
+        if sampling is not None and not isinstance(sampling, SamplingConfig):
+            raise ConfigError(f"Server.submit: sampling={sampling!r:.60} is invalid: must be a lcx.SamplingConfig")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ConfigError(f"Server.submit: seed={seed!r:.60} is invalid: must be an integer or None")
+        request = _Request(self._next_id, prompt, max_new_tokens, sampling=sampling or SamplingConfig(),
+                           key=request_key(self._next_id if seed is None else seed))
         self._next_id += 1
         self._queue.append(request)
         return request.id
@@ -186,6 +197,9 @@ class Server:
             table = np.full(self.row_pages, -1, np.int32)
             table[:shared] = pages
             self.state = _assign(self.state, jnp.int32(row), jnp.asarray(table), jnp.int32(shared * self.page))
+            one = RowSampling.build([request.sampling], request.key[None])
+            self.sampling = jax.tree.map(lambda all_, x: _set_row(all_, row, x[0]),
+                                         self.sampling, one)
             self._running[row] = request
             admitted.append(request)
         return admitted
@@ -246,14 +260,15 @@ class Server:
         for lo in range(0, width, chunk):
             last = lengths - 1 - lo
             last_index = np.where((lengths > 0) & (last >= 0) & (last < chunk), last, -1).astype(np.int32)
-            cache, logits = self.gen._prefill_chunk(self.gen.params, cache, jnp.asarray(ids[:, lo:lo + chunk]),
-                                                    jnp.asarray(ok[:, lo:lo + chunk]), jnp.asarray(last_index),
-                                                    logits, None)
+            cache, logits = self.programs.prefill_chunk(self.gen.params, cache, jnp.asarray(ids[:, lo:lo + chunk]),
+                                                        jnp.asarray(ok[:, lo:lo + chunk]), jnp.asarray(last_index),
+                                                        logits, None)
             cache = self.kind.sync(cache)
         n = len(rows)
         self.state = cache.replace(table=full.table.at[index[:n]].set(cache.table[:n]),
                                    lengths=full.lengths.at[index[:n]].set(cache.lengths[:n]))
-        first = np.asarray(greedy(logits))
+        rows_sampling = jax.tree.map(lambda x: x[np.asarray(index)], self.sampling)
+        first = np.asarray(_first_tokens(logits, rows_sampling))  # each request's token 0
         for i, request in enumerate(admitted):
             self._keep_prefix(request)
             self._emit(request, int(first[i]), emit, done)
@@ -277,11 +292,14 @@ class Server:
         token = np.zeros(self.rows, np.int32)
         active = np.zeros(self.rows, bool)
         left = np.zeros(self.rows, np.int32)
+        steps = np.zeros(self.rows, np.int32)
         for row, request in self._running.items():
             token[row], active[row] = request.tokens[-1], True
             left[row] = request.max_new_tokens - len(request.tokens)
-        self.state, tokens, emitted = self._decode(self.gen.params, self.state, jnp.asarray(token),
-                                                   jnp.asarray(active), jnp.asarray(left), self.segment)
+            steps[row] = len(request.tokens)
+        self.state, tokens, emitted = self.programs.serve_segment(
+            self.gen.params, self.state, jnp.asarray(token), jnp.asarray(active), jnp.asarray(left),
+            jax.tree.map(jnp.asarray, self.sampling), jnp.asarray(steps), n_steps=self.segment)
         self.state = self.kind.sync(self.state)
         tokens, emitted = np.asarray(tokens), np.asarray(emitted)  # [S, b]
         for step in range(tokens.shape[0]):
@@ -297,28 +315,13 @@ def pl2(n: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------------- jitted
-@functools.lru_cache(maxsize=32)
-def _compiled_decode(config: ModelConfig, kind, eos_id: int | None, unrolled: bool):
-    """The jitted decode segment of one configuration, shared by every server of it (compiled once)."""
-    return jax.jit(functools.partial(_decode_segment, Decoder(config, unrolled=unrolled), kind, eos_id),
-                   static_argnums=(5,), donate_argnums=(1,))
+_first_tokens = jax.jit(lambda logits, rows: sample_rows(logits, rows, jnp.zeros_like(rows.top_k)))
 
 
-def _decode_segment(model: Decoder, kind, eos_id, params, cache: PagedCache, token, active, left, steps: int):
-    """``steps`` greedy steps of the active rows: append ``token [b]``, emit the argmax, stop a row at EOS or when
-    ``left [b]`` tokens are emitted. Returns ``(cache, tokens [S, b], emitted [S, b])``."""
-    def body(carry, _):
-        cache, token, active, left = carry
-        cache = kind.make_room(cache, active.astype(jnp.int32))
-        logits, cache = model.apply({"params": params}, token[:, None], cache=cache, ok=active[:, None])
-        nxt = greedy(logits[:, 0])  # the generator's greedy pick (first maximum)
-        left = left - active
-        stop = (left <= 0) | ((nxt == eos_id) if eos_id is not None else False)
-        return (cache, jnp.where(active, nxt, token), active & ~stop, left), (nxt, active)
-
-    carry = (cache.split_layers() if model.unrolled else cache, token, active, left)
-    (cache, _, _, _), (tokens, emitted) = jax.lax.scan(body, carry, None, length=steps)
-    return cache.stack_layers(), tokens, emitted
+def _set_row(values: np.ndarray, row: int, value) -> np.ndarray:
+    values = values.copy()
+    values[row] = value
+    return values
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -17,7 +17,7 @@ def load_model(path: str, *, seed: int = 0, dtype: str | None = None) -> tuple[M
 
     import jax
 
-    from lcx import hf
+    from lcx.checkpoints import hf
     from lcx.model import init_params
     from lcx.train.checkpoint import load_checkpoint, run_checkpoint
 
@@ -115,8 +115,8 @@ def _policy_params(items: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lcx.generate import Generator
-    from lcx.sampling import SamplingConfig
+    from lcx.engine import Generator
+    from lcx.engine.sampling import SamplingConfig
 
     cache = CacheConfig(policy=args.cache_policy, budget=args.cache_budget, dtype=args.cache_dtype,
                         prefill_chunk=args.prefill_chunk, **_policy_params(args.cache_param))

@@ -42,11 +42,11 @@ from typing import Any
 
 import jax
 
-from lcx import sharding
+from lcx.parallel import sharding
 from lcx.config import ConfigError, ModelConfig
-from lcx.context_parallel import check_length
+from lcx.parallel.context import check_length
 from lcx.config_base import canonical_dtype, dtype_bytes, format_bytes
-from lcx.device_memory import UTILIZATION, usable_bytes
+from lcx.parallel.device_memory import UTILIZATION, usable_bytes
 from lcx.model.config import REMAT_POLICIES
 
 REMATS = ("none", *REMAT_POLICIES)

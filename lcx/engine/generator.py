@@ -6,11 +6,12 @@
 
 The cache is any cache type behind the contract of ``lcx.cache.base``: this module calls ``kind.plan``,
 ``kind.create``, ``kind.make_room`` before each model call, ``kind.end_prefill`` after the prompt and ``kind.sync``
-between jitted calls, and never looks inside. The capacity is planned on the host before anything runs: a prompt +
-new tokens that do not fit the budget or the memory limit are refused with the bytes needed, never truncated.
+between jitted calls, and never looks inside. The capacity is planned on the host before anything runs
+(``lcx.engine.planning``): a prompt + new tokens that do not fit the budget or the memory limit are refused with the
+bytes needed, never truncated. The compiled functions come from ``lcx.engine.programs`` (shared with the server).
 
 A ``DecodeState`` (cache + sampler state) can be saved with orbax after any step and restored in another process;
-continuing gives bit-identical tokens because the sampler key of step s depends on (seed, s) only.
+continuing gives bit-identical tokens because a row's key at step s depends on (its request's key, s) only.
 """
 
 from __future__ import annotations
@@ -18,347 +19,34 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import warnings
-import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from lcx import context_parallel, device_memory, sharding
-from lcx.cache.base import AUTO_PREFILL_CHUNK, CacheCapacityError, CacheKind, CacheState, round_chunk
+from lcx.cache.base import CacheCapacityError, CacheState
 from lcx.cache.config import CacheConfig
-from lcx.cache.reconstruct import Probe, Reconstruction
-from lcx.config_base import ConfigError, dtype_bytes, format_bytes, to_dict
-from lcx.model import Decoder
-from lcx.model.decoder import is_unrolled, unroll_params
+from lcx.cache.reconstruct import Reconstruction
+from lcx.config_base import ConfigError, to_dict
+from lcx.engine.planning import (auto_prefill_chunk, cache_kind, check_positions,
+                                 choose_unroll, keep_unrolled, kept_unrolled, plan_capacity)
+from lcx.engine.programs import programs
+from lcx.engine.sampling import RowSampling, SamplingConfig, request_keys
+from lcx.engine.state import DecodeState, GenerateResult, is_int, pad_prompts
 from lcx.model.config import ModelConfig
-from lcx.model.placement import param_bytes_per_device, shard_params
-from lcx.sampling import SamplingConfig, sample
-
+from lcx.model.decoder import is_unrolled
+from lcx.model.placement import shard_params
+from lcx.parallel import context as context_parallel
+from lcx.parallel import sharding
 
 SCORE_SEGMENT = 64  # tokens per compiled teacher-forcing scan (Generator.score of caches that cannot chunk)
-CHUNK_MEMORY_SHARE = 0.1  # an auto prefill chunk's activations take at most this share of free device memory
+STATE_VERSION = 2  # DecodeState's layout in a saved state (2: per-row sampling settings and request keys)
 
 
-@flax.struct.dataclass
-class DecodeState:
-    """Everything decoding needs to continue: the cache and the sampler state after ``step`` tokens."""
-
-    cache: CacheState
-    logits: jax.Array  # [b, V] float32: the distribution of the next token
-    tokens: jax.Array  # [b, max_new_tokens] int32 generated so far (pad after EOS)
-    n_generated: jax.Array  # [b] int32 tokens generated per row, EOS included
-    done: jax.Array  # [b] bool
-    step: jax.Array  # int32 scalar: tokens sampled so far
-    key: jax.Array  # uint32 [2]: the sampler's base key (raw key data, checkpointable)
-    rows: int | None = flax.struct.field(pytree_node=False, default=None)  # the requested rows (None: all): on a
-    # mesh a batch is padded to a multiple of the data axis with copies of its last prompt, dropped from results
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateResult:
-    tokens: np.ndarray  # [b, max_new_tokens] int32, padded with pad_id after EOS
-    lengths: np.ndarray  # [b] int32 generated tokens per row, EOS included
-    cache_bytes: int  # bytes of the KV buffers held on the device
-    store_bytes: int = 0  # bytes of keys/values the cache keeps off the device (host memory or disk)
-
-
-# --------------------------------------------------------------------------------------------------- prompts
-def pad_prompts(prompt_ids: Any, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """A ``[b, len]`` int array or a list of token lists -> (right-padded ids ``[b, max_len]``, lengths ``[b]``).
-    Anything else - a flat list, float ids, an empty prompt - is a ``ConfigError`` saying what was expected."""
-    if isinstance(prompt_ids, (np.ndarray, jax.Array)):
-        ids = np.asarray(prompt_ids)
-        if ids.ndim != 2 or ids.shape[1] == 0 or not np.issubdtype(ids.dtype, np.integer):
-            hint = "; one prompt of shape [len] is written ids[None]" if ids.ndim == 1 else ""
-            raise ConfigError(f"prompt_ids has shape {ids.shape} and dtype {ids.dtype}: expected a non-empty int "
-                              f"array [batch, len] or a list of token lists{hint}")
-        return ids.astype(np.int32), np.full((ids.shape[0],), ids.shape[1], np.int32)
-    if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
-        raise ConfigError(f"prompt_ids={prompt_ids!r:.60} is invalid: expected a list of token-id lists (one per "
-                          "prompt) or an int array [batch, len]; encode text with a tokenizer first")
-    rows = list(prompt_ids)
-    if rows and all(_is_int(x) for x in rows):
-        raise ConfigError(f"prompt_ids is a flat list of {len(rows)} ids: expected a list of prompts, each a list "
-                          "of token ids - wrap one prompt as [ids]")
-    rows = [_prompt_row(r, i) for i, r in enumerate(rows)]
-    if not rows or any(len(r) == 0 for r in rows):
-        raise ConfigError("prompt_ids must hold at least one prompt and no empty prompt")
-    lengths = np.asarray([len(r) for r in rows], np.int32)
-    ids = np.full((len(rows), int(lengths.max())), pad_id, np.int32)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = r
-    return ids, lengths
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _prompt_row(row, i: int) -> list[int]:
-    if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
-        raise ConfigError(f"prompt_ids[{i}]={row!r:.60} is invalid: each prompt is a list of token ids")
-    row = list(np.asarray(row).tolist()) if isinstance(row, (np.ndarray, jax.Array)) else list(row)
-    bad = next((x for x in row if not _is_int(x)), None)
-    if bad is not None:
-        raise ConfigError(f"prompt_ids[{i}] holds {bad!r} ({type(bad).__name__}): token ids must be integers")
-    return row
-
-
-def check_positions(config: ModelConfig, cache: CacheConfig, max_prompt: int, max_new_tokens: int,
-                    strict: bool = False) -> None:
-    """Warn (``strict``: raise) when a full cache would place tokens past ``max_position_embeddings`` with plain RoPE:
-    nothing then keeps the positions inside the range the model was trained on, and the output degrades."""
-    last = max_prompt + max_new_tokens
-    if cache.policy != "full" or config.rope.type != "default" or last <= config.max_position_embeddings:
-        return
-    msg = (f"positions reach {last} (prompt {max_prompt} + max_new_tokens {max_new_tokens}), past "
-           f"model.max_position_embeddings={config.max_position_embeddings}, with rope.type='default' and "
-           "cache.policy='full': the model has not seen these positions; set a RoPE scaling (model.rope, e.g. "
-           "yarn) or an eviction policy (e.g. cache.policy=streaming) that keeps them in range")
-    if strict:
-        raise ConfigError(msg)
-    warnings.warn(msg, PositionRangeWarning, stacklevel=3)
-
-
-class PositionRangeWarning(UserWarning):
-    """Generation places tokens at positions the model was not trained on."""
-
-
-# --------------------------------------------------------------------------------------------------- planning
-def cache_kind(config: ModelConfig, cache: CacheConfig, mesh=None) -> CacheKind:
-    """The cache type of ``cache`` for ``config`` (on a mesh that replicates KV heads: the replicated heads)."""
-    model = config if mesh is None else sharding.cache_model_config(config, mesh)
-    return cache.kind(model)
-
-
-def plan_capacity(config: ModelConfig, cache: CacheConfig, batch: int, max_prompt: int, max_new_tokens: int,
-                  mesh=None) -> int:
-    """Slots per layer and sequence for this generation; raises ``CacheCapacityError`` when it cannot fit.
-
-    The cache type plans its slots (``full``: prompt + new tokens, at most ``cache.budget``; evicting policies: the
-    largest layer budget + ``interval``, or less when the whole generation is shorter). Its device bytes are then
-    checked against ``cache.max_bytes``, else 90% of device memory less the weights; on a ``mesh`` per device (the
-    cache is split over all devices, KV heads replicated where the mesh needs it).
-    """
-    kind = cache_kind(config, cache, mesh)
-    capacity = kind.plan(batch, max_prompt, max_new_tokens)
-    need_bytes = kind.nbytes(batch, capacity)
-    if mesh is not None:  # batch over data, (replicated) KV heads over model: the same bytes on every device
-        need_bytes //= mesh.size
-    limit = cache.max_bytes
-    source = f"cache.max_bytes={cache.max_bytes}"
-    if limit is None and (device_limit := device_memory.device_memory_bytes()) is not None:
-        weights = (config.num_params() * dtype_bytes(config.param_dtype) if mesh is None
-                   else param_bytes_per_device(config, mesh))  # the planner's placement arithmetic
-        limit = device_memory.usable_bytes(device_limit) - weights
-        source = f"{device_memory.UTILIZATION:.0%} of {jax.default_backend()} memory less the weights"
-    if limit is not None and need_bytes > limit:
-        per_token = max(kind.nbytes(batch, 1) // (mesh.size if mesh is not None else 1), 1)
-        fit = max(limit // per_token, 0)
-        itemsize = np.dtype(jnp.dtype(kind.kv_dtype)).itemsize
-        raise CacheCapacityError(
-            f"the KV cache needs {format_bytes(need_bytes)} ({capacity} tokens x batch {batch}, 2 x "
-            f"{config.n_layers} layers x {config.n_kv_heads} kv heads x {config.head_dim} x {itemsize} B), more "
-            f"than {source} = {format_bytes(max(limit, 0))}; at most {fit} tokens fit: " + (
-                f"use an eviction budget, e.g. CacheConfig(policy='streaming', budget={fit - cache.interval}, "
-                f"sinks=4, interval={cache.interval})" if fit > cache.interval + 8
-                else "reduce the batch or the request, or raise the memory limit"))
-    return capacity
-
-
-def auto_prefill_chunk(config: ModelConfig, batch: int, max_len: int) -> int:
-    """The prefill chunk of ``cache.prefill_chunk: null``: the whole prompt in one call up to
-    ``AUTO_PREFILL_CHUNK`` tokens (halved while one chunk's activations would take more than ``CHUNK_MEMORY_SHARE``
-    of the free device memory), else equal chunks; a chunk is rounded up to a quarter of a power of two, so padding
-    stays under 25% and one octave of prompt lengths compiles at most four shapes.
-
-    One large chunk costs no more than several small ones (attention visits only the key tiles a query block sees,
-    and the output layer runs on the last position only), but saves their calls and the per-chunk copies of the
-    cache; a power-of-two chunk would pad a 2,049-token prompt to 4,096."""
-    itemsize = dtype_bytes(config.dtype)
-    heads = (config.n_heads + config.n_kv_heads) * config.head_dim
-    per_token = 2 * itemsize * (4 * config.d_model + 2 * heads + 3 * config.d_ff)  # activations, x2 for temporaries
-    cap = AUTO_PREFILL_CHUNK
-    free = device_memory.free_bytes()
-    while free is not None and cap > 64 and batch * cap * per_token > CHUNK_MEMORY_SHARE * free:
-        cap //= 2
-    n_chunks = -(-max_len // cap)
-    return min(cap, round_chunk(-(-max_len // n_chunks)))
-
-
-# --------------------------------------------------------------------------------------------------- compiled steps
-def choose_unroll(config: ModelConfig, params, requested: bool | None) -> bool:
-    """Whether generation runs the unrolled decoder (``Decoder(unrolled=True)``, per-layer params and, inside the
-    decode loop, per-layer cache buffers): asked for, or ``None`` (auto): yes when ``params`` are already unrolled,
-    or when a copy of the layer weights takes at most half the memory free now (the rest is the cache's); else the
-    scanned decoder, which reads the stacked params without a copy but slices (copies) each layer's weights and
-    keys/values every step."""
-    if requested is not None:
-        return bool(requested)
-    if is_unrolled(params):
-        return True
-    free = device_memory.free_bytes()
-    layer_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
-    return free is None or 2 * layer_bytes <= free
-
-
-# The unrolled copy of the most recent stacked params, kept while those arrays live: fresh Generators over the same
-# weights (an evaluation grid, repeated lcx.generate calls) share it instead of copying the layer weights each time
-# (a 1B float32 model: 4-16 s per copy on a 2-core CPU). Keyed by the identity of every leaf, so params that differ in
-# any array - even one replaced in place in the dict - never hit; a leaf's death drops the copy.
-_UNROLLED: dict = {}
-
-
-def _kept_unrolled(params) -> dict | None:
-    leaves = jax.tree.leaves(params)
-    if not _UNROLLED or "layers" not in params or len(leaves) != len(_UNROLLED["refs"]):
-        return None
-    if all(ref() is leaf for ref, leaf in zip(_UNROLLED["refs"], leaves)):
-        return _UNROLLED["unrolled"]
-    return None
-
-
-def _keep_unrolled(params) -> dict:
-    if "layers" not in params:  # already unrolled
-        return params
-    unrolled = unroll_params(params)
-    _UNROLLED.clear()  # one model's copy at a time
-    drop = lambda _: _UNROLLED.clear()  # noqa: E731
-    _UNROLLED.update(refs=[weakref.ref(leaf, drop) for leaf in jax.tree.leaves(params)], unrolled=unrolled)
-    return unrolled
-
-
-@functools.lru_cache(maxsize=128)
-def _compiled(config: ModelConfig, sampling: SamplingConfig, eos_id: int | None, pad_id: int, kind: CacheKind,
-              mesh=None, unrolled: bool = False):
-    """The jitted prefill-chunk, end-of-prefill and decode-loop functions of one configuration (compiled once
-    each). The cache type is ``kind``; this code only calls its contract (``lcx.cache.base``).
-
-    With a ``mesh`` they must be called under ``sharding.use_mesh(mesh)`` (the model reads it at trace time); the
-    cache keeps its sharding (batch over data, KV heads over model) through every step. ``unrolled``: the params
-    are ``unroll_params``'s and the decode loops carry the cache split per layer (``CacheState.split_layers``),
-    stacking it again on the way out: between calls a state is always stacked.
-    """
-    model = Decoder(config, unrolled=unrolled)
-    split = (lambda c: c.split_layers()) if unrolled else (lambda c: c)  # noqa: E731
-    forcing = kind.scoring()  # the kind a teacher-forcing chunk attends with
-
-    def pin(cache: CacheState) -> CacheState:
-        if mesh is None:
-            return cache
-        return jax.lax.with_sharding_constraint(cache, kind.shardings(cache, mesh))
-
-    def prefill_chunk(params, cache, ids, ok, last_index, last_logits, stat_weights, positions=None):
-        # last_index [b]: index of the row's last prompt token within this chunk, or -1. positions: given for a
-        # chunk laid out over a seq mesh axis (lcx.context_parallel), else the cache's next positions.
-        cache = kind.make_room(cache, jnp.sum(ok, axis=1, dtype=jnp.int32))  # room for each row's real tokens
-        logits, cache = model.apply({"params": params}, ids, positions=positions, cache=cache, ok=ok,
-                                    logits_index=jnp.maximum(last_index, 0), stat_weights=stat_weights)
-        last_logits = jnp.where((last_index >= 0)[:, None], logits[:, 0], last_logits)
-        return pin(cache), last_logits
-
-    def end_prefill(cache):
-        return pin(kind.end_prefill(cache))
-
-    def probe_chunk(params, cache, ids, ok, lo, hi):
-        """One reconstruction pass (``lcx.cache.reconstruct``): the tokens score the cache's slots and leave."""
-        policy = kind.policy
-        probe = Probe(lo=lo, hi=hi, sinks=policy.sinks, width=policy.chunk)
-        _, out = model.apply({"params": params}, ids, cache=cache, ok=ok, logits_index=jnp.zeros_like(hi),
-                             probe=probe)
-        return pin(out.replace(lengths=cache.lengths))
-
-    def step(params, cache, token):
-        """Append one token per row (making room first) and return the next logits ``[b, V]``."""
-        cache = kind.make_room(cache, 1)
-        weights = jnp.ones((token.shape[0], 1), jnp.float32)  # every decode query counts for statistics
-        logits, cache = model.apply({"params": params}, token[:, None], cache=cache, stat_weights=weights)
-        return pin(cache), logits[:, 0]
-
-    def decode_loop(params, state: DecodeState, limit):
-        def cond(s: DecodeState):
-            return (s.step < limit) & ~jnp.all(s.done)
-
-        def body(s: DecodeState):
-            token = sample(s.logits, s.key, s.step, sampling)
-            token = jnp.where(s.done, pad_id, token)
-            tokens = s.tokens.at[:, s.step].set(token)
-            n_generated = s.n_generated + (~s.done).astype(jnp.int32)
-            done = s.done | (token == eos_id) if eos_id is not None else s.done
-            cache, logits = step(params, s.cache, token)
-            return s.replace(cache=cache, logits=logits, tokens=tokens, n_generated=n_generated, done=done,
-                             step=s.step + 1)
-
-        state = jax.lax.while_loop(cond, body, state.replace(cache=split(state.cache)))
-        return state.replace(cache=state.cache.stack_layers())
-
-    def forced_loop(params, cache, logits, tokens, n):
-        """Teacher forcing of the first ``n`` of ``tokens [b, width]`` (the rest padding: one compiled program for
-        every segment length): the log-probability of each given token, then append it (evicting as decode does)."""
-        def body(carry):
-            i, cache, logits, logprobs = carry
-            token = jax.lax.dynamic_index_in_dim(tokens, i, axis=1, keepdims=False)
-            logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)[:, 0]
-            cache, logits = step(params, cache, token)
-            return i + 1, cache, logits, logprobs.at[:, i].set(logprob)
-
-        start = (jnp.int32(0), split(cache), logits, jnp.zeros(tokens.shape, logits.dtype))
-        _, cache, logits, logprobs = jax.lax.while_loop(lambda c: c[0] < n, body, start)
-        return cache.stack_layers(), logits, logprobs
-
-    def forced_chunk(params, cache, logits, tokens, n, stat_weights):
-        """Teacher forcing of ``n`` given tokens (``tokens [b, width]``, the rest padding) in one model call, like a
-        prefill chunk: the log-probability of each (from the logits before it) and the logits after the last."""
-        width = tokens.shape[1]
-        ok = jnp.broadcast_to(jnp.arange(width)[None, :] < n, tokens.shape)
-        cache = kind.make_room(cache, n).replace(kind=forcing)
-        out, cache = model.apply({"params": params}, tokens, cache=cache, ok=ok, stat_weights=stat_weights)
-        cache = cache.replace(kind=kind)
-        # Token i's distribution: the carried logits for the first, position i - 1's for the rest. Gathered logit
-        # minus log-sum-exp, so no [b, width, V] log-softmax (or concatenated copy of the logits) is materialized.
-        def logprob(x, ids):
-            return jnp.take_along_axis(x, ids[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(x, axis=-1)
-
-        logprobs = jnp.concatenate([logprob(logits, tokens[:, 0])[:, None], logprob(out[:, :-1], tokens[:, 1:])],
-                                   axis=1)
-        return pin(cache), jax.lax.dynamic_index_in_dim(out, n - 1, axis=1, keepdims=False), logprobs
-
-    return (jax.jit(prefill_chunk, donate_argnums=(1,)), jax.jit(end_prefill, donate_argnums=(0,)),
-            jax.jit(decode_loop, donate_argnums=(1,)), jax.jit(forced_loop), jax.jit(forced_chunk),
-            jax.jit(probe_chunk, donate_argnums=(1,)))
-
-
-MAX_MAPPINGS = 30_000  # memory regions a process may hold before release_compiled drops programs (Linux allows 65,530)
-
-
-def release_compiled(max_mappings: int = MAX_MAPPINGS) -> bool:
-    """Drop every compiled program jax and this module keep once the process holds more than ``max_mappings`` memory
-    regions; returns whether it did. XLA:CPU maps each compiled program's code into regions of its own (~3 per
-    kernel) and jax keeps every program alive: a long evaluation grid of a 30-layer model, each cell compiling its
-    prefill, reconstruction and decode programs, crossed Linux's ``vm.max_map_count`` and died in LLVM ("Unable to
-    allocate section memory"). Later calls compile again (or read the persistent compilation cache)."""
-    import gc
-
-    try:
-        with open("/proc/self/maps") as maps:
-            count = sum(1 for _ in maps)
-    except OSError:  # not Linux: no such limit to watch
-        return False
-    if count <= max_mappings:
-        return False
-    _compiled.cache_clear()
-    jax.clear_caches()
-    gc.collect()
-    return True
-
-
-# --------------------------------------------------------------------------------------------------- generator
 class Generator:
     """Prefill and decode for one model, cache and sampling configuration; states can be saved and restored.
 
@@ -368,7 +56,7 @@ class Generator:
     >>> gen.save(state, "ckpt"); state = gen.restore("ckpt")
     >>> result = gen.result(gen.decode(state))
 
-    ``mesh`` (``lcx.sharding.make_mesh``): params are placed by the sharding rules, the cache is split with the
+    ``mesh`` (``lcx.parallel.sharding.make_mesh``): params are placed by the sharding rules, the cache is split with the
     batch over "data" and KV heads over "model", and the steps run under the mesh (kernels once per shard). A batch
     that the data axis does not divide is padded with copies of its last prompt (``DecodeState.rows``), which
     ``result`` drops.
@@ -388,10 +76,10 @@ class Generator:
         repeat prompt of a policy scored by reconstruction (``kvzip``; ``lcx.cache.reconstruct``). ``calibration``:
         token ids of a text a policy that ``calibrates`` is measured on (``duo``: its head split), unless its config
         carries the measurement."""
-        if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive integer")
         for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
-            if value is not None and not (_is_int(value) and 0 <= value < config.vocab_size):
+            if value is not None and not (is_int(value) and 0 <= value < config.vocab_size):
                 raise ConfigError(f"{name}={value!r} is invalid: must be a token id in [0, {config.vocab_size}) "
                                   "(the model's vocabulary) or None")
         self.strict = strict
@@ -427,14 +115,13 @@ class Generator:
         self.prompt_tokens = self.prefilled_tokens = 0
         self.max_new_tokens, self.eos_id, self.seed = max_new_tokens, eos_id, seed
         self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
-        kept = _kept_unrolled(self.params)
+        kept = kept_unrolled(self.params)
         self.unrolled = choose_unroll(config, self.params, unroll) if kept is None or unroll is not None else True
         if self.unrolled:
-            self.params = kept if kept is not None else _keep_unrolled(self.params)
+            self.params = kept if kept is not None else keep_unrolled(self.params)
         elif is_unrolled(self.params):
             raise ConfigError("unroll=False needs stacked params (a 'layers' entry); these are unrolled")
-        (self._prefill_chunk, self._end_prefill, self._decode_loop, self._forced, self._forced_chunk,
-         self._probe) = _compiled(config, self.sampling, eos_id, self.pad_id, self.kind, mesh, self.unrolled)
+        self.programs = programs(config, eos_id, self.pad_id, self.kind, mesh, self.unrolled)
         self.reconstruction = reconstruction
         if reconstructs and reconstruction is None:
             raise ConfigError(f"cache.policy={self.cache_config.policy!r} scores the prompt by asking the model to "
@@ -487,7 +174,8 @@ class Generator:
 
     # ----------------------------------------------------------------------------------------------- prefill
 
-    def prefill(self, prompt_ids, progress: bool = False, state: DecodeState | None = None) -> DecodeState:
+    def prefill(self, prompt_ids, progress: bool = False, state: DecodeState | None = None, *,
+                sampling: Sequence[SamplingConfig] | None = None, seeds: Sequence[int] | None = None) -> DecodeState:
         """Run the prompts through the model in chunks; returns the state before the first sampled token.
         ``progress``: show a progress bar (tokens per second, ETA) over the chunks - for long prompts.
 
@@ -503,8 +191,13 @@ class Generator:
         questions about one document) are prefilled once and stored once: one row per run of such prompts is
         prefilled, forked (``kind.fork``), and every row continues with its own tokens. ``prompt_tokens`` /
         ``prefilled_tokens`` count the tokens asked for and run through the model.
+
+        ``sampling``: one ``SamplingConfig`` per prompt (default: the generator's for all); ``seeds``: one seed per
+        prompt, the key of that request's random stream (default: the generator's seed folded with the prompt's
+        index; a ``state``'s rows keep theirs). A prompt with a seed gets the same tokens alone or in any batch.
         """
         ids, lengths = pad_prompts(prompt_ids, pad_id=0)
+        rows_sampling = self._row_sampling(ids.shape[0], sampling, seeds, state)
         if np.any(ids < 0) or np.any(ids >= self.config.vocab_size):
             bad = int(ids[(ids < 0) | (ids >= self.config.vocab_size)][0])
             raise ConfigError(f"prompt token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
@@ -513,6 +206,7 @@ class Generator:
             extra = -rows % sharding.axis_size(self.mesh, "data")
             ids, lengths = np.concatenate([ids, ids[-1:].repeat(extra, 0)]), np.concatenate(
                 [lengths, lengths[-1:].repeat(extra)])
+            rows_sampling = jax.tree.map(lambda x: np.concatenate([x, x[-1:].repeat(extra, 0)]), rows_sampling)
         batch, max_len = ids.shape
         self.prompt_tokens += int(lengths.sum())
         if state is None:
@@ -552,13 +246,29 @@ class Generator:
         if reconstructs:
             cache = self._reconstruct(cache, ids, lengths, progress)
         with sharding.use_mesh(self.mesh):
-            cache = self.kind.sync(self._end_prefill(cache))
+            cache = self.kind.sync(self.programs.end_prefill(cache))
         return DecodeState(
             cache=cache, logits=last_logits,
             tokens=self._put(np.full((batch, self.max_new_tokens), self.pad_id, np.int32)),
             n_generated=self._put(np.zeros((batch,), np.int32)), done=self._put(np.zeros((batch,), bool)),
-            step=self._put(np.int32(0), False),
-            key=self._put(jax.random.key_data(jax.random.key(self.seed)), False), rows=rows if rows < batch else None)
+            step=self._put(np.int32(0), False), sampling=jax.tree.map(self._put, rows_sampling),
+            rows=rows if rows < batch else None)
+
+    def _row_sampling(self, rows: int, sampling, seeds, state: DecodeState | None) -> RowSampling:
+        """Each prompt's sampling settings and request key, checked (host arrays)."""
+        for name, value in (("sampling", sampling), ("seeds", seeds)):
+            if value is not None and (isinstance(value, (str, bytes)) or len(value) != rows):
+                raise ConfigError(f"prefill {name}={value!r:.80} is invalid: must hold one entry per prompt ({rows})")
+        if sampling is not None and not all(isinstance(s, SamplingConfig) for s in sampling):
+            raise ConfigError("prefill sampling=... is invalid: each entry must be a lcx.SamplingConfig")
+        if seeds is not None and not all(is_int(s) for s in seeds):
+            raise ConfigError(f"prefill seeds={list(seeds)!r:.80} is invalid: each seed must be an integer")
+        settings = list(sampling) if sampling is not None else [self.sampling] * rows
+        if state is not None and seeds is None:  # a continued state's rows keep their requests' keys
+            keys = np.asarray(sharding.to_host(state.sampling.keys))[:rows]
+        else:
+            keys = request_keys(self.seed, rows, seeds)
+        return RowSampling.build(settings, keys)
 
     def _shared_prefixes(self, ids: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int, int]] | None:
         """With a paged cache, runs of consecutive rows whose prompts start with the same whole pages (a system
@@ -607,7 +317,7 @@ class Generator:
             last = lengths - 1 - lo
             last_index = np.where((last >= 0) & (last < chunk), last, -1).astype(np.int32)
             with sharding.use_mesh(self.mesh):
-                cache, last_logits = self._prefill_chunk(
+                cache, last_logits = self.programs.prefill_chunk(
                     self.params, cache, self._put(padded[:, lo:lo + chunk]), self._put(ok[:, lo:lo + chunk]),
                     self._put(last_index), last_logits,
                     None if weights is None else self._put(weights[:, lo:lo + chunk]))
@@ -619,7 +329,7 @@ class Generator:
     def _chunk_across_seq(self, ids: np.ndarray, lengths: np.ndarray, cache: CacheState,
                           capacity: int) -> tuple[CacheState, jax.Array]:
         """The prompts as one chunk split over the mesh's ``seq`` axis: padded to a multiple of ``2 x seq``, laid
-        out in zig-zag order (``lcx.context_parallel``), attention across ``seq``; the cache is then whole on every
+        out in zig-zag order (``lcx.parallel.context``), attention across ``seq``; the cache is then whole on every
         ``seq`` device and decoding runs there as on a mesh without one."""
         batch, max_len = ids.shape
         width = -(-max_len // (2 * self.seq)) * (2 * self.seq)
@@ -635,7 +345,7 @@ class Generator:
         last_index = np.argsort(context_parallel.zigzag_order(width, self.seq))[lengths - 1].astype(np.int32)
         put = lambda x: sharding.put(x, sharding.sequence_sharding(self.mesh, x.ndim))  # noqa: E731
         with sharding.use_mesh(self.mesh):
-            cache, last_logits = self._prefill_chunk(
+            cache, last_logits = self.programs.prefill_chunk(
                 self.params, cache, put(laid["ids"]), put(laid["ok"]), self._put(last_index),
                 self._put(np.zeros((batch, self.config.vocab_size), np.float32)), None, put(laid["positions"]))
         return self.kind.sync(cache), last_logits
@@ -646,7 +356,7 @@ class Generator:
         passes = self.reconstruction.passes(ids, lengths, self.policy.chunk)
         for tokens, ok, lo, hi in tqdm(passes, disable=not progress, desc="reconstruct", unit="pass"):
             with sharding.use_mesh(self.mesh):
-                cache = self._probe(self.params, cache, self._put(tokens), self._put(ok), self._put(lo, False),
+                cache = self.programs.probe_chunk(self.params, cache, self._put(tokens), self._put(ok), self._put(lo, False),
                                     self._put(hi))
         return cache
 
@@ -674,17 +384,21 @@ class Generator:
         ``CacheConfig(layout="paged")`` the rows share the context's full pages (stored once, ``lcx.cache.paged``);
         other caches copy the rows. The sampler state is copied too."""
         rows = int(state.cache.lengths.shape[0])
-        counts = [n] if _is_int(n) else list(n) if isinstance(n, (list, tuple, np.ndarray)) else None
-        if not counts or not all(_is_int(c) and c >= 1 for c in counts) or len(counts) not in (1, rows):
+        counts = [n] if is_int(n) else list(n) if isinstance(n, (list, tuple, np.ndarray)) else None
+        if not counts or not all(is_int(c) and c >= 1 for c in counts) or len(counts) not in (1, rows):
             raise ConfigError(f"fork n={n!r} is invalid: must be a positive integer (rows per row of the state) or "
                               f"a list of {rows} of them (one per row)")
         if self.mesh is not None:
             raise ConfigError("Generator.fork on a device mesh is not supported yet: fork on one device")
-        counts = n if _is_int(n) else np.asarray(counts, np.int64)
+        counts = n if is_int(n) else np.asarray(counts, np.int64)
         repeat = lambda x: jnp.repeat(x, counts, axis=0)  # noqa: E731
+        per_row = np.broadcast_to(np.asarray(counts), (rows,))
+        child = np.concatenate([np.arange(c) for c in per_row]).astype(np.uint32)  # each fork's index in its row
+        keys = jax.vmap(jax.random.fold_in)(repeat(state.sampling.keys), jnp.asarray(child))
+        sampling = jax.tree.map(repeat, state.sampling).replace(keys=keys)  # each fork a request of its own
         return state.replace(cache=self.kind.fork(state.cache, counts), logits=repeat(state.logits),
                              tokens=repeat(state.tokens), n_generated=repeat(state.n_generated),
-                             done=repeat(state.done))
+                             done=repeat(state.done), sampling=sampling)
 
     # ----------------------------------------------------------------------------------------------- decode
     def decode(self, state: DecodeState, steps: int | None = None) -> DecodeState:
@@ -695,7 +409,7 @@ class Generator:
             step = int(state.step)
             stop = limit if segment is None else min(limit, step + segment)
             with sharding.use_mesh(self.mesh):
-                state = self._decode_loop(self.params, state, self._put(np.int32(stop), False))
+                state = self.programs.decode_loop(self.params, state, self._put(np.int32(stop), False))
             state = state.replace(cache=self.kind.sync(state.cache))
             if stop >= limit or int(state.step) < stop:  # the limit, or every row hit EOS
                 return state
@@ -739,7 +453,7 @@ class Generator:
                 chunk = np.zeros((batch, segment), np.int32)
                 chunk[:, :n] = tokens[:, lo:lo + n]
                 with sharding.use_mesh(self.mesh):
-                    cache, logits, part = self._forced(self.params, state.cache, state.logits, self._put(chunk),
+                    cache, logits, part = self.programs.forced_loop(self.params, state.cache, state.logits, self._put(chunk),
                                                        self._put(np.int32(n), False))
             else:
                 room = self.kind.score_room(state.cache)
@@ -748,7 +462,7 @@ class Generator:
                 chunk[:, :n] = tokens[:, lo:lo + n]
                 weights = self.kind.score_weights(n, width, batch)
                 with sharding.use_mesh(self.mesh):
-                    cache, logits, part = self._forced_chunk(
+                    cache, logits, part = self.programs.forced_chunk(
                         self.params, state.cache, state.logits, self._put(chunk), self._put(np.int32(n), False),
                         None if weights is None else self._put(weights))
             state = state.replace(cache=self.kind.sync(cache), logits=logits)
@@ -791,7 +505,8 @@ class Generator:
         checkpointer.wait_until_finished()
         self.kind.save_host(state.cache, path)
         # the buffers' shapes too: a forked paged state's pool is sized by its pages in use, not by batch x capacity
-        meta = dict(self._settings(), batch=int(state.tokens.shape[0]), capacity=state.cache.capacity,
+        meta = dict(self._settings(), state_version=STATE_VERSION, batch=int(state.tokens.shape[0]),
+                    capacity=state.cache.capacity,
                     step=int(state.step), rows=state.rows, shapes=[list(x.shape) for x in jax.tree.leaves(state)])
         (path / "meta.json").write_text(json.dumps(meta, indent=2))
 
@@ -804,6 +519,10 @@ class Generator:
         if not meta_path.is_file():
             raise ConfigError(f"{str(path)!r} is not a decode-state checkpoint: {meta_path} is missing")
         meta = json.loads(meta_path.read_text())
+        if meta.get("state_version") != STATE_VERSION:
+            raise ConfigError(f"decode state at {str(path)!r} has layout {meta.get('state_version', 1)}, this lcx "
+                              f"reads {STATE_VERSION}: states saved before 0.2 carry one sampler key, now each row "
+                              "carries its settings and request key (DecodeState.sampling); prefill again")
         mine = self._settings()
         mismatched = [k for k in mine if meta.get(k) != mine[k]]
         if mismatched:
@@ -830,14 +549,16 @@ class Generator:
         rows, mesh = sharding.batch_sharding, self.mesh
         return DecodeState(cache=self.kind.shardings(state.cache, mesh), logits=rows(mesh, 2),
                            tokens=rows(mesh, 2), n_generated=rows(mesh), done=rows(mesh),
-                           step=sharding.replicated(mesh), key=sharding.replicated(mesh))
+                           step=sharding.replicated(mesh),
+                           sampling=RowSampling(temperature=rows(mesh), top_k=rows(mesh), top_p=rows(mesh),
+                                                keys=rows(mesh, 2)))
 
     def _empty_state(self, batch: int, capacity: int) -> DecodeState:
         return DecodeState(
             cache=self.kind.create(batch, capacity),
             logits=jnp.zeros((batch, self.config.vocab_size), jnp.float32),
             tokens=jnp.zeros((batch, self.max_new_tokens), jnp.int32), n_generated=jnp.zeros((batch,), jnp.int32),
-            done=jnp.zeros((batch,), bool), step=jnp.int32(0), key=jnp.zeros((2,), jnp.uint32))
+            done=jnp.zeros((batch,), bool), step=jnp.int32(0), sampling=RowSampling.empty(batch))
 
 
 def generate(config: ModelConfig, params, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0,
@@ -846,7 +567,7 @@ def generate(config: ModelConfig, params, prompt_ids, *, max_new_tokens: int, te
     """Generate ``max_new_tokens`` per prompt. ``prompt_ids``: int array ``[batch, len]`` or a list of token lists.
 
     Returns ``.tokens [batch, max_new_tokens]`` (padded with ``eos_id`` after EOS) and ``.lengths``.
-    ``mesh`` (``lcx.sharding.make_mesh``): generate sharded over it (see ``Generator``); the tokens equal the
+    ``mesh`` (``lcx.parallel.sharding.make_mesh``): generate sharded over it (see ``Generator``); the tokens equal the
     single-device ones. ``strict``: positions past the model's trained range are an error, not a warning.
     """
     gen = Generator(config, params, max_new_tokens=max_new_tokens, cache=cache,
@@ -855,5 +576,4 @@ def generate(config: ModelConfig, params, prompt_ids, *, max_new_tokens: int, te
     return gen.result(gen.decode(gen.prefill(prompt_ids)))
 
 
-__all__ = ["CacheCapacityError", "DecodeState", "GenerateResult", "Generator", "PositionRangeWarning", "cache_kind",
-           "check_positions", "generate", "pad_prompts", "plan_capacity"]
+__all__ = ["Generator", "generate"]

@@ -11,15 +11,16 @@ from lcx.config_base import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lcx import convert_cli, experiment, export_cli, generate_cli, plan
+    from lcx import experiment
+    from lcx.cli import convert, export, generate, plan
 
     parser = argparse.ArgumentParser(prog="lcx", description="Long-context decoding experiments in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     plan.add_parser(sub)
-    generate_cli.add_parser(sub)
+    generate.add_parser(sub)
     experiment.add_parsers(sub)
-    export_cli.add_parser(sub)
-    convert_cli.add_parser(sub)
+    export.add_parser(sub)
+    convert.add_parser(sub)
     return parser
 
 

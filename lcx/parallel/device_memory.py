@@ -2,7 +2,7 @@
 
 ``UTILIZATION`` (90%) of a device's memory is usable; the rest is left to the runtime (CUDA context, compiled
 programs, fragmentation), as serving stacks do. Generation checks the KV cache against that share less the weights
-before anything runs (``lcx.generate.plan_capacity``), and the planner reports the same numbers.
+before anything runs (``lcx.engine.plan_capacity``), and the planner reports the same numbers.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """``lcx convert MODEL.gguf OUT_DIR``: a GGUF file (llama.cpp) as a directory transformers loads.
 
-Writes ``config.json`` + ``model.safetensors`` (by ``lcx.hf.save_hf``, in ``--dtype``, default float32: the
+Writes ``config.json`` + ``model.safetensors`` (by ``lcx.checkpoints.hf.save_hf``, in ``--dtype``, default float32: the
 dequantized weights, so a Q4 file becomes a float32 model that computes what the Q4 file computes),
 ``tokenizer.json`` (the tokenizer built from the GGUF metadata), ``tokenizer_config.json`` (special tokens,
-``add_bos_token``, ``chat_template``) and ``generation_config.json`` (BOS/EOS ids). What ``lcx.gguf`` does not
+``add_bos_token``, ``chat_template``) and ``generation_config.json`` (BOS/EOS ids). What ``lcx.checkpoints.gguf`` does not
 support is refused before anything is written; a non-empty OUT_DIR needs ``--force``.
 """
 
@@ -20,7 +20,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def run(args: argparse.Namespace) -> int:
-    from lcx import gguf, hf
+    from lcx.checkpoints import gguf
+    from lcx.checkpoints import hf
 
     src, out = Path(args.model), Path(args.out)
     if out.exists() and not out.is_dir():

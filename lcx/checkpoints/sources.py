@@ -38,12 +38,12 @@ def source_config(path: str | Path, key: str = "checkpoint") -> ModelConfig:
     """The model config of ``path`` (reads metadata only)."""
     kind = source_kind(path, key)
     if kind == "hf":
-        from lcx.hf import read_hf_config
+        from lcx.checkpoints.hf import read_hf_config
 
         return read_hf_config(path)
     if kind == "gguf":
-        from lcx.gguf import GGUFFile, hf_config
-        from lcx.hf import config_from_hf
+        from lcx.checkpoints.gguf import GGUFFile, hf_config
+        from lcx.checkpoints.hf import config_from_hf
 
         return config_from_hf(hf_config(GGUFFile(path)), where=str(path))
     from lcx.train.checkpoint import checkpoint_config, run_checkpoint
@@ -61,12 +61,12 @@ def load_source(path: str | Path, dtype: str | None = None, key: str = "checkpoi
     if kind == "lcx":
         return load_checkpoint_info(run_checkpoint(p))
     if kind == "hf":
-        from lcx.hf import load_hf
+        from lcx.checkpoints.hf import load_hf
 
         config, params = load_hf(p, dtype=dtype)
         files = sorted(p.glob("*.safetensors"))
     else:
-        from lcx.gguf import load_gguf
+        from lcx.checkpoints.gguf import load_gguf
 
         config, params = load_gguf(p, dtype=dtype)
         files = [p]

@@ -44,12 +44,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lcx import sharding
+from lcx.parallel import sharding
 from lcx.config_base import ConfigError
 from lcx.kernels import blockwise
 from lcx.kernels.backends import resolve
 
-STRATEGIES = ("ring", "all_gather")
+from lcx.parallel.names import STRATEGIES  # noqa: E402  (re-exported)
 AXIS = "seq"
 
 

@@ -2,15 +2,15 @@
 
 The planner calls the functions the runtime uses, so the two cannot drift: KV bytes from the cache's own buffer
 declaration (``lcx.cache.kv_cache.kv_bytes``), the GQA topology check and KV-head replication from
-``lcx.sharding``, weights per device from the model's parameter placement (``lcx.model.placement``), the usable
-share of device memory from ``lcx.device_memory``, byte formatting and overrides from the config plumbing. Pure
-functions first (``kv_bytes_per_token``, ``weight_bytes``, ``max_context``, ``checkpoints``, ``make_plan``,
-``render``), then the command line (``add_parser``, ``run``).
+``lcx.parallel.sharding``, weights per device from the model's parameter placement (``lcx.model.placement``), the usable
+share of device memory from ``lcx.parallel.device_memory``, byte formatting and overrides from the config plumbing. Pure
+functions (``kv_bytes_per_token``, ``weight_bytes``, ``max_context``, ``checkpoints``, ``make_plan``); the text
+form is ``lcx.plan.render`` and the command line ``lcx.cli.plan``.
 
 The memory model, per device (stated in every plan's ``assumptions``):
 - the devices form a ``data x model`` mesh (``--devices`` in all, ``--data`` of them along the data axis): the
   batch splits over ``data``; query heads, KV heads and MLP columns over ``model``; the vocabulary, embedding and
-  norms stay whole on every device, as ``lcx.sharding`` places them;
+  norms stay whole on every device, as ``lcx.parallel.sharding`` places them;
 - KV heads: kv_heads / model per device when the model axis divides them, one replicated head per device when the
   model axis is a multiple of kv_heads (as vLLM does); other splits are invalid (checkpoint (b)) and are counted as
   ceil(kv_heads / model), the padded worst case;
@@ -22,22 +22,17 @@ KV cache bytes = 2 (K and V) x layers x kv_heads x head_dim x bytes_per_element 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
-import yaml
 
-from lcx import hf, sharding
+from lcx.parallel import sharding
 from lcx.cache.config import CacheConfig
 from lcx.cache.hybrid import local_budget, local_room
 from lcx.cache.kv_cache import kv_bytes
-from lcx.config import ConfigError, ModelConfig, apply_model_overrides, load_model_config
-from lcx.config_base import canonical_dtype, dtype_bytes, format_bytes, parse_bytes
-from lcx.device_memory import UTILIZATION, usable_bytes
+from lcx.config import ConfigError, ModelConfig
+from lcx.config_base import canonical_dtype, dtype_bytes, format_bytes
+from lcx.parallel.device_memory import UTILIZATION, usable_bytes
 from lcx.kernels.quant import QUANT_DTYPES
 from lcx.model.placement import param_bytes_per_device
 
@@ -80,7 +75,7 @@ def weight_bytes(model: ModelConfig, dtype: str) -> int:
 
 
 def kv_heads_per_device(model: ModelConfig, model_axis: int) -> int:
-    """KV heads each device holds when the model axis has ``model_axis`` devices (``lcx.sharding``'s topology:
+    """KV heads each device holds when the model axis has ``model_axis`` devices (``lcx.parallel.sharding``'s topology:
     split, or one replicated head each; an invalid split counts ceil(kv_heads / model_axis))."""
     try:
         copies = sharding.kv_replication(model.n_kv_heads, model_axis, model.n_heads)
@@ -127,7 +122,7 @@ def max_context(model: ModelConfig, *, batch: int, gpu_mem_bytes: int, devices: 
 
 
 def valid_model_axis_sizes(model: ModelConfig, devices: int) -> list[int]:
-    """Model-axis sizes that split the attention cleanly (``lcx.sharding.valid_model_axis_sizes``): the divisors of
+    """Model-axis sizes that split the attention cleanly (``lcx.parallel.sharding.valid_model_axis_sizes``): the divisors of
     kv_heads, and the multiples of kv_heads up to ``devices`` that also divide n_heads (KV heads replicated)."""
     return sharding.valid_model_axis_sizes(model.n_kv_heads, model.n_heads, limit=max(devices, model.n_kv_heads))
 
@@ -274,7 +269,7 @@ class Plan:
 
 
 # --------------------------------------------------------------------------------------------------- checkpoints
-def _longest(tokens: int) -> str:
+def longest(tokens: int) -> str:
     return "unbounded (every layer keeps only its window)" if tokens >= UNBOUNDED else f"{tokens} tokens"
 
 
@@ -287,13 +282,13 @@ def _memory_checkpoint(inputs: PlanInputs, n: dict[str, Any]) -> Checkpoint:
     if n["fits"]:
         return Checkpoint("context_vs_memory", "pass",
                           f"{need} fits in {of} ({format_bytes(usable - n['total_dev'])} to spare); "
-                          f"longest context that fits: {_longest(n['max_context'])}")
+                          f"longest context that fits: {longest(n['max_context'])}")
     if inputs.budget is not None and n["fits_budget"]:
         return Checkpoint("context_vs_memory", "warn",
                           f"the full cache does not fit ({need} > {of}); with the eviction budget of "
                           f"{n['cache_tokens']} tokens the cache is {format_bytes(n['b_kv_dev'])} per device and "
                           f"fits, at the cost of evicted tokens; longest full-cache context: "
-                          f"{_longest(n['max_context'])}")
+                          f"{longest(n['max_context'])}")
     advice = []
     if n["max_context"] > 0:
         advice.append(f"longest context that fits: {n['max_context']} tokens")
@@ -513,178 +508,3 @@ def make_plan(inputs: PlanInputs, source: str = "") -> Plan:
         checkpoints=tuple(_checkpoints(inputs, n)),
         assumptions=_assumptions(inputs), notes=_notes(inputs),
     )
-
-
-_LABELS = {"context_vs_memory": "(a) context vs memory", "gqa_vs_tensor_parallel": "(b) GQA vs tensor parallel",
-           "precision": "(c) precision"}
-
-
-def render(plan: Plan) -> str:
-    """The human-readable plan."""
-    fb = format_bytes
-    lines = [
-        f"lcx plan: {plan.source or 'model'} -- {plan.n_layers} layers, {plan.n_heads} heads / {plan.n_kv_heads} KV "
-        f"heads, head_dim {plan.head_dim}; context {plan.context} x batch {plan.batch} on {plan.devices} x "
-        f"{fb(plan.gpu_mem_bytes)}" + (f" (mesh data={plan.data} x model={plan.model_axis})" if plan.data > 1 else ""),
-        f"weights      {plan.num_params / 1e9:.2f}e9 params in {plan.weight_dtype}: {fb(plan.weight_bytes)} total, "
-        f"{fb(plan.weight_bytes_per_device)} per device",
-        f"KV cache     {fb(plan.kv_bytes_per_token)} per token (2 x {plan.n_layers} layers x {plan.n_kv_heads} KV "
-        f"heads x " + (f"({plan.head_dim} x 1 B + a 2 B scale), {plan.kv_dtype})" if plan.kv_dtype in QUANT_DTYPES
-                       else f"{plan.head_dim} x {dtype_bytes(plan.kv_dtype)} B, {plan.kv_dtype})"),
-        f"             {fb(plan.kv_bytes_total)} total for {plan.context} tokens x batch {plan.batch}; "
-        f"{fb(plan.kv_bytes_per_device)} per device ({plan.kv_heads_per_device} KV head(s) per device"
-        + (f", each replicated {plan.kv_replication}x" if plan.kv_replication > 1 else "") + ")",
-    ]
-    if plan.n_local_layers:
-        lines.append(f"layers       {plan.n_local_layers} sliding-window (window {plan.sliding_window}: "
-                     f"{plan.local_slots} slots each for this context) + {plan.n_layers - plan.n_local_layers} global "
-                     f"(every token); the KV figures count each layer's own slots")
-    if plan.budget is not None:
-        lines.append(f"budgeted     eviction budget {plan.budget} -> cache holds {plan.cache_tokens} tokens: "
-                     f"{fb(plan.budget_kv_bytes_total)} total, {fb(plan.budget_kv_bytes_per_device)} per device")
-    lines.append(f"per device   {fb(plan.weight_bytes_per_device)} weights + {fb(plan.kv_bytes_per_device)} KV = "
-                 f"{fb(plan.total_bytes_per_device)} of {fb(plan.usable_bytes_per_device)} usable "
-                 f"({plan.utilization:.0%}): {'fits' if plan.fits else 'does NOT fit'}")
-    if plan.budget is not None:
-        lines.append(f"with budget  {fb(plan.weight_bytes_per_device)} weights + "
-                     f"{fb(plan.budget_kv_bytes_per_device)} KV = {fb(plan.budget_total_bytes_per_device)}: "
-                     f"{'fits' if plan.fits_with_budget else 'does NOT fit'}")
-    if plan.cache_policy is not None:
-        lines.append(f"cache {plan.cache_policy:<6} device {fb(plan.cache_device_kv_bytes)} KV + "
-                     f"{fb(plan.cache_device_meta_bytes)} positions / masks / routing summaries; off the device "
-                     f"{fb(plan.cache_store_bytes)} (all sequences, one device)")
-        if plan.cache_pages is not None:
-            unshared = -(-plan.context // plan.cache_page_size) * plan.batch
-            held = (f"{plan.cache_shared_tokens} shared prefix tokens stored once" if plan.cache_slots >= plan.context
-                    else f"the policy's {plan.cache_slots} slots per sequence; eviction rewrites a shared prefix")
-            lines.append(f"             {plan.cache_pages} pages of {plan.cache_page_size} tokens in use at the full "
-                         f"context ({held}; {plan.cache_pages / unshared:.2f}x of {unshared} pages unshared)")
-        if plan.cache_keep_sets is not None:
-            lines.append(f"             {plan.cache_slots} slots per sequence and layer; kept positions "
-                         f"{plan.cache_keep_sets} (each KV head has its own slots)")
-    lines.append(f"longest context that fits (full cache, batch {plan.batch}): {_longest(plan.max_context)}")
-    lines.append("checkpoints")
-    for c in plan.checkpoints:
-        lines.append(f"  {c.status:<4}  {_LABELS.get(c.name, c.name)}: {c.reason}")
-    lines.append("assumed")
-    lines.extend(f"  - {a}" for a in plan.assumptions)
-    if plan.notes:
-        lines.append("notes")
-        lines.extend(f"  - {x}" for x in plan.notes)
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------------- loading
-def load_model(path: str | Path, overrides: Sequence[str] = ()) -> ModelConfig:
-    """A ``ModelConfig`` from a YAML model config or a Hugging Face checkpoint directory (``config.json``), with
-    dotted ``model.key=value`` overrides applied on top."""
-    p = Path(path)
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ConfigError(f"CONFIG_OR_HF_DIR={str(path)!r} is a directory without config.json: expected a YAML "
-                              f"model config or a Hugging Face checkpoint directory")
-        model = hf.read_hf_config(p)
-    elif p.is_file() and p.name == "config.json":
-        model = hf.read_hf_config(p.parent)
-    elif p.is_file():
-        model = load_model_config(p)
-    else:
-        raise ConfigError(f"CONFIG_OR_HF_DIR={str(path)!r} does not exist: expected a YAML model config or a Hugging "
-                          f"Face checkpoint directory with config.json")
-    return apply_overrides(model, overrides)
-
-
-apply_overrides = apply_model_overrides  # ``model.n_kv_heads=8``-style overrides (lcx.config)
-
-
-# --------------------------------------------------------------------------------------------------- cli
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "plan", help="KV-cache / memory plan and the three decision checkpoints",
-        description="Weight and KV-cache memory per device for a context, batch and device count; whether it fits; "
-                    "the longest context that fits; and pass/warn/fail checkpoints (a) context vs memory, "
-                    "(b) GQA vs tensor parallel, (c) precision.")
-    p.add_argument("config", metavar="CONFIG_OR_HF_DIR",
-                   help="a YAML model config or a Hugging Face checkpoint directory (config.json)")
-    p.add_argument("overrides", nargs="*", metavar="model.KEY=VALUE", help="overrides, e.g. model.n_kv_heads=8")
-    p.add_argument("--context", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
-    p.add_argument("--gpu-mem", required=True, help="memory per device, e.g. 80GiB, 24GB, 141GiB")
-    p.add_argument("--devices", type=int, default=1, help="devices in all (default 1)")
-    p.add_argument("--data", type=int, default=1,
-                   help="devices along the data axis, splitting the batch (default 1: all devices on the model axis)")
-    p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: model.dtype), or int8 / fp8: 8-bit "
-                   "codes with a float16 scale per token and KV head (cache.kv_dtype)")
-    p.add_argument("--weight-dtype", default=None, help="weight dtype (default: model.param_dtype)")
-    p.add_argument("--budget", type=int, default=None, metavar="TOKENS",
-                   help="eviction budget: tokens per sequence the cache keeps")
-    p.add_argument("--cache-policy", default=None, metavar="NAME",
-                   help="also plan this cache policy's tiers, e.g. memory: device vs host / disk bytes")
-    p.add_argument("--cache-param", action="append", default=[], metavar="KEY=VALUE",
-                   help="a parameter of --cache-policy (repeatable), e.g. window=1024")
-    p.add_argument("--page-size", type=int, default=None, metavar="TOKENS",
-                   help="plan a paged cache (layout paged, policy full unless --cache-policy) with pages this long")
-    p.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
-                   help="tokens of --context every sequence starts with, stored once by a paged cache")
-    p.add_argument("--utilization", type=float, default=UTILIZATION,
-                   help=f"usable fraction of device memory (default {UTILIZATION})")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    t = p.add_argument_group("training (--train): params, optimizer state, gradients and activations per device")
-    t.add_argument("--train", action="store_true", help="plan a training run: --context is train.seq_len and "
-                   "--batch train.batch_size")
-    t.add_argument("--fsdp", action="store_true", help="also split weights and optimizer state over --data")
-    t.add_argument("--remat", default="none", help="none, full, dots or dots_no_batch (default none)")
-    t.add_argument("--attention", default="flash", help="flash (Pallas) or xla (materialized scores)")
-    t.add_argument("--compute-dtype", default="bfloat16", help="matmul dtype (default bfloat16)")
-    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
-    t.add_argument("--seq", type=int, default=1, help="devices along the sequence axis: context parallelism splits "
-                   "each row's tokens over them (default 1)")
-    t.add_argument("--context-parallel", default="ring", help="ring or all_gather: attention across --seq")
-    p.set_defaults(func=run)
-    return p
-
-
-def _cache_section(policy: str | None, budget: int | None, params: Sequence[str], page_size: int | None = None):
-    if policy is None and page_size is None:
-        if params:
-            raise ConfigError("--cache-param needs --cache-policy (the policy the parameters belong to)")
-        return None
-    from lcx.cache.config import CacheConfig
-
-    spec = {"policy": policy or "full", "budget": budget}
-    if page_size is not None:
-        spec |= {"layout": "paged", "page_size": page_size}
-    for item in params:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--cache-param {item!r} is invalid: write KEY=VALUE, e.g. window=1024")
-        spec[key] = yaml.safe_load(value)
-    return CacheConfig.from_mapping(spec, prefix="--cache-param")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Print the plan; 0 when a plan was made (whatever the checkpoints say), ConfigError for bad input."""
-    gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem")
-    model = load_model(args.config, args.overrides)
-    if args.seq != 1 and not args.train:
-        raise ConfigError(f"--seq={args.seq} plans context parallelism of a training run: add --train (inference "
-                          "prefill over seq gathers the cache for decode, so its KV bytes per device do not change)")
-    if args.train:
-        from lcx.plan_train import TrainPlanInputs, render_train, train_plan
-
-        t_inputs = TrainPlanInputs(model=model, seq_len=args.context, batch=args.batch, gpu_mem_bytes=gpu_mem,
-                                   devices=args.devices, data=args.data, fsdp=args.fsdp, remat=args.remat,
-                                   attention=args.attention, compute_dtype=args.compute_dtype,
-                                   grad_accum=args.grad_accum, utilization=args.utilization, seq=args.seq,
-                                   context_parallel=args.context_parallel)
-        t_plan = train_plan(t_inputs)
-        print(json.dumps(t_plan, indent=2) if args.json else render_train(t_inputs, t_plan, str(args.config)))
-        return 0
-    inputs = PlanInputs(model=model, context=args.context, batch=args.batch, gpu_mem_bytes=gpu_mem,
-                        devices=args.devices, data=args.data, kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype,
-                        budget=args.budget, utilization=args.utilization,
-                        cache=_cache_section(args.cache_policy, args.budget, args.cache_param, args.page_size),
-                        shared_prefix=args.shared_prefix)
-    plan = make_plan(inputs, source=str(args.config))
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan))
-    return 0
