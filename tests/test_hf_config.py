@@ -70,6 +70,8 @@ def test_hf_config_layer_types_from_legacy_keys():
     ({"rope_parameters": {"full_attention": {"rope_type": "default"}, "local": {"rope_type": "default"}}},
      "rope_parameters has per-layer-type entries ['local']"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    # a window on a family with no window rule was dropped (full attention where the checkpoint states a window)
+    ({"sliding_window": 4096}, "sliding_window=4096 is not supported for llama"),
     ({"mlp_bias": True}, "mlp_bias=true is not supported"),
     ({"rope_scaling": {"type": "su", "factor": 2.0}}, "rope_type='su' is not supported"),
     ({"rope_scaling": {"rope_type": "linear"}}, "rope.factor is required for rope.type='linear'"),

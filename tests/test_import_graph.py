@@ -99,3 +99,55 @@ def test_import_graph_ground_floor_imports_nothing_from_lcx():
     for module, targets in edges.items():
         if module.startswith("lcx.kernels"):
             assert all(t.startswith("lcx.kernels") or t == "lcx.config_base" for t in targets), (module, targets)
+
+
+# The floors of the package layout (docs/architecture.md): each package imports only from its own floor and below.
+BELOW_ENGINE = ("lcx.kernels", "lcx.parallel", "lcx.model", "lcx.cache")
+ABOVE_ENGINE = ("lcx.checkpoints", "lcx.data", "lcx.train", "lcx.eval", "lcx.plan", "lcx.cli", "lcx.experiment",
+                "lcx.lm")
+CONFIG_MODULES = ("lcx.config", "lcx.model.config", "lcx.cache.config", "lcx.train.config", "lcx.eval.config")
+
+
+def _in(module: str, packages) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def floor_violations(edges: dict[str, set[str]]) -> list[str]:
+    broken = []
+    for module, targets in edges.items():
+        for t in sorted(targets):
+            if _in(module, ["lcx.parallel"]) and not _in(t, ["lcx.kernels", "lcx.parallel", "lcx.config_base"]):
+                broken.append(f"{module} -> {t}: parallel imports only kernels and config plumbing")
+            if _in(module, BELOW_ENGINE) and _in(t, ("lcx.engine", *ABOVE_ENGINE)):
+                broken.append(f"{module} -> {t}: nothing below the engine imports it or what sits above it")
+            if _in(module, ["lcx.engine"]) and _in(t, ABOVE_ENGINE):
+                broken.append(f"{module} -> {t}: the engine imports no checkpoint, data, training or CLI code")
+            if module in CONFIG_MODULES and _in(t, ["lcx.kernels", "lcx.parallel"]) and not t.endswith(".names"):
+                broken.append(f"{module} -> {t}: a config module checks names (lcx.*.names), imports no kernel "
+                              "or parallel code")
+    return broken
+
+
+def test_import_graph_floor_rules():
+    assert floor_violations(import_graph()) == []
+
+
+def test_import_graph_floor_rules_can_fail():
+    # a parallel module importing the model, a cache importing the engine, and a config importing context
+    # parallelism are each reported
+    edges = {m: set(t) for m, t in import_graph().items()}
+    edges["lcx.parallel.sharding"].add("lcx.model.config")
+    edges["lcx.cache.paged"].add("lcx.engine.server")
+    edges["lcx.model.config"].add("lcx.parallel.context")
+    found = " | ".join(floor_violations(edges))
+    for edge in ("lcx.parallel.sharding -> lcx.model.config", "lcx.cache.paged -> lcx.engine.server",
+                 "lcx.model.config -> lcx.parallel.context"):
+        assert edge in found
+
+
+def test_package_layout_limits():
+    """At most 8 modules loose in lcx/ beside the packages, and no module over 600 lines (split along seams)."""
+    loose = sorted(f.name for f in ROOT.glob("*.py"))
+    assert len(loose) <= 8, loose
+    long = {str(f.relative_to(ROOT)): n for f in ROOT.rglob("*.py") if (n := len(f.read_text().splitlines())) > 600}
+    assert long == {}

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from lcx.cache.base import CacheKind, kind_class
 from lcx.cache.policy import CachePolicy, make_policy
 from lcx.config_base import ConfigError, canonical_dtype, check, coerce
-from lcx.kernels.quant import QUANT_DTYPES
+from lcx.kernels.names import QUANT_DTYPES
 
 # The cache types that serve the global layers of a model with sliding-window layers (lcx.cache.hybrid); any other
 # type is built as it is and must handle every layer's spec itself.

@@ -96,6 +96,12 @@ def _layer_types(hf: Mapping[str, Any], family: str, n_layers: int, where: str) 
         elif family == "gemma3":
             pattern = hf.get("sliding_window_pattern", 6)
             types = [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
+        elif window is not None:
+            # a family whose attention has no window rule: dropping the key would run full attention where the
+            # checkpoint states a window, so it is refused like any other unsupported field
+            raise _refuse(where, f"sliding_window={window!r} is not supported for {family} (its layers have no "
+                                 "window rule); allowed: null, or a layer_types list naming the sliding layers; "
+                                 "families with a window rule: ['gemma2', 'gemma3', 'mistral', 'qwen2', 'qwen3']")
         else:
             types = [FULL] * n_layers
     if not isinstance(types, (list, tuple)):

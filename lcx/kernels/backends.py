@@ -57,6 +57,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from lcx.kernels.names import IMPLS
 from lcx.kernels.attended import Attended, attended
 from lcx.kernels.decode import decode_attention
 from lcx.kernels.flash import flash_attention
@@ -259,7 +260,8 @@ BACKENDS: dict[str, Backend] = {
                       chunk=_chunk_op(_pallas_chunk), decode=_decode_op(_pallas_decode),
                       column_sums=_pallas_column_sums, paged_decode=_pallas_paged_decode),
 }
-IMPLS: tuple[str, ...] = ("auto", *BACKENDS)
+if IMPLS != ("auto", *BACKENDS):  # the names config checks read (lcx.kernels.names) must list these backends
+    raise RuntimeError(f"lcx.kernels.names.IMPLS={IMPLS} does not match the backends {list(BACKENDS)}")
 
 
 def resolve(impl: str) -> str:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lcx.kernels.names import QUANT_DTYPES  # re-exported: the table lives with the other names configs check
+
 # cache.kv_dtype -> (storage dtype, largest magnitude a stored element takes)
-QUANT_DTYPES: dict[str, tuple[str, float]] = {"int8": ("int8", 127.0), "fp8": ("float8_e4m3fn", 448.0)}
 SCALE_DTYPE = "float16"
 
 

@@ -12,7 +12,7 @@ import dataclasses
 
 from lcx.config_base import ConfigError, canonical_dtype, check, positive_int
 from lcx.parallel.names import STRATEGIES
-from lcx.kernels.backends import IMPLS
+from lcx.kernels.names import IMPLS
 from lcx.model import rope_scaling
 from lcx.model.families import FAMILIES, Family
 

@@ -49,7 +49,7 @@ from lcx.config_base import ConfigError
 from lcx.kernels import blockwise
 from lcx.kernels.backends import resolve
 
-from lcx.parallel.names import STRATEGIES  # noqa: E402  (re-exported)
+from lcx.parallel.names import STRATEGIES  # re-exported
 AXIS = "seq"
 
 

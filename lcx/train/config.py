@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lcx.config_base import ConfigError, canonical_dtype, config_fields, run_attribute
-from lcx.parallel.context import STRATEGIES
+from lcx.parallel.names import STRATEGIES
 from lcx.model.config import REMAT_POLICIES
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
