@@ -44,6 +44,12 @@ def _presses():
         # keys scored against the mean and covariance of the prompt's queries, rotated to the next 512 positions
         "expected_attention": (kvpress.ExpectedAttentionPress(RATIO, n_future_positions=512, n_sink=4),
                                dict(policy="expected_attention", horizon=512, sinks=4), "sdpa"),
+        # keys least like their head's mean key direction (lcx/cache/keydiff.py)
+        "keydiff": (kvpress.KeyDiffPress(RATIO), dict(policy="keydiff"), "eager"),
+        # value leverage weighted by relevance to the prompt's mean query, rotated to the next 512 positions
+        # (lcx/cache/capkv.py: the query mean is the cache's running one, Observes(moments=1))
+        "capkv": (kvpress.CapPress(RATIO, tau=5.0, n_future_positions=512, n_sink=4),
+                  dict(policy="capkv", tau=5.0, horizon=512, sinks=4), "sdpa"),
     }
 
 

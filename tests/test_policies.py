@@ -30,7 +30,8 @@ def params():
 EXERCISED_ELSEWHERE = {"chunkkv": "tests/test_kvpress_parity.py",
                        "expected_attention": "tests/test_kvpress_parity.py and the query-moments test below",
                        "kvzip": "tests/test_kvpress_parity.py and the reconstruction tests below",
-                       "duo": "the calibration test below"}
+                       "duo": "the calibration test below",
+                       "keydiff": "tests/test_kvpress_parity.py", "capkv": "tests/test_kvpress_parity.py"}
 
 
 def test_policies_registry_lists_every_builtin():

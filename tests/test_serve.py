@@ -59,3 +59,97 @@ def test_server_refuses_what_it_cannot_hold(params):
     server = Server(CFG, params, max_len=32, cache=lcx.CacheConfig(layout="paged", page_size=8))
     with pytest.raises(CacheCapacityError, match=r"30 prompt \+ 8 new tokens exceeds the server's max_len=32"):
         server.submit(list(range(30)), max_new_tokens=8)
+
+
+def _pool(server: Server) -> dict:
+    """What the server's pool and admission hold: references, free pages, committed pages, kept prefixes."""
+    pool = server.state.pool
+    return dict(refs=np.asarray(pool.refs).tolist(), free=int(pool.free()), committed=server.committed,
+                prefixes={k: (list(p.pages), p.users) for k, p in server._prefixes.items()})
+
+
+def _held_by_tables_and_prefixes(server: Server) -> np.ndarray:
+    table = np.asarray(server.state.table)
+    kept = [p for prefix in server._prefixes.values() for p in prefix.pages]
+    return np.bincount(table[table >= 0], minlength=server.pages) + np.bincount(kept, minlength=server.pages)
+
+
+def test_an_on_token_that_raises_cancels_its_request_and_returns_its_pages(params):
+    """A client whose callback raises mid-stream: its request is cancelled (pages back at once, left out of the
+    result, recorded with the exception), the request beside it streams the tokens of generating it alone, the pool
+    ends as it was before the request came, and a later run does not resurrect it."""
+    alone = lcx.generate(CFG, params, PROMPTS, max_new_tokens=max(NEW)).tokens
+    server = Server(CFG, params, max_num_seqs=3, max_len=56, pages=12, segment=4, prefill_chunk=16,
+                    cache=lcx.CacheConfig(layout="paged", page_size=8), prefix_entries=2)
+    first = [server.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS, NEW)]
+    assert server.run() == {i: alone[k, :n].tolist() for k, (i, n) in enumerate(zip(first, NEW))}
+    before = _pool(server)  # kept system-prompt prefixes, nothing running
+    assert before["committed"] == 0 and before["free"] < server.pages
+    # the victim reads the kept system prompt's pages and owns two of its own; its neighbour reads them too (neither
+    # keeps a prefix of its own: the system prompt's whole pages are kept already)
+    victim_prompt = SYSTEM + [5, 9, 1]
+    victim = server.submit(victim_prompt, max_new_tokens=10)
+    neighbour = server.submit(PROMPTS[0], max_new_tokens=10)
+    streamed: dict[int, list[int]] = {victim: [], neighbour: []}
+    boom = RuntimeError("client went away")
+    seen = []  # the pool at the neighbour's first token after the cancellation (asserted below: an assertion
+    # failing inside on_token would itself cancel the request)
+
+    def on_token(request, token):
+        streamed[request].append(token)
+        if request == victim and len(streamed[victim]) == 3:
+            raise boom
+        if victim in server.cancelled and not seen:
+            running = list(server._running.values())
+            seen.append(dict(running=[r.id for r in running], table=np.asarray(server.state.table),
+                             row=running[0].row, refs=np.asarray(server.state.refs),
+                             held=_held_by_tables_and_prefixes(server), committed=server.committed,
+                             private=running[0].private))
+
+    out = server.run(on_token=on_token)
+    assert out == {neighbour: alone[0, :10].tolist()} and streamed[neighbour] == out[neighbour]
+    want = lcx.generate(CFG, params, [victim_prompt], max_new_tokens=3).tokens[0].tolist()
+    assert streamed[victim] == want  # its first three tokens, then nothing
+    assert server.cancelled == {victim: boom}
+    # at once: at the neighbour's next token only its row holds pages, beside the kept prefixes
+    (now,) = seen
+    assert now["running"] == [neighbour] and now["committed"] == now["private"]
+    assert np.all(np.delete(now["table"], now["row"], axis=0) == -1)
+    np.testing.assert_array_equal(now["refs"], now["held"])
+    assert _pool(server) == before  # references, free pages, commitments and kept prefixes as before it came
+    later = server.submit(PROMPTS[0], max_new_tokens=4)
+    assert server.run(on_token=lambda r, t: streamed.setdefault(r, []).append(t)) == {later: alone[0, :4].tolist()}
+    assert len(streamed[victim]) == 3 and server.cancelled == {victim: boom}
+
+
+def test_cancel_drops_a_waiting_request_and_ends_a_running_one_at_once(params):
+    server = Server(CFG, params, max_num_seqs=2, max_len=56, pages=12, segment=4, prefill_chunk=16,
+                    cache=lcx.CacheConfig(layout="paged", page_size=8), prefix_entries=0)
+    prompts = [np.random.default_rng(i).integers(0, 61, 12).tolist() for i in (10, 11, 12)]  # nothing in common
+    a, b, c = (server.submit(p, max_new_tokens=8) for p in prompts)
+    assert server.cancel(c) and server.cancelled == {c: None}  # waiting: dropped from the queue
+    assert not server.cancel(c)
+    seen, pools = [], []
+
+    def on_token(request, token):
+        seen.append(request)
+        if request == a and seen.count(a) == 2:  # a cancels b (running beside it) from inside its callback
+            row = next(r for r in server._running.values() if r.id == b)
+            pools.append((np.asarray(server.state.table)[row.row], row.private, _pool(server)))
+            pools.append(server.cancel(b))
+            pools.append((np.asarray(server.state.table)[row.row], _pool(server)))
+        if request == a and seen.count(a) == 4:
+            server.cancel(a)  # its own request: no further token
+
+    out = server.run(on_token=on_token)
+    assert out == {} and server.cancelled == {c: None, b: None, a: None}
+    assert seen == [a, b, a, a, a]  # both prefilled together; b cancelled at a's second token, before its own
+    (table, private, pool), cancelled, (table_after, pool_after) = pools
+    held = np.bincount(table[table >= 0], minlength=server.pages)
+    assert cancelled and held.sum() > 0 and np.all(table_after == -1)
+    assert pool_after["refs"] == (np.asarray(pool["refs"]) - held).tolist()  # its pages back at once
+    assert pool_after["free"] == pool["free"] + held.sum() and pool_after["committed"] == pool["committed"] - private
+    assert not server.cancel(a) and _pool(server) == dict(refs=[0] * 12, free=12, committed=0, prefixes={})
+    with pytest.raises(ConfigError, match=r"Server.cancel: request_id=3 is invalid: must be an id submit returned "
+                                          r"\(0 .. 2\)"):
+        server.cancel(3)

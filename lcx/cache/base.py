@@ -32,6 +32,7 @@ import numpy as np
 
 from lcx.parallel import sharding
 from lcx.cache import schema
+from lcx.cache.policy import registered_where
 from lcx.cache.schema import Field
 from lcx.config_base import ConfigError, name_registry
 
@@ -172,10 +173,36 @@ class CacheKind(abc.ABC):
     def kv_dtype(self) -> str:
         """Storage dtype of the ``"kv"`` buffers."""
 
+    # ------------------------------------------------------------------------------------------- capabilities
+    # What this kind can do for a policy's declaration (``Observes``): ``check_runs`` compares them, so the
+    # Generator never names a policy or a cache type. A kind that can more says so by overriding them.
     @property
     def reconstructable(self) -> bool:
         """Whether a reconstruction pass (``lcx.cache.reconstruct``) can score this cache's slots in place."""
         return False
+
+    @property
+    def calibratable(self) -> bool:
+        """Whether a policy measured on the model (``Observes.calibrates``) runs here: the Generator rebuilds the
+        kind with the measured policy (``dataclasses.replace(kind, policy=...)``)."""
+        return False
+
+    @property
+    def prefill_across_seq(self) -> bool:
+        """Whether ``write_prompt`` takes a prompt whose attention ran across a mesh's ``seq`` axis, whole."""
+        return False
+
+    @property
+    def shardable(self) -> bool:
+        """Whether this cache runs on a device mesh (``shardings`` splits its buffers: batch over data, KV heads
+        over model)."""
+        return False
+
+    def check_runs(self, policy, *, seq: int = 1) -> None:
+        """Raise ``ConfigError`` when ``policy`` (a ``CachePolicy``) observes what this kind cannot give it: a
+        reconstruction pass, a calibration or - on a mesh whose ``seq`` axis has ``seq`` > 1 devices - anything
+        while prefilling. A pure function of the kind, the policy's declaration (``policy.observes``) and ``seq``."""
+        check_runs(self, policy, seq)
 
     # ------------------------------------------------------------------------------------------- host planning
     @abc.abstractmethod
@@ -311,6 +338,32 @@ class CacheKind(abc.ABC):
         return state, None
 
 
+def check_runs(kind: CacheKind, policy, seq: int = 1) -> None:
+    """``CacheKind.check_runs``: the capabilities of ``kind`` against what ``policy`` declares it observes."""
+    name, observes = policy.name, policy.observes
+    if observes.reconstructs and not kind.reconstructable:
+        raise ConfigError(f"cache.policy={name!r} is scored by reconstruction passes, built for the contiguous slot "
+                          f"cache (also as a sliding-window model's global layers); this configuration's cache type is "
+                          f"{kind.name!r}, which is not reconstructable")
+    if observes.calibrates and not kind.calibratable:
+        raise ConfigError(f"cache.policy={name!r} is measured on the model, built for the contiguous slot cache of a "
+                          f"model whose layers are all global; this configuration's cache type is {kind.name!r}, "
+                          "which is not calibratable")
+    if seq <= 1:
+        return
+    if not kind.prefill_across_seq:
+        why = (f"its cache type is {kind.name!r}, which takes no prompt attended across seq (the contiguous slot "
+               "cache of a model whose layers are all global does)")
+    elif observes.prefill:
+        quiet = registered_where(lambda p: p.cache_type == policy.cache_type and not p.observes.prefill)
+        why = (f"it observes the prompt through {observes.describe()}; allowed: a policy that does not "
+               f"({', '.join(quiet)})")
+    else:
+        return
+    raise ConfigError(f"mesh.seq={seq} splits each prompt's prefill over the sequence axis, but cache.policy={name!r} "
+                      f"cannot run that way: {why}; or use a mesh without seq")
+
+
 _KINDS: dict[str, type[CacheKind]] = {}
 
 
@@ -324,5 +377,5 @@ def kind_class(name: str) -> type[CacheKind]:
     return _KINDS[name]
 
 
-__all__ = ["AUTO_PREFILL_CHUNK", "CacheCapacityError", "CacheKind", "CacheState", "kind_class", "register_kind",
-           "round_chunk"]
+__all__ = ["AUTO_PREFILL_CHUNK", "CacheCapacityError", "CacheKind", "CacheState", "check_runs", "kind_class",
+           "register_kind", "round_chunk"]

@@ -239,6 +239,10 @@ class HybridKind(CacheKind):
                            lengths=None, kind=self)
 
     @property
+    def shardable(self) -> bool:
+        return True
+
+    @property
     def reconstructable(self) -> bool:
         """The global layers' slots are scored by the pass; the local ones read it into a padded copy (``attend``)."""
         return self.glob is not None and self.glob.reconstructable

@@ -31,6 +31,7 @@ import numpy as np
 from lcx.cache import reconstruct, slot_attention
 from lcx.cache.base import (AUTO_PREFILL_CHUNK, CacheCapacityError, CacheKind, CacheState, register_kind,
                             round_chunk)
+from lcx.cache.observes import QUERY_FIELDS  # noqa: F401 - re-exported: the buffers of the query moments
 from lcx.cache.policy import EvictionPolicy, make_policy
 from lcx.cache.schedule import evict_cache, layer_budgets
 from lcx.cache.schema import Field
@@ -53,15 +54,6 @@ SCALE_FIELDS: Mapping[str, Field] = {
     "k_scale": Field(("layers", "batch", "kv_heads", "length"), SCALE_DTYPE, 0.0, role="kv"),
     "v_scale": Field(("layers", "batch", "kv_heads", "length"), SCALE_DTYPE, 0.0, role="kv"),
 }
-# The running moments of the queries, per layer and query head, for policies that declare ``query_moments``
-# (``EvictionPolicy.query_moments``: 1 the first two, 2 all three). Queries are scaled by the layer's logit scale and
-# unrotated; ``q_m2`` is the sum of outer products of their deviations from the mean (merged per call: Chan et al.).
-QUERY_FIELDS: Mapping[str, Field] = {
-    "q_count": Field(("layers", "batch"), "float32", 0.0),
-    "q_mean": Field(("layers", "batch", "heads", "head_dim"), "float32", 0.0),
-    "q_m2": Field(("layers", "batch", "heads", "head_dim", "head_dim"), "float32", 0.0),
-}
-
 
 @flax.struct.dataclass
 class KVCache(CacheState):
@@ -76,7 +68,7 @@ class KVCache(CacheState):
     lengths: jax.Array | None  # [b] int32 (None in the per-layer view)
     k_scale: jax.Array | None = None  # [L, b, k, C] float16 (SCALE_FIELDS; None unless cache.kv_dtype is set)
     v_scale: jax.Array | None = None  # [L, b, k, C] float16
-    q_count: jax.Array | None = None  # [L, b] float32 (QUERY_FIELDS; None unless the policy declares them)
+    q_count: jax.Array | None = None  # [L, b] float32 (QUERY_FIELDS; None unless the policy observes them)
     q_mean: jax.Array | None = None  # [L, b, h, d] float32
     q_m2: jax.Array | None = None  # [L, b, h, d, d] float32
     kind: "SlotCacheKind" = flax.struct.field(pytree_node=False, default=None)
@@ -126,11 +118,11 @@ class SlotCacheKind(CacheKind):
 
     # ------------------------------------------------------------------------------------------- declaration
     def fields(self) -> Mapping[str, Field]:
-        moments = self.policy.query_moments
-        if not moments and self.quant is None:
+        """The slots, the 8-bit scales when asked for, and the statistics the policy observes (``Observes``)."""
+        observed = self.policy.observes.fields()
+        if not observed and self.quant is None:
             return FIELDS
-        return {**FIELDS, **(SCALE_FIELDS if self.quant else {}),
-                **{n: QUERY_FIELDS[n] for n in ("q_count", "q_mean", "q_m2")[:moments + 1] if moments}}
+        return {**FIELDS, **(SCALE_FIELDS if self.quant else {}), **observed}
 
     @property
     def keep_heads(self) -> int:
@@ -150,9 +142,28 @@ class SlotCacheKind(CacheKind):
         return {"layers": m.n_layers, "batch": batch, "length": capacity, "kv_heads": m.n_kv_heads,
                 "head_dim": m.head_dim, "keep_heads": self.keep_heads, "heads": m.n_heads}
 
+    # Capabilities (``CacheKind.check_runs``). Reconstruction passes (``attend`` with ``probe=``), ``write_prompt``
+    # and a calibrated head split (the kind rebuilt with the measured policy) are written against this class's
+    # contiguous slots: a subclass whose ``attend`` keeps them elsewhere (pages) does not inherit them.
+    @property
+    def _contiguous(self) -> bool:
+        return type(self).attend is SlotCacheKind.attend
+
     @property
     def reconstructable(self) -> bool:
-        return True
+        return self._contiguous
+
+    @property
+    def calibratable(self) -> bool:
+        return self._contiguous
+
+    @property
+    def prefill_across_seq(self) -> bool:
+        return self._contiguous
+
+    @property
+    def shardable(self) -> bool:
+        return self._contiguous
 
     @property
     def kv_dtype(self) -> str:
@@ -175,19 +186,8 @@ class SlotCacheKind(CacheKind):
         return chunk
 
     def prefill_weights(self, lengths: np.ndarray, width: int) -> np.ndarray | None:
-        """Which prompt queries feed the eviction score (``policy.prefill_queries``), ``[b, width]`` float32."""
-        if self.policy.attention_stat is None:
-            return None
-        index = np.arange(width)[None, :]
-        last = lengths[:, None] - 1
-        which = self.policy.prefill_queries
-        if which == "last":
-            chosen = index == last
-        elif which == "window":
-            chosen = (index <= last) & (index > last - self.policy.window)
-        else:
-            chosen = index <= last
-        return chosen.astype(np.float32)
+        """Which prompt queries feed the eviction score (``Observes.prefill_weights``), ``[b, width]`` float32."""
+        return self.policy.observes.prefill_weights(lengths, width)
 
     # ------------------------------------------------------------------------------------------- teacher forcing
     def score_width(self, tokens: int) -> int:
@@ -209,18 +209,14 @@ class SlotCacheKind(CacheKind):
 
     def score_weights(self, n: int, width: int, batch: int) -> np.ndarray | None:
         """Every real query counts for a summed statistic (as every decode step adds its attention); for a
-        replaced one (TOVA) only the last: after n steps the statistic is the last step's attention."""
-        stat = self.policy.attention_stat
-        if stat is None:
-            return None
-        index = np.arange(width)
-        chosen = index == n - 1 if stat == "replace" else index < n
-        return np.broadcast_to(chosen.astype(np.float32), (batch, width)).copy()
+        replaced one (TOVA) only the last: after n steps the statistic is the last step's attention
+        (``Observes.score_weights``)."""
+        return self.policy.observes.score_weights(n, width, batch)
 
     # ------------------------------------------------------------------------------------------- attention
     def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None, probe=None):
         """Append and attend (``slot_attention.attend``); with a ``probe`` (a reconstruction pass of a policy that
-        ``reconstructs``, ``lcx.cache.reconstruct``) attend without appending and score the probed slots."""
+        observes ``reconstructs``, ``lcx.cache.reconstruct``) attend without appending and score the probed slots."""
         if probe is not None:
             return reconstruct.attend(self, layer, q, key, val, cos=cos, sin=sin, ok=ok,
                                       spec=spec or self.model.attention_specs()[0], probe=probe)
@@ -230,8 +226,8 @@ class SlotCacheKind(CacheKind):
     def write_prompt(self, layer, rotated, key, val, positions, ok):
         """Append a whole prompt's keys and values (``[b, t, k, d]`` in sequence order; ``rotated``: the keys at
         their positions) to an empty ``layer`` without attending: a prefill whose attention ran across the mesh's
-        ``seq`` axis (``lcx.model.attention``). Only for policies that gather no statistics while prefilling
-        (``Generator`` checks)."""
+        ``seq`` axis (``lcx.model.attention``). Only for policies that observe nothing while prefilling
+        (``Observes.prefill``; ``check_runs`` refuses the others)."""
         keys = rotated if self.policy.mode == "original" else key
         layout = self.layer_axes()
         return per_shard(slot_attention.write, (layout, BSKD, BSKD, ROWS, ROWS), layout)(layer, keys, val, positions,

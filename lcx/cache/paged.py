@@ -2,10 +2,12 @@
 
 Per layer the keys and values live in one pool ``[P, k, page, d]`` (each page in the slot cache's ``[kv_head, slot,
 head_dim]`` layout); a row's ``table [T]`` lists its pages in position order (-1: none yet), so position ``p`` of row
-``b`` is slot ``p % page`` of page ``table[b, p // page]``. ``refs [P]`` counts the rows holding each page (0: free).
-``make_room`` (jitted, before every model call) gives each row the pages its next tokens need, taking free pages in
-index order; a request the pool cannot serve sets ``overflow``, which ``sync`` (on the host, after the call) raises
-as a ``CacheCapacityError`` - the planner sizes the pool so that it never happens.
+``b`` is slot ``p % page`` of page ``table[b, p // page]``. ``refs [P]`` counts the holders of each page (0: free).
+The bookkeeping (table, refs, peak, overflow) is a ``lcx.cache.page_pool.PagePool`` (``state.pool``), and every
+change to it goes through that module's functions. ``make_room`` (jitted, before every model call) gives each row the
+pages its next tokens need, taking free pages in index order; a request the pool cannot serve sets ``overflow``,
+which ``sync`` (on the host, after the call) raises as a ``CacheCapacityError`` - the planner sizes the pool so that
+it never happens.
 
 Rows that share a prefix share its pages: ``fork`` (``Generator.fork``) turns each row of a prefilled state into
 ``n`` rows whose tables point at the same full pages (their ``refs`` counting every holder); the last, partly filled
@@ -43,7 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lcx import kernels
-from lcx.cache.base import CacheCapacityError, CacheKind, CacheState, register_kind
+from lcx.cache import page_pool, schema
+from lcx.cache.base import CacheKind, CacheState, register_kind
 from lcx.cache.kv_cache import full_overflow
 from lcx.cache.kv_view import KVView, attend_view
 from lcx.cache.schema import Field
@@ -57,10 +60,7 @@ POOL = ("layers", "pages", "kv_heads", "page", "head_dim")
 FIELDS: Mapping[str, Field] = {
     "k": Field(POOL, "kv", 0, role="kv"),
     "v": Field(POOL, "kv", 0, role="kv"),
-    "table": Field(("batch", "row_pages"), "int32", -1),  # page ids in position order; -1: none yet
-    "refs": Field(("pages",), "int32", 0),  # rows holding each page; 0: free
-    "peak": Field((), "int32", 0),  # the most pages in use at once
-    "overflow": Field((), "bool", False),  # a make_room found too few free pages (raised by sync)
+    **page_pool.FIELDS,  # table, refs, peak, overflow: the pool's bookkeeping
     "lengths": Field(("batch",), "int32", 0),  # tokens consumed per row (its next position)
 }
 # An 8-bit pool's scales (cache.kv_dtype; lcx.kernels.quant): one per slot of every page and KV head, KV bytes.
@@ -75,9 +75,28 @@ def scales_of(layer) -> dict[str, jax.Array]:
     return {n: getattr(layer, n) for n in SCALE_FIELDS if getattr(layer, n, None) is not None}
 
 
-class PagePool:
-    """What every paged state (``PagedCache``, ``lcx.cache.paged_slots.PagedSlotCache``) derives from its pool and
-    tables: the capacity, the pool's size, the per-layer view and the byte counts."""
+@flax.struct.dataclass
+class PagedState(CacheState):
+    """The buffers every paged state (``PagedCache``, ``lcx.cache.paged_slots.PagedSlotCache``) starts with - the
+    pages and the pool's bookkeeping (``lcx.cache.page_pool``) - and what derives from them: the capacity, the pool's
+    size, the per-layer view and the byte counts. Subclasses add ``lengths``, their own buffers and ``kind`` (after
+    these fields, so the pytree's leaves keep their order)."""
+
+    k: jax.Array  # [L, P, k, g, d]
+    v: jax.Array
+    table: jax.Array  # [b, T] int32
+    refs: jax.Array | None  # [P] int32 (None in the per-layer view, as are peak and overflow)
+    peak: jax.Array | None  # [] int32
+    overflow: jax.Array | None  # [] bool
+
+    @property
+    def pool(self) -> page_pool.PagePool:
+        """The pool's bookkeeping (table, refs, peak, overflow) as one ``PagePool``."""
+        return page_pool.PagePool(**{n: getattr(self, n) for n in page_pool.FIELDS})
+
+    def with_pool(self, pool: page_pool.PagePool):
+        """This state with the bookkeeping of ``pool`` (the pages' contents unchanged)."""
+        return self.replace(**{n: getattr(pool, n) for n in page_pool.FIELDS})
 
     @property
     def capacity(self) -> int:
@@ -101,16 +120,10 @@ class PagePool:
 
 
 @flax.struct.dataclass
-class PagedCache(PagePool, CacheState):
+class PagedCache(PagedState):
     """The buffers of :data:`FIELDS` (in the per-layer view ``k, v`` are one layer's pool; the table and lengths
     stay, read-only, so each layer can write and gather its pages)."""
 
-    k: jax.Array  # [L, P, k, g, d]
-    v: jax.Array
-    table: jax.Array  # [b, T] int32
-    refs: jax.Array | None  # [P] int32
-    peak: jax.Array | None  # [] int32
-    overflow: jax.Array | None  # [] bool
     lengths: jax.Array | None  # [b] int32
     k_scale: jax.Array | None = None  # [L, P, k, g] float16 (SCALE_FIELDS; None unless cache.kv_dtype is set)
     v_scale: jax.Array | None = None
@@ -125,80 +138,27 @@ def refuse_windows(model: ModelConfig) -> None:
                           "supported yet; allowed: layout 'contiguous' (its sliding layers keep their window)")
 
 
-def check_pool(state, page: int):
-    """``state`` on the host after a call: a ``CacheCapacityError`` if a ``make_room`` found too few free pages."""
-    if bool(state.overflow):
-        raise CacheCapacityError(
-            f"the paged cache ran out of pages: its pool holds {state.n_pages} pages of {page} tokens and "
-            f"{int(jnp.sum(state.refs > 0))} are in use; plan the request with more pages (fork plans the pool from "
-            "the tokens each row may still write)")
-    return state
+def create(kind: CacheKind, batch: int, capacity: int, pages: int) -> PagedState:
+    """An empty paged state of ``batch`` rows of ``capacity`` slots over a pool of ``pages`` pages (``kind.create``
+    sizes the pool at every row's whole capacity; the server sizes it on its own)."""
+    if min(batch, capacity, pages) <= 0:
+        raise ConfigError(f"paged create: batch={batch}, capacity={capacity} and pages={pages} must be positive")
+    sizes = {**kind.sizes(batch, capacity), "pages": pages}
+    return kind.state_type(kind=kind, **schema.empty(kind.fields(), sizes, kind.kv_dtype))
 
 
-def grant(state, fill: jax.Array):
-    """``state`` with a free page (in index order) put in every table entry ``fill [b, T]`` marks; too few free pages
-    set ``overflow`` (raised by ``sync``). The peak of pages in use follows."""
-    table, refs = state.table, state.refs
-    pages = refs.shape[0]
-    new = jnp.sum(fill, axis=1)
-    start = jnp.cumsum(new) - new  # [b] each row's first free page among the free ones
-    index = jnp.arange(pages)
-    free_first = jnp.argsort(jnp.where(refs == 0, index, pages + index))  # free pages first, in index order
-    rank = jnp.cumsum(fill, axis=1) - 1  # [b, T] the entry's rank among its row's new pages
-    table = jnp.where(fill, free_first[jnp.clip(start[:, None] + rank, 0, pages - 1)], table)
-    refs = refs.at[jnp.where(fill, table, pages)].add(1, mode="drop")
-    overflow = state.overflow | (jnp.sum(new) > jnp.sum(state.refs == 0))
-    return state.replace(table=table, refs=refs, peak=jnp.maximum(state.peak, jnp.sum(refs > 0)), overflow=overflow)
-
-
-def grant_upto(state, want: jax.Array):
-    """``state`` with row ``b`` holding its first ``want [b]`` table entries (capped at the table's width)."""
-    j = jnp.arange(state.table.shape[1])[None, :]
-    want = jnp.minimum(want, state.table.shape[1])[:, None]
-    return grant(state, (j < want) & (state.table < 0))
-
-
-def fork_pages(state, n, full: np.ndarray, reserve: np.ndarray):
-    """The page pool of ``state`` (stacked) with each row ``r`` as ``n[r]`` consecutive rows (``n``: an int for every
-    row, or one count per row): row ``r``'s first ``full[r]`` pages shared by its copies (``refs`` counting every
-    holder), its other pages copied per copy (copy-on-write at the fork: a row only ever writes into its own pages),
-    and ``reserve[r]`` pages per copy (its copies included) that the pool keeps for what it may still write. Returns
-    the state with ``k, v, table, refs, peak, overflow, lengths`` replaced."""
-    table = np.asarray(state.table)
-    rows = table.shape[0]
-    counts = np.broadcast_to(np.asarray(n, np.int64), (rows,))
-    used = sorted({int(p) for r in range(rows) for p in table[r, :full[r]]})
-    shared_pages = len(used)
-    total = shared_pages + int(np.sum(counts * reserve))
-    remap = np.full(state.n_pages + 1, -1, np.int64)
-    remap[used] = np.arange(shared_pages)
-    new_table = np.full((int(counts.sum()), table.shape[1]), -1, np.int32)
-    copies_src = []
-    row = 0
-    for r in range(rows):
-        private = [int(p) for p in table[r, full[r]:] if p >= 0]
-        for _ in range(counts[r]):
-            new_table[row, :full[r]] = remap[table[r, :full[r]]]
-            start = shared_pages + len(copies_src)
-            new_table[row, full[r]:full[r] + len(private)] = np.arange(start, start + len(private))
-            copies_src += private
-            row += 1
-    refs = np.zeros(total, np.int32)
-    for held in new_table:
-        refs[held[held >= 0]] += 1
-    gather = np.asarray(used + copies_src, np.int32)
-
-    def pool(x):  # [L, P, ...] -> the shared pages, the private copies, then zeroed free pages
-        kept = jnp.take(x, jnp.asarray(gather), axis=1)
-        pad = jnp.zeros((x.shape[0], total - kept.shape[1], *x.shape[2:]), x.dtype)
-        return jnp.concatenate([kept, pad], axis=1)
-
+def fork_pages(state: PagedState, n, full: np.ndarray, reserve: np.ndarray):
+    """``state`` (stacked) with each row ``r`` as ``n[r]`` consecutive rows (``page_pool.fork``: its first
+    ``full[r]`` pages shared, the others copied per copy, ``reserve[r]`` pages per copy planned) and the pages moved
+    to the new pool. Returns the state with ``k, v`` (and scales), the pool and ``lengths`` replaced."""
+    pool, source = page_pool.fork(state.pool, n, full, reserve)
     stacked = state.stack_layers()
+    move = lambda x: page_pool.take_pages(x, source, pool.n_pages)  # noqa: E731
+    counts = np.broadcast_to(np.asarray(n, np.int64), (state.table.shape[0],))
     lengths = np.repeat(np.asarray(state.lengths), counts).astype(np.int32)
-    scales = {n: pool(x) for n, x in scales_of(stacked).items()}
-    return stacked.replace(k=pool(stacked.k), v=pool(stacked.v), table=jnp.asarray(new_table), **scales,
-                           refs=jnp.asarray(refs), lengths=jnp.asarray(lengths),
-                           peak=jnp.asarray(np.int32((refs > 0).sum())), overflow=jnp.asarray(False))
+    scales = {n: move(x) for n, x in scales_of(stacked).items()}
+    return stacked.replace(k=move(stacked.k), v=move(stacked.v), **scales,
+                           lengths=jnp.asarray(lengths)).with_pool(pool)
 
 
 @register_kind
@@ -290,10 +250,11 @@ class PagedKind(CacheKind):
     # ------------------------------------------------------------------------------------------- between calls
     def make_room(self, state: PagedCache, n) -> PagedCache:
         """Give every row the pages its next ``n`` tokens need (free pages in index order)."""
-        return grant_upto(state, -(-(state.lengths + n) // self.page))
+        return state.with_pool(page_pool.grant_upto(state.pool, -(-(state.lengths + n) // self.page)))
 
     def sync(self, state: PagedCache) -> PagedCache:
-        return check_pool(state, self.page)
+        page_pool.check(state.pool, self.page)
+        return state
 
     # ------------------------------------------------------------------------------------------- sharing
     def fork(self, state: PagedCache, n: int) -> PagedCache:
@@ -303,5 +264,5 @@ class PagedKind(CacheKind):
         return fork_pages(state, n, full, state.table.shape[1] - full)
 
 
-__all__ = ["FIELDS", "SCALE_FIELDS", "PagePool", "PagedCache", "PagedKind", "check_pool", "fork_pages", "grant",
-           "grant_upto", "refuse_windows", "scales_of"]
+__all__ = ["FIELDS", "SCALE_FIELDS", "PagedCache", "PagedKind", "PagedState", "create", "fork_pages", "refuse_windows",
+           "scales_of"]

@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lcx.cache import paged, slot_attention
-from lcx.cache.base import CacheState, register_kind
+from lcx.cache import page_pool, paged, slot_attention
+from lcx.cache.base import register_kind
 from lcx.cache.kv_cache import FIELDS as SLOT_FIELDS, QUERY_FIELDS, KVCache, SlotCacheKind
 from lcx.cache.schedule import Left, evict_cache
 from lcx.cache.schema import Field
@@ -53,15 +53,9 @@ FIELDS: Mapping[str, Field] = {**paged.FIELDS, **{n: SLOT_FIELDS[n] for n in MET
 
 
 @flax.struct.dataclass
-class PagedSlotCache(paged.PagePool, CacheState):
-    """The buffers of :data:`FIELDS`: the page pool and tables of ``PagedCache`` and the slot cache's metadata."""
+class PagedSlotCache(paged.PagedState):
+    """The buffers of :data:`FIELDS`: the pages and pool of ``paged.PagedState`` and the slot cache's metadata."""
 
-    k: jax.Array  # [L, P, k, g, d]
-    v: jax.Array
-    table: jax.Array  # [b, T] int32
-    refs: jax.Array | None  # [P] int32
-    peak: jax.Array | None  # [] int32
-    overflow: jax.Array | None  # [] bool
     pos: jax.Array  # [L, b, H, C] int32
     valid: jax.Array  # [L, b, H, C] bool
     count: jax.Array  # [L, b, H] int32
@@ -175,14 +169,8 @@ class PagedSlotKind(SlotCacheKind):
         pad = ((0, 0), (0, 0), (0, 0), (0, row_pages * page - capacity))
         moved = jnp.pad((after.pos != before.pos) | (after.valid != before.valid), pad)
         changed = jnp.any(moved.reshape(*moved.shape[:3], row_pages, page), axis=(0, 2, 4))  # [b, T]
-        j = jnp.arange(row_pages)[None, :]
-        table, refs = state.table, state.refs
-        free = (j >= need[:, None]) & (table >= 0)
-        refs = refs.at[jnp.where(free, table, pages)].add(-1, mode="drop")
-        table = jnp.where(free, -1, table)
-        copy = (j < need[:, None]) & (table >= 0) & changed & (refs[jnp.maximum(table, 0)] > 1)
-        refs = refs.at[jnp.where(copy, table, pages)].add(-1, mode="drop")
-        state = paged.grant(state.replace(table=jnp.where(copy, -1, table), refs=refs), copy)
+        trimmed = page_pool.trim(state.pool, need)  # the pages past the last occupied slot: back to the pool
+        state = state.with_pool(page_pool.copy_on_write(trimmed, changed))  # each held page written from the view
         ids = jnp.where(state.table >= 0, state.table, pages)  # [b, T]
 
         def write(pool, x):  # x [L, b, k, C, ...] -> every held page of every row (scales: no head dim)
@@ -199,10 +187,11 @@ class PagedSlotKind(SlotCacheKind):
         ``n`` slots in every layer and keep head."""
         state = super().make_room(state, n)
         count = jnp.stack(state.count) if state.split else state.count  # [L, b, H]
-        return paged.grant_upto(state, -(-(jnp.max(count, axis=(0, 2)) + n) // self.page))
+        return state.with_pool(page_pool.grant_upto(state.pool, -(-(jnp.max(count, axis=(0, 2)) + n) // self.page)))
 
     def sync(self, state: PagedSlotCache) -> PagedSlotCache:
-        return paged.check_pool(state, self.page)
+        page_pool.check(state.pool, self.page)
+        return state
 
     def fork(self, state: PagedSlotCache, n: int) -> PagedSlotCache:
         """Each row of ``state`` as ``n`` consecutive rows: the pages every layer and keep head has filled shared,

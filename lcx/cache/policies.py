@@ -1,6 +1,7 @@
 """The built-in eviction policies: full, window, StreamingLLM, H2O, observed attention, TOVA, SnapKV, ChunkKV,
-Expected Attention, KVzip, DuoAttention, K-norm, random (the LaCache ladder is in ``ladder.py``). Each scores one
-layer's slots (of one KV head, for per-head policies); ``compact`` does the rest.
+Expected Attention, KVzip, DuoAttention, K-norm, random (the LaCache ladder is in ``ladder.py``, KeyDiff in
+``keydiff.py``, CAPKV in ``capkv.py``). Each scores one layer's slots (of one KV head, for per-head policies) from
+what it declares it observes (``observes``); ``compact`` does the rest.
 
 Slots are packed at the front in position order, so slot rank ``j`` counts tokens from the oldest live one and
 ``count - 1 - j`` from the newest. Attention scores are probabilities summed over the counted queries and the query
@@ -16,27 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lcx.cache.policy import EvictionPolicy, ScoredPolicy, SlotView, register, top_budget
+from lcx.cache.observes import Observes
+from lcx.cache.policy import (PROTECT, EvictionPolicy, ScoredPolicy, future_rotation, need_budget_above,
+                              need_original_positions, newest, register, top_budget)
 from lcx.config_base import ConfigError
-from lcx.model.rope import apply_rope, rope_tables
-
-_PROTECT = 1e30  # score of slots a policy always keeps (sinks, recent window); finite so ties still sort by age
-
-
-def _slot_rank(view: SlotView) -> jax.Array:
-    return jnp.broadcast_to(jnp.arange(view.pos.shape[-1]), view.pos.shape)
-
-
-def _newest(view: SlotView, n: int | jax.Array) -> jax.Array:
-    """Mask of the ``n`` newest live slots of each row."""
-    return view.valid & (_slot_rank(view) >= view.count[:, None] - n)
-
-
-def _need_budget_above(name: str, what: str, amount: int, budgets: tuple[int, ...]) -> None:
-    small = [b for b in budgets if b <= amount]
-    if small:
-        raise ConfigError(f"cache.budget={min(small)} is invalid for cache.policy={name!r}: it must exceed {what}"
-                          f"={amount} (the budget would hold nothing else)")
 
 
 @register
@@ -77,17 +61,10 @@ class Streaming(EvictionPolicy):
             raise ConfigError(f"cache.sinks={self.sinks} is invalid: must be >= 0")
 
     def scores(self, view, budget):
-        return view.pos.astype(jnp.float32) + jnp.where(view.pos < self.sinks, _PROTECT, 0.0)
+        return view.pos.astype(jnp.float32) + jnp.where(view.pos < self.sinks, PROTECT, 0.0)
 
     def check(self, n_layers, budgets):
-        _need_budget_above(self.name, "cache.sinks", self.sinks, budgets)
-
-
-def _original_positions(policy, why: str) -> None:
-    """The ``ConfigError`` of a policy that needs keys at their original positions, set to ``positions: cache``."""
-    if policy.mode != "original":
-        raise ConfigError(f"cache.positions={policy.positions!r} is invalid for cache.policy={policy.name!r}: {why}; "
-                          "allowed: 'original'")
+        need_budget_above(self.name, "cache.sinks", self.sinks, budgets)
 
 
 @register
@@ -97,16 +74,16 @@ class H2O(ScoredPolicy):
     summed over the queries so far - as in the H2O paper, which favours old tokens (more queries saw them)."""
 
     name: ClassVar[str] = "h2o"
-    attention_stat: ClassVar[str | None] = "sum"
+    observes: ClassVar[Observes] = Observes(attention="sum")
     recent: int | None = None
 
     def scores(self, view, budget):
         recent = budget // 2 if self.recent is None else self.recent
-        return view.score + jnp.where(_newest(view, recent), _PROTECT, 0.0)
+        return view.score + jnp.where(newest(view, recent), PROTECT, 0.0)
 
     def check(self, n_layers, budgets):
         if self.recent is not None:
-            _need_budget_above(self.name, "cache.recent", self.recent, budgets)
+            need_budget_above(self.name, "cache.recent", self.recent, budgets)
 
 
 @register
@@ -117,7 +94,7 @@ class Observed(ScoredPolicy):
     favoured for having been seen longer (the difference from ``h2o``)."""
 
     name: ClassVar[str] = "observed"
-    attention_stat: ClassVar[str | None] = "sum"
+    observes: ClassVar[Observes] = Observes(attention="sum")
 
     def scores(self, view, budget):
         seen = view.consumed()[:, None] - view.pos  # every query from the token's own on saw it
@@ -135,12 +112,11 @@ class TOVA(ScoredPolicy):
     """
 
     name: ClassVar[str] = "tova"
-    attention_stat: ClassVar[str | None] = "replace"
-    prefill_queries: ClassVar[str] = "last"
+    observes: ClassVar[Observes] = Observes(attention="replace", window=1)  # the last prompt query's attention
     head_mode: ClassVar[str] = "shared"
 
     def scores(self, view, budget):
-        return view.score + jnp.where(_newest(view, 1), _PROTECT, 0.0)
+        return view.score + jnp.where(newest(view, 1), PROTECT, 0.0)
 
 
 @register
@@ -157,8 +133,6 @@ class SnapKV(ScoredPolicy):
     """
 
     name: ClassVar[str] = "snapkv"
-    attention_stat: ClassVar[str | None] = "sum"
-    prefill_queries: ClassVar[str] = "window"
     window: int = 32
     kernel: int = 5
     pooling: str = "avg"
@@ -172,18 +146,22 @@ class SnapKV(ScoredPolicy):
         if self.pooling not in ("max", "avg"):
             raise ConfigError(f"cache.pooling={self.pooling!r} is invalid: must be 'max' or 'avg'")
 
+    @property
+    def observes(self) -> Observes:
+        return Observes(attention="sum", window=self.window)  # the observation window's attention
+
     def scores(self, view, budget):
-        window = _newest(view, self.window)
+        window = newest(view, self.window)
         s = jnp.where(view.valid & ~window, view.score, 0.0)  # the prefix: the window's columns pool as zeros
         dims, strides = (1, self.kernel), (1, 1)
         if self.pooling == "max":
             pooled = jax.lax.reduce_window(s, -jnp.inf, jax.lax.max, dims, strides, "SAME")
         else:
             pooled = jax.lax.reduce_window(s, 0.0, jax.lax.add, dims, strides, "SAME") / self.kernel
-        return pooled + jnp.where(window, _PROTECT, 0.0)
+        return pooled + jnp.where(window, PROTECT, 0.0)
 
     def check(self, n_layers, budgets):
-        _need_budget_above(self.name, "cache.window", self.window, budgets)
+        need_budget_above(self.name, "cache.window", self.window, budgets)
 
 
 @register
@@ -238,7 +216,7 @@ class ChunkKV(SnapKV):
 class ExpectedAttention(ScoredPolicy):
     """Expected Attention (kvpress ``ExpectedAttentionPress``): score each key by the attention the *future* queries
     are expected to give it. The queries seen so far (prefill and decode, all but the first ``sinks`` positions) are
-    summarised by their running mean and covariance per query head (``query_moments``, kept by the cache); the
+    summarised by their running mean and covariance per query head (``Observes.moments``, kept by the cache); the
     rotation of the next ``horizon`` positions is averaged (RoPE is linear in its cos / sin tables, so the average
     rotation is RoPE with the averaged tables) and applied to both. For a Gaussian query ``q ~ N(mu, S)`` the
     expected ``exp(q.k)`` is ``exp(mu.k + k S k / 2)``: its softmax over the non-sink keys, averaged over a KV head's
@@ -263,23 +241,16 @@ class ExpectedAttention(ScoredPolicy):
             raise ConfigError(f"cache.sinks={self.sinks} is invalid: must be >= 0")
         if self.horizon < 1:
             raise ConfigError(f"cache.horizon={self.horizon} is invalid: must be >= 1 (future positions averaged)")
-        _original_positions(self, "it rotates the query moments to future original positions")
+        need_original_positions(self, "it rotates the query moments to future original positions")
 
     @property
-    def query_moments(self) -> int:
-        return 2 if self.covariance else 1
-
-    def counts_query(self, positions, ok):
-        return ok & (positions >= self.sinks)  # sink queries are outliers (kvpress drops them too)
+    def observes(self) -> Observes:  # sink queries are outliers (kvpress drops them too)
+        return Observes(moments=2 if self.covariance else 1, moments_from=self.sinks, kv=True)
 
     def scores(self, view, budget):
-        if view.q_mean is None or view.model is None:
+        if view.q_mean is None:
             raise ValueError("expected_attention needs the query moments in its view (a slot cache built for it)")
-        # the rotation averaged over the next `horizon` positions, as RoPE with averaged tables
-        future = view.consumed()[:, None] + jnp.arange(self.horizon)[None, :]  # [b, F]
-        cos, sin = rope_tables(view.model, future)
-        cos, sin = jnp.mean(cos, axis=1, keepdims=True), jnp.mean(sin, axis=1, keepdims=True)  # [b, 1, r]
-        rotate = lambda x: apply_rope(x[:, None], cos, sin)[:, 0]  # noqa: E731 - x [b, n, d]: each of n vectors
+        rotate = future_rotation(view, self.horizon)  # x [b, n, d]: each of n vectors to the next `horizon` positions
         b, g, d = view.q_mean.shape
         kv_heads = view.k.shape[2]
         keys = jnp.repeat(view.keys(), g // kv_heads, axis=2)  # [b, C, g, d] each query head's KV head
@@ -297,10 +268,10 @@ class ExpectedAttention(ScoredPolicy):
         if self.vnorm:
             norms = jnp.sqrt(jnp.sum(jnp.square(view.values()), axis=-1))  # [b, C, j]
             per_kv = (per_kv + self.epsilon) * jnp.swapaxes(norms, 1, 2)
-        return jnp.sum(per_kv, axis=1) + jnp.where(view.valid & (view.pos < self.sinks), _PROTECT, 0.0)
+        return jnp.sum(per_kv, axis=1) + jnp.where(view.valid & (view.pos < self.sinks), PROTECT, 0.0)
 
     def check(self, n_layers, budgets):
-        _need_budget_above(self.name, "cache.sinks", self.sinks, budgets)
+        need_budget_above(self.name, "cache.sinks", self.sinks, budgets)
 
 
 @register
@@ -323,7 +294,7 @@ class KVzip(ScoredPolicy):
     """
 
     name: ClassVar[str] = "kvzip"
-    reconstructs: ClassVar[bool] = True
+    observes: ClassVar[Observes] = Observes(reconstructs=True)
     sinks: int = 4
     chunk: int = 2048
 
@@ -334,13 +305,13 @@ class KVzip(ScoredPolicy):
         if self.chunk < 1:
             raise ConfigError(f"cache.chunk={self.chunk} is invalid: must be >= 1 (context tokens per "
                               "reconstruction pass)")
-        _original_positions(self, "its reconstruction passes attend to keys at their original positions")
+        need_original_positions(self, "its reconstruction passes attend to keys at their original positions")
 
     def scores(self, view, budget):
-        return view.score + jnp.where(view.valid & (view.pos < self.sinks), _PROTECT, 0.0)
+        return view.score + jnp.where(view.valid & (view.pos < self.sinks), PROTECT, 0.0)
 
     def check(self, n_layers, budgets):
-        _need_budget_above(self.name, "cache.sinks", self.sinks, budgets)
+        need_budget_above(self.name, "cache.sinks", self.sinks, budgets)
 
 
 @register
@@ -361,7 +332,7 @@ class Duo(EvictionPolicy):
 
     name: ClassVar[str] = "duo"
     head_mode: ClassVar[str] = "per_head"
-    calibrates: ClassVar[bool] = True
+    observes: ClassVar[Observes] = Observes(calibrates=True)
     sinks: int = 128
     recent: int = 256
     head_ratio: float = 0.5
@@ -423,11 +394,11 @@ class Duo(EvictionPolicy):
         stream = jnp.asarray(self.streaming())[view.layer, view.head]
         newest = view.consumed()[:, None] - 1
         window = view.valid & ((view.pos < self.sinks) | (view.pos > newest - self.recent))
-        recent_first = view.pos.astype(jnp.float32) + jnp.where(view.pos < self.sinks, _PROTECT, 0.0)
+        recent_first = view.pos.astype(jnp.float32) + jnp.where(view.pos < self.sinks, PROTECT, 0.0)
         return jnp.where(stream, window, top_budget(recent_first, view, budget)), view.score
 
     def check(self, n_layers, budgets):
-        _need_budget_above(self.name, "cache.sinks + cache.recent", self.sinks + self.recent, budgets)
+        need_budget_above(self.name, "cache.sinks + cache.recent", self.sinks + self.recent, budgets)
         if self.scores is not None and (len(self.scores) != n_layers or len({len(r) for r in self.scores}) != 1):
             raise ConfigError(f"cache.scores has {len(self.scores)} rows of lengths "
                               f"{sorted({len(r) for r in self.scores})}: it must have one row per layer ({n_layers}) "
@@ -441,6 +412,7 @@ class KNorm(ScoredPolicy):
     shared keep set the norms of the layer's KV heads are averaged."""
 
     name: ClassVar[str] = "knorm"
+    observes: ClassVar[Observes] = Observes(kv=True)
 
     def scores(self, view, budget):
         norms = jnp.sqrt(jnp.sum(jnp.square(view.keys()), axis=-1))  # [b, C, k]

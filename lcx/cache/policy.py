@@ -34,8 +34,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from lcx.cache.observes import Observes
 from lcx.config_base import ConfigError, from_dict, name_registry
 from lcx.kernels.quant import dequantize
+from lcx.model.rope import apply_rope, rope_tables
 
 _REGISTRY: dict[str, type["CachePolicy"]] = {}
 POSITION_MODES = ("original", "cache")
@@ -43,29 +45,43 @@ HEAD_MODES = ("shared", "per_head")
 HEAD_BUDGETS = ("uniform", "adaptive", "global")
 
 
+def _mapped(layers: int | None = 0, keep_heads: int | None = 1, **kwargs):
+    """A ``SlotView`` array and its axes under the eviction's vmaps (``SlotView.vmap_axes``): over layers (of the
+    stacked view) and over keep heads (of one layer's view; None: the array is per row, shared by the keep heads)."""
+    return flax.struct.field(metadata={"vmap": {"layers": layers, "keep_heads": keep_heads}}, **kwargs)
+
+
 @flax.struct.dataclass
 class SlotView:
-    """What a policy sees of one layer of one batch: slots ``[b, C]``, packed at the front in position order."""
+    """What a policy sees of one layer of one batch: slots ``[b, C]``, packed at the front in position order.
 
-    layer: jax.Array  # int32 scalar: layer index (traced under the layer vmap)
-    pos: jax.Array  # [b, C] original token positions, -1 in empty slots
-    valid: jax.Array  # [b, C] live slots
-    count: jax.Array  # [b] live slots
-    k: jax.Array  # [b, C, j, d] the j KV heads that share these slots (zero heads in simulations); 8-bit codes
-    v: jax.Array  # [b, C, j, d]                                      in a quantized cache: read keys() / values()
-    score: jax.Array  # [b, C] the per-slot statistic (attention mass for attention-based policies)
-    head: jax.Array | int = 0  # int32 scalar: the keep head (0 when the layer's heads share one set)
-    lengths: jax.Array | None = None  # [b] tokens each sequence has consumed (None: the newest position + 1)
-    k_scale: jax.Array | None = None  # [b, C, j] the scales of an 8-bit cache (cache.kv_dtype), else None
-    v_scale: jax.Array | None = None
+    ``lcx.cache.schedule`` maps the policy over layers and keep heads; each array declares its axes there
+    (``_mapped``), so a new array is declared once, here."""
+
+    layer: jax.Array = _mapped(keep_heads=None)  # int32 scalar: layer index (traced under the layer vmap)
+    pos: jax.Array = _mapped()  # [b, C] original token positions, -1 in empty slots
+    valid: jax.Array = _mapped()  # [b, C] live slots
+    count: jax.Array = _mapped()  # [b] live slots
+    k: jax.Array = _mapped()  # [b, C, j, d] the j KV heads that share these slots (zero heads in simulations); 8-bit
+    v: jax.Array = _mapped()  # [b, C, j, d]                        codes in a quantized cache: read keys() / values()
+    score: jax.Array = _mapped()  # [b, C] the per-slot statistic (attention mass for attention-based policies)
+    head: jax.Array | int = _mapped(None, 0, default=0)  # int32 scalar: the keep head (0: the layer's heads share one)
+    lengths: jax.Array | None = _mapped(None, None, default=None)  # [b] tokens consumed (None: newest position + 1)
+    k_scale: jax.Array | None = _mapped(default=None)  # [b, C, j] the scales of an 8-bit cache (cache.kv_dtype)
+    v_scale: jax.Array | None = _mapped(default=None)
     # The running moments of the (scaled, unrotated) queries of the query heads that read these slots, when the
-    # policy declares ``query_moments`` (None otherwise): count [b], mean [b, g, d], centered second moment [b, g, d,
-    # d] (the sum of outer products of deviations; covariance = m2 / count).
-    q_count: jax.Array | None = None
-    q_mean: jax.Array | None = None
-    q_m2: jax.Array | None = None
+    # policy observes them (``Observes.moments``; None otherwise): count [b], mean [b, g, d], centered second moment
+    # [b, g, d, d] (the sum of outer products of deviations; covariance = m2 / count).
+    q_count: jax.Array | None = _mapped(keep_heads=None, default=None)
+    q_mean: jax.Array | None = _mapped(default=None)
+    q_m2: jax.Array | None = _mapped(default=None)
     n_layers: int = flax.struct.field(pytree_node=False, default=1)
     model: Any = flax.struct.field(pytree_node=False, default=None)  # the ModelConfig (RoPE of future queries)
+
+    def vmap_axes(self, over: str) -> "SlotView":
+        """This view's ``in_axes`` for a vmap ``over`` ``"layers"`` or ``"keep_heads"`` (static fields kept)."""
+        return self.replace(**{f.name: f.metadata["vmap"][over] for f in dataclasses.fields(self)
+                               if "vmap" in f.metadata})
 
     def keys(self) -> jax.Array:
         """``[b, C, j, d]`` float32 keys (dequantized in an 8-bit cache)."""
@@ -88,13 +104,17 @@ class CachePolicy(abc.ABC):
 
     Class attributes: ``name`` (the registry key), ``cache_type`` (the registered cache type that implements it,
     see ``lcx.cache.base``), ``evicts`` (whether the device holds a bounded part of the context; ``full`` keeps
-    everything), ``needs_budget`` (whether ``cache.budget`` is required).
+    everything), ``needs_budget`` (whether ``cache.budget`` is required), ``observes`` (what it observes,
+    ``lcx.cache.observes.Observes``: the cache derives its statistics, the policy's view and what it refuses).
     """
 
     name: ClassVar[str] = ""
     cache_type: ClassVar[str] = "slots"
     evicts: ClassVar[bool] = True
     needs_budget: ClassVar[bool] = True  # an evicting policy without cache.budget is refused at load
+    # What the policy observes while the cache runs (``lcx.cache.observes``); a declaration that depends on the
+    # policy's parameters is a property returning one.
+    observes: ClassVar[Observes] = Observes()
 
     def check(self, n_layers: int, budgets: tuple[int, ...]) -> None:
         """Raise ``ConfigError`` for settings that cannot work with this model (called before anything runs)."""
@@ -114,29 +134,18 @@ class EvictionPolicy(CachePolicy):
     - ``position_mode``: "original" - keys are rotated at their true positions (H2O, SnapKV, TOVA); "cache" - keys
       are stored unrotated and rotated by slot rank at attention time (StreamingLLM, LaCache), which lets decoding
       continue far past the trained context. The ``positions`` field overrides it per config.
-    - ``attention_stat``: None, or how decode steps update the per-slot score from attention weights: "sum"
-      (accumulate, H2O) or "replace" (the current query's weights, TOVA). Prefill always sums over the queries the
-      generator selects with ``prefill_queries``.
-    - ``prefill_queries``: which prompt queries feed the score: "all", "last" or "window" (``self.window``).
+    - ``observes`` (``Observes``): what the policy needs besides positions - attention statistics and the prompt
+      queries that count (``attention``, ``window``), running query moments (``moments``, ``moments_from``),
+      the cached keys or values (``kv``), reconstruction passes (``reconstructs``: KVzip, ``lcx.cache.reconstruct``)
+      or a measurement on the model (``calibrates``: DuoAttention, ``calibrate``). The cache allocates and updates
+      what it declares, the policy's ``SlotView`` carries it, and a cache kind that cannot provide it refuses the
+      policy (``CacheKind.check_runs``).
 
-    A policy that scores keys against the queries it expects (Expected Attention) declares the running query
-    moments it needs with ``query_moments`` (0: none, 1: the mean, 2: mean and covariance): the cache then stores
-    them per layer and query head and updates them with every query ``counts_query`` selects (prefill and decode),
-    and the policy's view carries them (``SlotView.q_mean`` ...). Nothing is computed or stored otherwise.
-
-    A policy scored by reconstruction (KVzip) sets ``reconstructs``: after prefill the generator runs the model over
-    a reconstruction prompt whose queries score the prompt's slots without entering the cache
-    (``lcx.cache.reconstruct``); the slot statistic then holds those scores. Its parameters ``sinks`` and ``chunk``
-    say which positions the scoring softmax always includes and how many context tokens one pass repeats. A policy
-    measured on the model before use (DuoAttention's head split) sets ``calibrates``: the generator hands it the
-    params and a calibration text (``calibrate``) unless the config already carries the measurement.
+    The old flags (``attention_stat``, ``prefill_queries``, ``query_moments``, ``counts_query``, ``reconstructs``,
+    ``calibrates``) are read-only views of ``observes``; a subclass that sets one is refused at class creation.
     """
 
     position_mode: ClassVar[str] = "original"
-    attention_stat: ClassVar[str | None] = None
-    prefill_queries: ClassVar[str] = "all"
-    reconstructs: ClassVar[bool] = False
-    calibrates: ClassVar[bool] = False  # measured on the model before use (``calibrated``, ``calibrate``)
 
     head_mode: ClassVar[str] = "shared"  # default of ``heads``
 
@@ -166,14 +175,45 @@ class EvictionPolicy(CachePolicy):
         """The most slots one keep head holds after an eviction with layer budget ``budget`` (per head)."""
         return budget
 
+    # The old flags, read-only views of ``observes`` (other modules and plugins read them by these names).
+    _DERIVED: ClassVar[tuple[str, ...]] = ("attention_stat", "prefill_queries", "query_moments", "counts_query",
+                                           "reconstructs", "calibrates")
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        flags = [n for n in cls._DERIVED if n in vars(cls)]
+        if flags:  # a flag set beside ``observes`` would disagree with it where the cache reads the declaration
+            raise TypeError(f"{cls.__name__} sets {flags}: declare what it observes instead, e.g. observes = "
+                            "Observes(attention='sum', window=32, moments=2, reconstructs=True) (lcx.cache.observes)")
+
+    @property
+    def attention_stat(self) -> str | None:
+        """``observes.attention``: how the per-slot score follows attention ("sum", "replace"; None: it does not)."""
+        return self.observes.attention
+
+    @property
+    def prefill_queries(self) -> str:
+        """Which prompt queries feed the score: "all", "last" or "window" (``observes.window``)."""
+        return self.observes.prefill_queries
+
     @property
     def query_moments(self) -> int:
-        """The running query moments the cache keeps for this policy: 0 none, 1 the mean, 2 mean and covariance."""
-        return 0
+        """``observes.moments``: 0 none, 1 the mean, 2 mean and covariance of the queries."""
+        return self.observes.moments
 
     def counts_query(self, positions: jax.Array, ok: jax.Array) -> jax.Array:
         """Which new queries ``[b, t]`` (at ``positions``, real where ``ok``) enter the query moments."""
-        return ok
+        return self.observes.counts_query(positions, ok)
+
+    @property
+    def reconstructs(self) -> bool:
+        """``observes.reconstructs``: scored after prefill by reconstruction passes (KVzip)."""
+        return self.observes.reconstructs
+
+    @property
+    def calibrates(self) -> bool:
+        """``observes.calibrates``: measured on the model before use (``calibrated``, ``calibrate``)."""
+        return self.observes.calibrates
 
     @property
     def calibrated(self) -> bool:
@@ -300,6 +340,48 @@ def top_budget(scores: jax.Array, view: SlotView, budget: jax.Array) -> jax.Arra
     return view.valid & (_rank(scores, view.valid, view.pos) < budget)
 
 
+# ------------------------------------------------------------------------------------------- for policy authors
+PROTECT = 1e30  # score of slots a policy always keeps (sinks, recent window); finite so ties still sort by age
+
+
+def newest(view: SlotView, n: int | jax.Array) -> jax.Array:
+    """Mask ``[b, C]`` of the ``n`` newest live slots of each row (slots are packed in position order)."""
+    rank = jnp.broadcast_to(jnp.arange(view.pos.shape[-1]), view.pos.shape)
+    return view.valid & (rank >= view.count[:, None] - n)
+
+
+def unit(x: jax.Array, eps: float = 1e-12) -> jax.Array:
+    """``x`` scaled to unit L2 norm along its last axis (torch's ``F.normalize``: norms floored at ``eps``)."""
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps)
+
+
+def need_budget_above(name: str, what: str, amount: int, budgets: tuple[int, ...]) -> None:
+    """The ``ConfigError`` of a budget that holds no more than what policy ``name`` always keeps (``what``)."""
+    small = [b for b in budgets if b <= amount]
+    if small:
+        raise ConfigError(f"cache.budget={min(small)} is invalid for cache.policy={name!r}: it must exceed {what}"
+                          f"={amount} (the budget would hold nothing else)")
+
+
+def need_original_positions(policy: EvictionPolicy, why: str) -> None:
+    """The ``ConfigError`` of a policy that needs keys at their original positions, set to ``positions: cache``."""
+    if policy.mode != "original":
+        raise ConfigError(f"cache.positions={policy.positions!r} is invalid for cache.policy={policy.name!r}: {why}; "
+                          "allowed: 'original'")
+
+
+def future_rotation(view: SlotView, horizon: int):
+    """A function rotating vectors ``[b, n, d]`` by RoPE averaged over the next ``horizon`` positions of each row
+    (RoPE is linear in its cos / sin tables, so the average rotation is RoPE with the averaged tables): where
+    queries summarised over the past (their moments) are expected to meet keys at their original positions."""
+    if view.model is None:
+        raise ValueError("rotating to future positions needs the model in the policy's view (a slot cache's view)")
+    future = view.consumed()[:, None] + jnp.arange(horizon)[None, :]  # [b, F]
+    cos, sin = rope_tables(view.model, future)
+    cos, sin = jnp.mean(cos, axis=1, keepdims=True), jnp.mean(sin, axis=1, keepdims=True)  # [b, 1, r]
+    return lambda x: apply_rope(x[:, None], cos, sin)[:, 0]
+
+
 def compact(view: SlotView, keep: jax.Array, score: jax.Array) -> SlotView:
     """The survivors ``keep [b, C]`` of one layer packed to the front in position order, with their new
     statistic ``score [b, C]``."""
@@ -332,6 +414,20 @@ register = name_registry(_REGISTRY, "cache policy")
 def registered() -> list[str]:
     """The registered policy names (the built-ins are registered by ``lcx.cache``, which imports them)."""
     return sorted(_REGISTRY)
+
+
+def registered_where(test) -> list[str]:
+    """The registered policies whose default settings pass ``test`` (a predicate on a policy): what an error names as
+    allowed. Policies that cannot be built without parameters are left out."""
+    out = []
+    for name in registered():
+        try:
+            policy = _REGISTRY[name]()
+        except (ConfigError, TypeError):
+            continue
+        if test(policy):
+            out.append(name)
+    return out
 
 
 def make_policy(name: str, params: dict[str, Any] | None = None) -> CachePolicy:

@@ -1,7 +1,7 @@
 """Reconstruction scoring (KVzip, arXiv 2505.23416): queries that re-read the context score its slots and leave.
 
-A policy that declares ``reconstructs`` (``kvzip``) is scored after prefill by the model itself, asked to repeat
-the context: the generator feeds a reconstruction prompt (``Reconstruction``: "Repeat the previous context
+A policy that observes ``reconstructs`` (``Observes``; ``kvzip``) is scored after prefill by the model itself, asked
+to repeat the context: the generator feeds a reconstruction prompt (``Reconstruction``: "Repeat the previous context
 exactly.", the chat template's opening of the reply, then the context) one chunk of the context per pass. In every
 layer the pass's queries
 

@@ -64,11 +64,7 @@ def _by_keep_head(x: jax.Array | None, heads: int) -> jax.Array | None:
 def _per_layer_and_head(fn, head_out: Any, views: SlotView):
     """``fn(view, budget, *per_slot)`` mapped over layers (``views [L, b, H, ...]``, budgets ``[L]``) and keep heads
     (axis 1 of ``[b, H, ...]``); ``head_out``: the keep-head axis of each output (None: not per head)."""
-    static = dict(n_layers=views.n_layers, model=views.model)
-    head_axes = SlotView(None, 1, 1, 1, 1, 1, 1, head=0, lengths=None, k_scale=1, v_scale=1, q_count=None, q_mean=1,
-                         q_m2=1, **static)
-    layer_axes = SlotView(0, 0, 0, 0, 0, 0, 0, head=None, lengths=None, k_scale=0, v_scale=0, q_count=0, q_mean=0,
-                          q_m2=0, **static)
+    head_axes, layer_axes = views.vmap_axes("keep_heads"), views.vmap_axes("layers")  # as SlotView declares them
 
     def mapped(views, budgets, *per_slot):
         inner = jax.vmap(fn, in_axes=(head_axes, None, *[1] * len(per_slot)), out_axes=head_out)

@@ -27,7 +27,7 @@ def simulate(policy: dict, n_layers: int, length: int, kv_heads: int = 1) -> np.
     spec.setdefault("interval", 1)
     cache_cfg = CacheConfig.from_mapping(spec)
     pol = cache_cfg.make_policy()
-    if getattr(pol, "attention_stat", None) is not None or pol.name == "knorm" or pol.cache_type != "slots":
+    if not pol.observes.model_free or pol.cache_type != "slots":  # what it observes needs a model (Observes)
         raise ConfigError(f"cache.policy={pol.name!r} scores tokens from attention or keys; simulate() covers the "
                           "attention-free policies (full, window, streaming, ladder, random)")
     per_head = pol.evicts and pol.per_head and kv_heads > 1

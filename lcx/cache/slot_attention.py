@@ -14,9 +14,10 @@ Live slots are packed in position order, so a chunk's query i (written at slot `
 chunk x capacity mask for the Pallas kernel, and decode (one query) reads the live-slot mask. With a keep set per
 KV head, offsets, lengths and live masks are per row and KV head; each query head uses its KV head's.
 
-Attention statistics (H2O / TOVA / SnapKV): with ``stat_weights [b, t]`` (positive for queries that count), the
-probabilities those queries give each slot, summed over queries and the query heads of each keep head, are added to
-(``"sum"``) or, in rows with a counted query, replace (``"replace"``) the slot's score.
+What the policy observes (``policy.observes``, ``lcx.cache.observes``) is computed here. Attention statistics (H2O /
+TOVA / SnapKV): with ``stat_weights [b, t]`` (positive for queries that count), the probabilities those queries give
+each slot, summed over queries and the query heads of each keep head, are added to (``"sum"``) or, in rows with a
+counted query, replace (``"replace"``) the slot's score. Query moments (Expected Attention) are merged before RoPE.
 
 The layer's ``AttentionSpec`` sets the logit scale, the soft-cap (kernels and statistics) and the RoPE of "cache"
 mode; a sliding window hides slots whose position is ``window`` or more before the query's: in the decode mask
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from lcx.cache.kv_view import KVView, attend_view
+from lcx.cache.observes import observe_queries
 from lcx.kernels import Attended
 from lcx.kernels.quant import dequantize, quantize
 from lcx.model.config import AttentionSpec
@@ -75,26 +77,6 @@ def write(layer, k: jax.Array, v: jax.Array, positions: jax.Array, ok: jax.Array
     )
 
 
-def observe_queries(layer, q: jax.Array, counted: jax.Array, scale: float, moments: int):
-    """Merge the ``counted [b, t]`` queries ``q [b, t, h, d]`` (unrotated), scaled by ``scale``, into the layer's
-    running moments (``QUERY_FIELDS``): the count, the mean and, with ``moments`` 2, the centered second moment -
-    each call's own moments merged with the running ones (Chan et al.'s pairwise update: no cancellation of large
-    raw sums). Legend: b batch, t new tokens, h query heads, d / e head dim."""
-    w = counted.astype(jnp.float32)
-    x = q.astype(jnp.float32) * scale
-    n_new = jnp.sum(w, axis=1)  # [b]
-    mean_new = jnp.einsum("bt,bthd->bhd", w, x) / jnp.maximum(n_new, 1.0)[:, None, None]
-    n_old = layer.q_count
-    n = n_old + n_new
-    delta = mean_new - layer.q_mean  # [b, h, d]
-    updates = dict(q_count=n, q_mean=layer.q_mean + delta * (n_new / jnp.maximum(n, 1.0))[:, None, None])
-    if moments > 1:
-        dev = x - mean_new[:, None]
-        between = jnp.einsum("bhd,bhe->bhde", delta, delta) * (n_old * n_new / jnp.maximum(n, 1.0))[:, None, None, None]
-        updates["q_m2"] = layer.q_m2 + jnp.einsum("bt,bthd,bthe->bhde", w, dev, dev) + between
-    return layer.replace(**updates)
-
-
 def rotate_by_rank(config, x: jax.Array, ranks: jax.Array, *, cache_layout: bool = False, rope=None) -> jax.Array:
     """Rotate ``x [b, T, heads, d]`` (``cache_layout``: ``[b, heads, T, d]``) by per-keep-head positions ``ranks
     [b, H, T]`` (heads grouped by keep head), with ``rope`` (default ``config.rope``)."""
@@ -128,9 +110,9 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     chex.assert_rank([q, key, val], 4)
     chex.assert_equal_shape([key, val])
     chex.assert_equal_shape_prefix([q, key, positions, ok], 2)
-    mode = policy.mode
-    if policy.query_moments:  # before RoPE: the policy rotates the moments to the positions it expects
-        layer = observe_queries(layer, q, policy.counts_query(positions, ok), spec.sm_scale, policy.query_moments)
+    mode, observes = policy.mode, policy.observes
+    if observes.moments:  # before RoPE: the policy rotates the moments to the positions it expects
+        layer = observe_queries(layer, q, observes.counts_query(positions, ok), spec.sm_scale, observes.moments)
     if mode == "original":
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
     heads, kv_heads = layer.pos.shape[1], layer.k.shape[1]
@@ -154,7 +136,7 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     view = KVView(k=k_att, v=layer.v, lengths=per_kv(layer.count), offsets=per_kv(q_offsets),
                   valid=per_kv(mask[:, :, 0]) if q.shape[1] == 1 else None, k_scale=k_scale,
                   v_scale=getattr(layer, "v_scale", None))
-    counted = stat_weights is not None and policy.attention_stat is not None
+    counted = stat_weights is not None and observes.attention is not None
     core = functools.partial(attend_view, config.attention.impl, spec=spec)
     if counted:
         res = per_shard(lambda q, view, w: core(q, view, stat_weights=w), (BTHD, view.axes(), ROWS),
@@ -162,14 +144,9 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     else:
         res = per_shard(lambda q, view: core(q, view), (BTHD, view.axes()), Attended(out=BTHD))(q, view)
     out = res.out
-    stats = _keep_head_sums(res.weights, heads) if counted else None
-    if stats is not None:
-        if policy.attention_stat == "sum":
-            score = layer.score + stats
-        else:  # "replace": rows with a counted query take its attention
-            any_counted = jnp.any(stat_weights > 0, axis=1)[:, None, None]
-            score = jnp.where(any_counted, stats, layer.score)
-        layer = layer.replace(score=jnp.where(layer.valid, score, 0.0))
+    if counted:
+        layer = layer.replace(score=observes.merge_attention(layer.score, _keep_head_sums(res.weights, heads),
+                                                             stat_weights, layer.valid))
     return out, layer
 
 

@@ -93,16 +93,12 @@ class Generator:
         self.cache_config = cache or CacheConfig()
         self.kind = cache_kind(config, self.cache_config, mesh)  # validates the policy against the model
         self.policy = self.cache_config.make_policy()
-        reconstructs, calibrates = (getattr(self.policy, n, False) for n in ("reconstructs", "calibrates"))
-        # reconstruction passes run on the slot cache, also as the global layers' of a sliding-window model;
-        # calibrated head splits only on a model whose layers are all global
-        if (reconstructs and not self.kind.reconstructable) or (calibrates and self.kind.name != "slots"):
-            raise ConfigError(f"cache.policy={self.cache_config.policy!r} is built for the contiguous slot cache"
-                              + ("" if reconstructs else " of a model whose layers are all global")
-                              + f"; this configuration's cache type is {self.kind.name!r}")
+        observes = self.policy.observes  # what the policy needs beside positions (lcx.cache.observes)
+        reconstructs, calibrates = observes.reconstructs, observes.calibrates
+        self.kind.check_runs(self.policy)  # the kind's capabilities against that declaration (refuses by them)
         if calibrates:
             self.policy = self._calibrated(self.policy, params, calibration)
-        if mesh is not None and self.kind.name not in ("slots", "hybrid"):
+        if mesh is not None and not self.kind.shardable:
             raise ConfigError(f"cache.policy={self.cache_config.policy!r} (cache type {self.kind.name!r}) does not "
                               "run on a device mesh yet; generate on one device or use an eviction policy")
         self.seq = sharding.axis_size(mesh, "seq")
@@ -130,15 +126,9 @@ class Generator:
 
     def _check_prefill_across_seq(self) -> None:
         """A mesh with a ``seq`` axis splits each prompt's prefill over it (one chunk, attention across ``seq``, the
-        keys and values then written whole): a slot cache whose policy gathers nothing while prefilling."""
-        policy = self.cache_config.policy
-        stats = self.policy.attention_stat is not None or self.policy.query_moments
-        if self.kind.name != "slots" or stats or getattr(self.policy, "reconstructs", False):
-            why = (f"its cache type is {self.kind.name!r}" if self.kind.name != "slots" else
-                   "it scores the prompt's attention (statistics, query moments or a reconstruction pass)")
-            raise ConfigError(f"mesh.seq={self.seq} splits each prompt's prefill over the sequence axis, but "
-                              f"cache.policy={policy!r} cannot run that way: {why}. Use a policy that needs no "
-                              "prefill statistics (full, window, streaming, knorm, ...) or a mesh without seq")
+        keys and values then written whole): the kind must take such a prompt (``kind.prefill_across_seq``) and the
+        policy observe nothing while prefilling (``Observes.prefill``) - ``CacheKind.check_runs`` asks both."""
+        self.kind.check_runs(self.policy, seq=self.seq)
 
     def _calibrated(self, policy, params, calibration):
         """``policy`` measured on this model (``EvictionPolicy.calibrate``), and the cache kind rebuilt with it."""

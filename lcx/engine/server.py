@@ -15,6 +15,12 @@ settings and key (``lcx.engine.sampling``): its tokens equal ``lcx.generate`` of
 settings and seed (greedy by default). The compiled functions are the configuration's ``Programs``, shared with
 ``Generator``.
 
+Cancellation: ``Server.cancel(request_id)`` (between ``run`` calls, or from inside ``on_token``) drops a waiting
+request, or ends a running one at once: its row and pages are released (its references gone, its committed pages
+back to admission, the kept prefixes it reads one user less) and it streams no further token. An ``Exception`` raised
+by ``on_token`` cancels that request the same way (the others go on): ``run`` leaves it out of what it returns and
+``Server.cancelled`` maps its id to the exception (to None for a ``cancel`` call).
+
 Prefix pages: after its prefill, the whole pages of a request's prompt are kept (an extra reference) keyed by their
 tokens; a later request whose prompt starts with the same whole pages (a shared system prompt) gets them without
 prefilling them (a request that shares more with a prompt admitted in the same round waits one round for its
@@ -35,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lcx.cache import page_pool, paged
 from lcx.cache.base import CacheCapacityError, round_chunk
 from lcx.cache.config import CacheConfig
 from lcx.cache.paged import PagedCache
@@ -70,7 +77,11 @@ class Server:
     ``max_len``: the most tokens (prompt + new) of one request; ``pages``: the pool size (default: every row at
     ``max_len``, i.e. no admission ever waits for pages); ``segment``: decode steps per jitted call (rows admitted
     between segments); ``prefill_chunk``: prompt tokens per prefill call; ``prefix_entries``: prefixes kept across
-    requests (0: none)."""
+    requests (0: none).
+
+    ``cancel(request_id)`` ends a request early (waiting or running; usable from inside ``on_token``); a request
+    whose ``on_token`` raises an ``Exception`` is cancelled the same way. ``cancelled``: every cancelled request's id
+    -> the exception its ``on_token`` raised, or None when ``cancel`` ended it (kept across ``run`` calls)."""
 
     def __init__(self, config: ModelConfig, params, *, max_num_seqs: int = 8, max_len: int = 4096,
                  pages: int | None = None, cache: CacheConfig | None = None, eos_id: int | None = None,
@@ -103,14 +114,13 @@ class Server:
         self._prefixes: collections.OrderedDict[tuple, _Prefix] = collections.OrderedDict()  # LRU order
         self._next_id = 0
         self.committed = 0  # pages the running requests may own
+        self.cancelled: dict[int, Exception | None] = {}  # request id -> what its on_token raised (None: cancel)
         self.prefill_tokens = 0  # prompt tokens run through the model (shared prefixes not counted twice)
         self.programs = self.gen.programs
         self.sampling = RowSampling.build([SamplingConfig()] * self.rows, np.zeros((self.rows, 2), np.uint32))
 
     def _empty(self) -> PagedCache:
-        state = self.kind.create(self.rows, self.row_pages * self.page)
-        pool = lambda: jnp.zeros((state.k.shape[0], self.pages, *state.k.shape[2:]), state.k.dtype)  # noqa: E731
-        return state.replace(k=pool(), v=pool(), refs=jnp.zeros((self.pages,), jnp.int32))
+        return paged.create(self.kind, self.rows, self.row_pages * self.page, self.pages)
 
     # ----------------------------------------------------------------------------------------------- requests
     def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
@@ -139,7 +149,8 @@ class Server:
 
     def run(self, on_token: Callable[[int, int], None] | None = None) -> dict[int, list[int]]:
         """Serve every queued request; ``on_token(request_id, token)`` as tokens are generated (streaming).
-        Returns each request's generated tokens (EOS included when emitted)."""
+        Returns each finished request's generated tokens (EOS included when emitted); a request cancelled meanwhile
+        (``cancel``, or its ``on_token`` raised) is left out and recorded in ``cancelled``."""
         done: dict[int, list[int]] = {}
         emit = on_token or (lambda request, token: None)
         while self._queue or self._running:
@@ -151,6 +162,32 @@ class Server:
             if self._running:
                 self._decode_rows(emit, done)
         return done
+
+    def cancel(self, request_id: int) -> bool:
+        """End request ``request_id`` now: dropped from the queue, or (running) its row and pages released at once
+        (its committed pages back to admission, the kept prefixes it reads one user less); it streams no further
+        token and ``run`` does not return it. Usable between ``run`` calls and from inside ``on_token``. Records
+        ``cancelled[request_id] = None``; returns False (and records nothing) if it had already finished or been
+        cancelled."""
+        if (isinstance(request_id, bool) or not isinstance(request_id, (int, np.integer))
+                or not 0 <= request_id < self._next_id):
+            raise ConfigError(f"Server.cancel: request_id={request_id!r:.60} is invalid: must be an id submit "
+                              f"returned (0 .. {self._next_id - 1})")
+        if not self._cancel(int(request_id)):
+            return False
+        self.cancelled[int(request_id)] = None
+        return True
+
+    def _cancel(self, request_id: int) -> bool:
+        """Drop the waiting request ``request_id`` or end the running one; False if it is neither."""
+        waiting = [r for r in self._queue if r.id == request_id]
+        if waiting:
+            self._queue.remove(waiting[0])
+            return True
+        running = [r for r in self._running.values() if r.id == request_id]
+        if running:
+            self._end(running[0])
+        return bool(running)
 
     # ----------------------------------------------------------------------------------------------- admission
     def _shared(self, prompt: np.ndarray) -> tuple[tuple | None, int]:
@@ -270,23 +307,37 @@ class Server:
         rows_sampling = jax.tree.map(lambda x: x[np.asarray(index)], self.sampling)
         first = np.asarray(_first_tokens(logits, rows_sampling))  # each request's token 0
         for i, request in enumerate(admitted):
+            if self._running.get(request.row) is not request:
+                continue  # cancelled from an earlier request's on_token
             self._keep_prefix(request)
             self._emit(request, int(first[i]), emit, done)
 
     def _emit(self, request: _Request, token: int, emit, done) -> None:
         request.tokens.append(token)
-        emit(request.id, token)
+        try:
+            emit(request.id, token)
+        except Exception as error:  # the caller's callback failed: its request ends here, the others go on
+            self._cancel(request.id)  # nothing more to free if the callback had cancelled it first
+            self.cancelled[request.id] = error
+            return
+        if self._running.get(request.row) is not request:
+            return  # the callback cancelled it (Server.cancel)
         if token == self.eos_id or len(request.tokens) >= request.max_new_tokens:
             self._finish(request, done)
 
     def _finish(self, request: _Request, done) -> None:
+        self._end(request)
+        done[request.id] = request.tokens
+
+    def _end(self, request: _Request) -> None:
+        """``request`` leaves its row: its pages lose its references, its committed pages return to admission and
+        the kept prefixes it reads have one user less."""
         self.state = _release(self.state, jnp.int32(request.row))
         self.committed -= request.private
         for key in request.uses:
             if key in self._prefixes:
                 self._prefixes[key].users -= 1
         del self._running[request.row]
-        done[request.id] = request.tokens
 
     def _decode_rows(self, emit, done) -> None:
         token = np.zeros(self.rows, np.int32)
@@ -327,23 +378,21 @@ def _set_row(values: np.ndarray, row: int, value) -> np.ndarray:
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _assign(state: PagedCache, row, table, length) -> PagedCache:
     """Row ``row`` starts with the pages ``table [T]`` (-1: none) holding ``length`` tokens."""
-    refs = state.refs.at[jnp.where(table >= 0, table, state.refs.shape[0])].add(1, mode="drop")
-    return state.replace(table=state.table.at[row].set(table), refs=refs, lengths=state.lengths.at[row].set(length),
-                         peak=jnp.maximum(state.peak, jnp.sum(refs > 0)))
+    state = state.with_pool(page_pool.assign(state.pool, row, table))
+    return state.replace(lengths=state.lengths.at[row].set(length))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _release(state: PagedCache, row) -> PagedCache:
     """Row ``row`` ends: its pages lose a reference, the row is empty."""
-    table = state.table[row]
-    refs = state.refs.at[jnp.where(table >= 0, table, state.refs.shape[0])].add(-1, mode="drop")
-    return state.replace(table=state.table.at[row].set(-1), refs=refs, lengths=state.lengths.at[row].set(0))
+    state = state.with_pool(page_pool.release(state.pool, row))
+    return state.replace(lengths=state.lengths.at[row].set(0))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _hold(state: PagedCache, pages, delta) -> PagedCache:
     """``delta`` more references to ``pages`` (a kept prefix taking or releasing them)."""
-    return state.replace(refs=state.refs.at[pages].add(delta))
+    return state.with_pool(page_pool.hold(state.pool, pages, delta))
 
 
 __all__ = ["Server"]
