@@ -20,13 +20,13 @@ KINDS = ("hf", "gguf", "lcx")
 def source_kind(path: str | Path, key: str = "checkpoint") -> str:
     """``hf`` (a directory with config.json), ``gguf`` (a ``.gguf`` file) or ``lcx`` (a run, stage or checkpoints
     directory); anything else is a ``ConfigError`` naming ``key``."""
-    from lcx.train.checkpoint import run_checkpoint
-
     p = Path(path).expanduser()
     if p.is_file() and p.suffix.lower() == ".gguf":
         return "gguf"
     if p.is_dir() and (p / "config.json").is_file():
         return "hf"
+    from lcx.train.checkpoint import run_checkpoint  # orbax (and what it pulls in): only for an lcx run
+
     if p.is_dir() and run_checkpoint(p) is not None:
         return "lcx"
     what = "does not exist" if not p.exists() else "is none of them"

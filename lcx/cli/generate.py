@@ -17,60 +17,36 @@ def load_model(path: str, *, seed: int = 0, dtype: str | None = None) -> tuple[M
 
     import jax
 
-    from lcx.checkpoints import hf
+    from lcx.lm import load_weights
     from lcx.model import init_params
-    from lcx.train.checkpoint import load_checkpoint, run_checkpoint
 
     p = Path(path)
-    if p.is_dir() and (p / "config.json").is_file():
-        config, params = hf.load_hf(p, dtype=dtype)
-        return config, params, "hf"
-    if p.is_file() and p.suffix.lower() == ".gguf":
-        config, params = hf.load_gguf(p, dtype=dtype)
-        return config, params, "gguf"
-    if p.is_dir():
-        run = run_checkpoint(p)
-        if run is None:
-            raise ConfigError(f"--model={path!r} is a directory with neither a Hugging Face config.json nor lcx "
-                              "checkpoints (runs/NAME, runs/NAME/train or .../checkpoints)")
-        config, params = load_checkpoint(run)
-        if dtype is not None:
-            config = dataclasses.replace(config, dtype=dtype)
-        return config, params, "lcx"
-    if p.is_file():
+    if p.is_file() and p.suffix.lower() != ".gguf":
         config = load_model_config(p)
         if dtype is not None:
             config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
         return config, init_params(config, jax.random.key(seed)), "random"
-    raise ConfigError(f"--model={path!r} does not exist: expected a Hugging Face checkpoint directory, a .gguf file "
-                      "or a YAML model config")
+    if not p.exists():
+        raise ConfigError(f"--model={path!r} does not exist: expected a Hugging Face checkpoint directory, a .gguf "
+                          "file, an lcx run or a YAML model config")
+    return load_weights(p, dtype=dtype, key="--model")  # the text-level API's loader (lcx.lm)
 
 
 def _tokenizer(model_path: str, config: ModelConfig, setting: str = "auto"):
     """``(encode, decode)`` of the tokenizer ``--tokenizer`` names (``lcx.data.tokenizer``); ``auto``: the checkpoint's
-    tokenizer.json, the tokenizer an lcx run recorded, or bytes for a YAML model config (random weights). A Hugging
-    Face directory without tokenizer.json is an error, never a silent switch to bytes."""
-    from lcx.data.tokenizer import resolve_tokenizer, run_tokenizer
+    tokenizer.json, the tokenizer an lcx run recorded, or bytes for a YAML model config (random weights) - as
+    ``lcx.load`` resolves it (``lcx.lm.auto_tokenizer``). A Hugging Face directory without tokenizer.json is an
+    error, never a silent switch to bytes."""
+    from lcx.data.tokenizer import resolve_tokenizer
+    from lcx.lm import auto_tokenizer, encode_prompt
 
-    p = Path(model_path)
     if setting == "auto":
-        if p.is_dir() and (p / "tokenizer.json").is_file():
-            setting = str(p)
-        elif p.is_dir() and (p / "config.json").is_file():
+        setting = auto_tokenizer(model_path)
+        if setting is None:
             raise ConfigError(f"--prompt needs a tokenizer: {model_path} has no tokenizer.json; pass --tokenizer PATH "
                               "(a tokenizer.json), --tokenizer bytes (a byte-level lcx model), or --ids")
-        elif p.is_file() and p.suffix.lower() == ".gguf":
-            setting = str(p)  # the tokenizer in the file's metadata
-        elif p.is_dir():
-            from lcx.train.checkpoint import run_checkpoint
-
-            stage = run_checkpoint(p) or p  # runs/NAME -> the stage whose checkpoint is loaded
-            setting = run_tokenizer(stage) or "bytes"  # runs that recorded none predate tokenizers: byte-level
-        else:
-            setting = "bytes"
     tok = resolve_tokenizer(setting, vocab_size=config.vocab_size, key="--tokenizer")
-    bos = tok.bos_id is not None and tok.bos_id < config.vocab_size
-    return (lambda text: tok.encode(text, bos=bos)), tok.decode, tok
+    return (lambda text: encode_prompt(tok, config, text)), tok.decode, tok
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
