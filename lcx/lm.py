@@ -112,6 +112,27 @@ def as_cache(cache, key: str = "cache") -> CacheConfig:
     raise ConfigError(f"{key}={cache!r:.100} is invalid: must be {CACHE_FORMS}")
 
 
+def at_compression(cache, length: int, room: int):
+    """``cache`` with a ``compression`` entry (a dict: the share of a prompt's tokens the policy evicts, in (0, 1))
+    resolved for prompts of up to ``length`` tokens and ``room`` tokens after them, as an ablation grid's
+    ``one_shot`` cell does (``lcx.eval.config.Setting``): the budget ``round((1 - c) x length)`` (or the policy's own
+    notion of it: DuoAttention's head share), the whole prompt seen before the one compression, nothing evicted after
+    it. Anything else is returned unchanged."""
+    if not isinstance(cache, Mapping) or "compression" not in cache:
+        return cache
+    from lcx.eval.config import Setting
+
+    rest = {k: v for k, v in cache.items() if k != "compression"}
+    c = cache["compression"]
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < 1:
+        raise ConfigError(f"cache.compression={c!r} is invalid: must be a number in (0, 1), the share of the "
+                          "prompt's tokens evicted")
+    if "budget" in rest or rest.get("policy", "full") == "full":
+        raise ConfigError("cache.compression is invalid with " + ("cache.budget: give one of them" if "budget" in rest
+                                                                   else "the full cache: name an evicting policy"))
+    return Setting(spec=tuple(rest.items()), compression=float(c), protocol="one_shot").cache(length, room=room)
+
+
 def _texts(texts, key: str = "texts") -> tuple[list[str], bool]:
     """``(texts as a list, whether one string was given)``."""
     if isinstance(texts, str):
@@ -208,7 +229,9 @@ class LM:
 
         ``cache``: None (the full cache), a ``CacheConfig``, a dict of its fields and policy parameters (``{"policy":
         "snapkv", "budget": 256, "window": 16}``) or a policy name (``"full"``; an evicting policy needs a budget, so
-        a dict). ``temperature`` 0 is greedy; ``top_p`` / ``top_k`` restrict sampling. ``seed``: as
+        a dict). A dict may give ``compression`` (the share of the prompt evicted, e.g. ``{"policy": "kvzip",
+        "compression": 0.75}``) instead of a budget: the cache is sized for the longest prompt, sees all of it and
+        compresses once (``at_compression``). ``temperature`` 0 is greedy; ``top_p`` / ``top_k`` restrict sampling. ``seed``: as
         ``lcx.generate``'s - text i samples with the seed folded with i, so a call gives the tokens
         ``lcx.generate(config, params, [lm.encode(t) for t in texts], ..., seed=seed, eos_id=lm.eos_id)`` gives.
         ``chat``: each text is the user's message of the tokenizer's chat template, the assistant's reply opened.
@@ -218,6 +241,7 @@ class LM:
         texts, single = _texts(texts)
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
         prompts = self._prompts(texts, chat)
+        cache = at_compression(cache, max(len(p) for p in prompts), max_new_tokens)
         gen = self.generator(max_new_tokens, cache, seed=seed, chat=chat)
         try:
             result = gen.result(gen.decode(gen.prefill(prompts, sampling=[sampling] * len(prompts))))
@@ -250,7 +274,7 @@ class LM:
             raise ConfigError(f"texts[{short}]={texts[short]!r:.60} has {len(ids[short])} tokens: score needs more "
                               f"than prefix={prefix} (the prefilled tokens are not scored)")
         width = max(len(x) for x in ids) - prefix
-        gen = self.generator(width, cache)
+        gen = self.generator(width, at_compression(cache, prefix, width))
         rest = np.full((len(ids), width), self.tokenizer.pad_id or 0, np.int32)  # rows end at their own length
         for row, x in zip(rest, ids):
             row[:len(x) - prefix] = x[prefix:]
@@ -288,5 +312,5 @@ def load(path: str | Path, *, tokenizer: str = "auto", dtype: str | None = None)
     return LM(config, params, tok, source=f"{kind} {path}")
 
 
-__all__ = ["CACHE_FORMS", "LM", "MAX_GENERATORS", "as_cache", "auto_tokenizer", "encode_prompt", "load",
+__all__ = ["CACHE_FORMS", "LM", "MAX_GENERATORS", "as_cache", "at_compression", "auto_tokenizer", "encode_prompt", "load",
            "load_weights"]

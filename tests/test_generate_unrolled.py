@@ -88,7 +88,7 @@ def test_split_and_stack_round_trip():
 
 def _weight_copies(gen: Generator, state) -> list[str]:
     """Instructions of the compiled decode loop that produce an array shaped like a layer weight (a copy)."""
-    text = gen.programs.decode_loop.lower(gen.params, state, jnp.int32(20)).compile().as_text()
+    text = gen.programs.decode_loop.lower(gen.params, state, jnp.int32(20), sampled=False).compile().as_text()
     shapes = {f"f32[{CFG.d_model},{CFG.d_ff}]", f"f32[{CFG.d_ff},{CFG.d_model}]",
               f"f32[{CFG.n_heads * CFG.head_dim},{CFG.d_model}]"}
     return [line.strip()[:120] for line in text.splitlines()

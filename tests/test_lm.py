@@ -189,6 +189,26 @@ def test_kvzip_gets_its_repeat_prompt_from_the_tokenizer(lm):
     assert chat.reconstruction == Frame(lm.tokenizer, lm.chat_template).reconstruction() != gen.reconstruction
 
 
+def test_a_compression_ratio_sizes_the_cache_for_the_prompts(lm):
+    """``{"policy": ..., "compression": c}`` keeps round((1 - c) x longest prompt) tokens, compressed once after the
+    whole prompt - the ablation grid's one_shot cell."""
+    from lcx.eval.config import Setting
+    from lcx.lm import at_compression
+
+    longest = max(len(lm.encode(t)) for t in LONG)
+    resolved = at_compression({"policy": "tova", "compression": 0.75}, longest, NEW)
+    assert resolved == Setting(spec=(("policy", "tova"),), compression=0.75, protocol="one_shot").cache(longest, NEW)
+    assert resolved.budget == round(0.25 * longest) and resolved.interval == longest + NEW
+    out = lm.generate(LONG, max_new_tokens=NEW, cache={"policy": "tova", "compression": 0.75})
+    gen = Generator(lm.config, lm.params, max_new_tokens=NEW, cache=resolved, eos_id=lm.eos_id)
+    assert out == _decoded(lm, gen.result(gen.decode(gen.prefill([lm.encode(t) for t in LONG]))))
+    for bad, message in (({"policy": "tova", "compression": 1.5}, "cache.compression=1.5 is invalid"),
+                         ({"policy": "tova", "compression": 0.5, "budget": 8}, "give one of them"),
+                         ({"compression": 0.5}, "name an evicting policy")):
+        with pytest.raises(ConfigError, match=message):
+            lm.generate(LONG, max_new_tokens=NEW, cache=bad)
+
+
 def test_bad_inputs_are_refused_naming_the_argument(lm, files, tmp_path):
     with pytest.raises(ConfigError, match="path='.*nowhere' does not exist"):
         lcx.load(tmp_path / "nowhere")

@@ -395,11 +395,13 @@ class Generator:
         """Sample up to ``steps`` more tokens (default: to ``max_new_tokens``) or until every row hit EOS."""
         limit = self.max_new_tokens if steps is None else min(int(state.step) + steps, self.max_new_tokens)
         segment = self.kind.decode_segment
+        sampled = bool(np.any(sharding.to_host(state.sampling.temperature) > 0))  # else the argmax-only program
         while True:  # one jitted loop per segment; the cache type syncs between (e.g. offloads blocks)
             step = int(state.step)
             stop = limit if segment is None else min(limit, step + segment)
             with sharding.use_mesh(self.mesh):
-                state = self.programs.decode_loop(self.params, state, self._put(np.int32(stop), False))
+                state = self.programs.decode_loop(self.params, state, self._put(np.int32(stop), False),
+                                                  sampled=sampled)
             state = state.replace(cache=self.kind.sync(state.cache))
             if stop >= limit or int(state.step) < stop:  # the limit, or every row hit EOS
                 return state

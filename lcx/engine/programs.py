@@ -3,7 +3,9 @@ one place and shared by every ``Generator`` and ``Server`` of it: ``programs(...
 named fields are the jitted functions, each donating its cache (``donate_argnames``) so XLA updates it in place.
 
 Sampling settings are not part of the configuration: they travel in the decode state (``RowSampling``, one per
-row), so greedy and sampled requests share one compiled decode loop.
+row), so requests with any mix of settings share one compiled decode loop; its static ``sampled`` flag compiles a
+second, argmax-only variant for batches whose every row is greedy (what most decoding is), which skips the
+sampler's branch in each step (measured: ~0.08 ms of a 0.3 ms step of a tiny model on a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax.numpy as jnp
 
 from lcx.cache.base import CacheKind, CacheState
 from lcx.cache.reconstruct import Probe
-from lcx.engine.sampling import RowSampling, sample_rows
+from lcx.engine.sampling import RowSampling, greedy, sample_rows
 from lcx.engine.state import DecodeState
 from lcx.model import Decoder
 from lcx.model.config import ModelConfig
@@ -29,11 +31,11 @@ class Programs:
 
     prefill_chunk: Callable  # (params, cache, ids, ok, last_index, last_logits, stat_weights, positions=None)
     end_prefill: Callable  # (cache) -> cache compressed after the prompt
-    decode_loop: Callable  # (params, state, limit) -> state after sampling up to step ``limit``
+    decode_loop: Callable  # (params, state, limit, sampled) -> state after sampling up to step ``limit``
     forced_loop: Callable  # (params, cache, logits, tokens, n) -> teacher forcing one token per step
     forced_chunk: Callable  # (params, cache, logits, tokens, n, stat_weights) -> teacher forcing as one chunk
     probe_chunk: Callable  # (params, cache, ids, ok, lo, hi) -> a reconstruction pass scored into the cache
-    serve_segment: Callable  # (params, cache, token, active, left, rows, steps, n_steps) -> a server's decode steps
+    serve_segment: Callable  # (params, cache, token, active, left, rows, steps, n_steps, sampled) -> decode steps
     model: Decoder
 
 
@@ -85,12 +87,12 @@ def programs(config: ModelConfig, eos_id: int | None, pad_id: int, kind: CacheKi
         logits, cache = model.apply({"params": params}, token[:, None], cache=cache, stat_weights=weights)
         return pin(cache), logits[:, 0]
 
-    def decode_loop(params, state: DecodeState, limit):
+    def decode_loop(params, state: DecodeState, limit, sampled: bool = True):
         def cond(s: DecodeState):
             return (s.step < limit) & ~jnp.all(s.done)
 
         def body(s: DecodeState):
-            token = sample_rows(s.logits, s.sampling, s.step)
+            token = sample_rows(s.logits, s.sampling, s.step) if sampled else greedy(s.logits)
             token = jnp.where(s.done, pad_id, token)
             tokens = s.tokens.at[:, s.step].set(token)
             n_generated = s.n_generated + (~s.done).astype(jnp.int32)
@@ -134,7 +136,8 @@ def programs(config: ModelConfig, eos_id: int | None, pad_id: int, kind: CacheKi
         return pin(cache), jax.lax.dynamic_index_in_dim(out, n - 1, axis=1, keepdims=False), logprobs
 
 
-    def serve_segment(params, cache, token, active, left, rows: RowSampling, steps, n_steps: int):
+    def serve_segment(params, cache, token, active, left, rows: RowSampling, steps, n_steps: int,
+                      sampled: bool = True):
         """``n_steps`` steps of a server's active rows (``lcx.engine.server``): append ``token [b]``, sample the next
         one (``rows``; ``steps [b]``: each row's tokens so far, the key index of its next), stop a row at EOS or
         when ``left [b]`` tokens are emitted. Returns ``(cache, tokens [S, b], emitted [S, b])``."""
@@ -142,7 +145,7 @@ def programs(config: ModelConfig, eos_id: int | None, pad_id: int, kind: CacheKi
             cache, token, active, left, steps = carry
             cache = kind.make_room(cache, active.astype(jnp.int32))
             logits, cache = model.apply({"params": params}, token[:, None], cache=cache, ok=active[:, None])
-            nxt = sample_rows(logits[:, 0], rows, steps)
+            nxt = sample_rows(logits[:, 0], rows, steps) if sampled else greedy(logits[:, 0])
             left = left - active
             stop = (left <= 0) | ((nxt == eos_id) if eos_id is not None else False)
             return (cache, jnp.where(active, nxt, token), active & ~stop, left, steps + active), (nxt, active)
@@ -154,10 +157,10 @@ def programs(config: ModelConfig, eos_id: int | None, pad_id: int, kind: CacheKi
     return Programs(
         prefill_chunk=jax.jit(prefill_chunk, donate_argnames=("cache",)),
         end_prefill=jax.jit(end_prefill, donate_argnames=("cache",)),
-        decode_loop=jax.jit(decode_loop, donate_argnames=("state",)),
+        decode_loop=jax.jit(decode_loop, static_argnames=("sampled",), donate_argnames=("state",)),
         forced_loop=jax.jit(forced_loop), forced_chunk=jax.jit(forced_chunk),
         probe_chunk=jax.jit(probe_chunk, donate_argnames=("cache",)),
-        serve_segment=jax.jit(serve_segment, static_argnames=("n_steps",), donate_argnames=("cache",)),
+        serve_segment=jax.jit(serve_segment, static_argnames=("n_steps", "sampled"), donate_argnames=("cache",)),
         model=model)
 
 

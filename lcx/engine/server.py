@@ -350,7 +350,8 @@ class Server:
             steps[row] = len(request.tokens)
         self.state, tokens, emitted = self.programs.serve_segment(
             self.gen.params, self.state, jnp.asarray(token), jnp.asarray(active), jnp.asarray(left),
-            jax.tree.map(jnp.asarray, self.sampling), jnp.asarray(steps), n_steps=self.segment)
+            jax.tree.map(jnp.asarray, self.sampling), jnp.asarray(steps), n_steps=self.segment,
+            sampled=bool(np.any(self.sampling.temperature[active] > 0)))  # all greedy: the argmax-only program
         self.state = self.kind.sync(self.state)
         tokens, emitted = np.asarray(tokens), np.asarray(emitted)  # [S, b]
         for step in range(tokens.shape[0]):

@@ -167,7 +167,7 @@ def decode_hlo(impl: str, cases: list[list], directory: str) -> dict:
         state = gen.prefill(prompts())
         limit = sharding.put(np.int32(4), sharding.replicated(mesh))
         with sharding.use_mesh(mesh):
-            text = gen.programs.decode_loop.lower(gen.params, state, limit).compile().as_text()
+            text = gen.programs.decode_loop.lower(gen.params, state, limit, sampled=False).compile().as_text()
         name = f"kv{n_kv_heads}_{mesh_shape[0]}x{mesh_shape[1]}"
         path = Path(directory) / f"{name}.hlo.txt"
         path.write_text(text)
