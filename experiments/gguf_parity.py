@@ -1,6 +1,7 @@
 """lcx vs transformers on a real GGUF file: logits, greedy generation and tokenizer, both from the same file.
 
-lcx loads the file with ``lcx.checkpoints.gguf.load_gguf`` (its own name map, q/k un-permutation and tokenizer builder, the
+lcx loads the file with ``lcx.checkpoints.gguf.load_gguf`` (its own name map, q/k un-permutation and tokenizer
+builder, the
 ``gguf`` package's dequantization); transformers with ``AutoModelForCausalLM.from_pretrained(dir,
 gguf_file=name)`` (its own GGUF loader, float32). Both see the dequantized weights, so the logits should agree to
 float32 rounding whatever the quantization.

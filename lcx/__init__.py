@@ -22,7 +22,8 @@ from lcx.parallel.sharding import MeshConfig, make_mesh
 __version__ = "0.2.0.dev0"
 
 # Modules that moved in 0.2 (CHANGELOG.md): importing the old path gives the new module, with a DeprecationWarning.
-MOVED = {"lcx.sampling": "lcx.engine.sampling", "lcx.serve": "lcx.engine.server", "lcx.sharding": "lcx.parallel.sharding",
+MOVED = {"lcx.sampling": "lcx.engine.sampling", "lcx.serve": "lcx.engine.server",
+         "lcx.sharding": "lcx.parallel.sharding",
          "lcx.context_parallel": "lcx.parallel.context", "lcx.distributed": "lcx.parallel.distributed",
          "lcx.device_memory": "lcx.parallel.device_memory", "lcx.gguf": "lcx.checkpoints.gguf",
          "lcx.sources": "lcx.checkpoints.sources", "lcx.plan_train": "lcx.plan.training",

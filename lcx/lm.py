@@ -231,8 +231,8 @@ class LM:
         "snapkv", "budget": 256, "window": 16}``) or a policy name (``"full"``; an evicting policy needs a budget, so
         a dict). A dict may give ``compression`` (the share of the prompt evicted, e.g. ``{"policy": "kvzip",
         "compression": 0.75}``) instead of a budget: the cache is sized for the longest prompt, sees all of it and
-        compresses once (``at_compression``). ``temperature`` 0 is greedy; ``top_p`` / ``top_k`` restrict sampling. ``seed``: as
-        ``lcx.generate``'s - text i samples with the seed folded with i, so a call gives the tokens
+        compresses once (``at_compression``). ``temperature`` 0 is greedy; ``top_p`` / ``top_k`` restrict sampling.
+        ``seed``: as ``lcx.generate``'s - text i samples with the seed folded with i, so a call gives the tokens
         ``lcx.generate(config, params, [lm.encode(t) for t in texts], ..., seed=seed, eos_id=lm.eos_id)`` gives.
         ``chat``: each text is the user's message of the tokenizer's chat template, the assistant's reply opened.
         All texts run as one batch."""
@@ -312,5 +312,6 @@ def load(path: str | Path, *, tokenizer: str = "auto", dtype: str | None = None)
     return LM(config, params, tok, source=f"{kind} {path}")
 
 
-__all__ = ["CACHE_FORMS", "LM", "MAX_GENERATORS", "as_cache", "at_compression", "auto_tokenizer", "encode_prompt", "load",
+__all__ = ["CACHE_FORMS", "LM", "MAX_GENERATORS", "as_cache", "at_compression", "auto_tokenizer", "encode_prompt",
+           "load",
            "load_weights"]

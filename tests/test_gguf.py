@@ -1,4 +1,5 @@
-"""GGUF import (``lcx.checkpoints.gguf``) and ``lcx convert``, against transformers' own GGUF loader and the source models.
+"""GGUF import (``lcx.checkpoints.gguf``) and ``lcx convert``, against transformers' own GGUF loader and the source
+models.
 
 Each test writes a tiny GGUF with ``gguf.GGUFWriter`` the way llama.cpp's converter does: llama q/k rows permuted
 for its interleaved RoPE, 1-D tensors in F32, metadata under llama.cpp's keys, a byte-level BPE tokenizer trained

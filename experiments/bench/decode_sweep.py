@@ -15,7 +15,8 @@ The breakdown times the phases of one more lcx call with the public ``Generator`
 ``host`` (Generator construction: cache planning, the per-layer copy of the weights the unrolled decoder reads,
 compiled-function lookup), ``prefill`` (prompt padding, capacity check, cache creation and the prefill chunks),
 ``decode`` (the on-device decode loop: a while_loop of model steps and sampling), ``to_host`` (copying the tokens
-back); ``sampling`` is the greedy pick (``lcx.engine.sampling.greedy``) over ``[batch, vocab]`` timed on its own per token
+back); ``sampling`` is the greedy pick (``lcx.engine.sampling.greedy``) over ``[batch, vocab]`` timed on its own per
+token
 (it runs inside the decode loop).
 
 ``floor ms/step`` is the memory-bound minimum of one decode step: the bytes it must read - every layer weight, the

@@ -3,7 +3,8 @@
 A cache type lists its buffers once (``CacheKind.fields()``) and says how big each logical axis is
 (``CacheKind.sizes(batch, capacity)``); everything else derives from that: the arrays of an empty cache, their
 abstract shapes (orbax restore targets), their shardings on a mesh (through the logical-axis rules of
-``lcx.parallel.sharding``), the per-layer view the model's layer scan slices (buffers whose first axis is ``"layers"``), the
+``lcx.parallel.sharding``), the per-layer view the model's layer scan slices (buffers whose first axis is
+``"layers"``), the
 layouts kernels see inside ``per_shard``, and the byte counts the planner and ``GenerateResult`` report.
 
 Logical axes of cache buffers: ``layers``, ``batch``, ``length`` (slots), ``kv_heads``, ``keep_heads`` (the KV heads

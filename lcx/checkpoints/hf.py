@@ -402,8 +402,8 @@ def load_gguf(path: str | Path, dtype: str | None = None, mesh=None) -> tuple[Mo
     """A GGUF file -> ``(ModelConfig, params)``: ``lcx.checkpoints.gguf.load_gguf``, re-exported beside ``load_hf``."""
     import importlib
 
-    # lcx.checkpoints.gguf builds on this module (config_from_hf, _assemble): it is looked up when called, so that neither
-    # module imports the other at load time.
+    # lcx.checkpoints.gguf builds on this module (config_from_hf, _assemble): it is looked up when called, so that
+    # neither module imports the other at load time.
     return importlib.import_module("lcx.checkpoints.gguf").load_gguf(path, dtype, mesh)
 
 

@@ -3,7 +3,8 @@
 Writes ``config.json`` + ``model.safetensors`` (by ``lcx.checkpoints.hf.save_hf``, in ``--dtype``, default float32: the
 dequantized weights, so a Q4 file becomes a float32 model that computes what the Q4 file computes),
 ``tokenizer.json`` (the tokenizer built from the GGUF metadata), ``tokenizer_config.json`` (special tokens,
-``add_bos_token``, ``chat_template``) and ``generation_config.json`` (BOS/EOS ids). What ``lcx.checkpoints.gguf`` does not
+``add_bos_token``, ``chat_template``) and ``generation_config.json`` (BOS/EOS ids). What ``lcx.checkpoints.gguf``
+does not
 support is refused before anything is written; a non-empty OUT_DIR needs ``--force``.
 """
 

@@ -2,7 +2,8 @@
 
 RUN is a run directory (``runs/NAME``: its ``finetune`` stage if it has one, else ``train``), a stage directory or a
 checkpoint directory; ``--step`` picks a checkpoint (default: the latest). The weights are written in the model's
-``param_dtype`` (float32 for lcx training runs) by ``lcx.checkpoints.hf.save_hf``. A run trained with a Hugging Face tokenizer
+``param_dtype`` (float32 for lcx training runs) by ``lcx.checkpoints.hf.save_hf``. A run trained with a Hugging Face
+tokenizer
 (``data.tokenizer``) gets its ``tokenizer.json`` (and the ``tokenizer_config.json`` / ``special_tokens_map.json``
 beside it) copied along; lcx's byte tokenizer has no transformers equivalent, so byte-level models get none.
 """

@@ -346,8 +346,8 @@ class Generator:
         passes = self.reconstruction.passes(ids, lengths, self.policy.chunk)
         for tokens, ok, lo, hi in tqdm(passes, disable=not progress, desc="reconstruct", unit="pass"):
             with sharding.use_mesh(self.mesh):
-                cache = self.programs.probe_chunk(self.params, cache, self._put(tokens), self._put(ok), self._put(lo, False),
-                                    self._put(hi))
+                cache = self.programs.probe_chunk(self.params, cache, self._put(tokens), self._put(ok),
+                                                  self._put(lo, False), self._put(hi))
         return cache
 
     def _continued(self, state: DecodeState, batch: int, max_len: int) -> tuple[CacheState, int]:
@@ -445,8 +445,8 @@ class Generator:
                 chunk = np.zeros((batch, segment), np.int32)
                 chunk[:, :n] = tokens[:, lo:lo + n]
                 with sharding.use_mesh(self.mesh):
-                    cache, logits, part = self.programs.forced_loop(self.params, state.cache, state.logits, self._put(chunk),
-                                                       self._put(np.int32(n), False))
+                    cache, logits, part = self.programs.forced_loop(self.params, state.cache, state.logits,
+                                                                    self._put(chunk), self._put(np.int32(n), False))
             else:
                 room = self.kind.score_room(state.cache)
                 n = min(width, total - lo, width if room is None else room)

@@ -2,7 +2,8 @@
 code) mapped through the rules of ``lcx.parallel.sharding``.
 
 Query heads, KV heads and MLP columns split over ``model``; the vocabulary, embedding and norms stay whole (see
-``lcx.parallel.sharding.LOGICAL_RULES``). With KV heads replicated over the model axis the K/V projections stay whole too.
+``lcx.parallel.sharding.LOGICAL_RULES``). With KV heads replicated over the model axis the K/V projections stay whole
+too.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ types whose frequencies depend on the current length (dynamic NTK, LongRoPE), ho
 length so one compiled function serves every length.
 
 Adding a type: write ``@register("name", required=(...), hf_fields=(...))`` over its frequency function; config
-validation, ``lcx.model.rope`` and ``lcx.checkpoints.hf`` pick it up. The parity tests compare every type with transformers'
+validation, ``lcx.model.rope`` and ``lcx.checkpoints.hf`` pick it up. The parity tests compare every type with
+transformers'
 ``ROPE_INIT_FUNCTIONS``.
 
 Conventions (Hugging Face): base frequencies theta_i = theta^(-2i/d) with the exponent computed in float32, as

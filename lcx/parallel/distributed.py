@@ -1,7 +1,8 @@
 """Multi-process (multi-host) runs: ``jax.distributed.initialize`` driven by config or the environment.
 
 JAX is the distributed engine: after :func:`initialize`, ``jax.devices()`` lists the devices of every process, a
-mesh over them (``lcx.parallel.sharding.make_mesh``) is global, and each process runs the same program on its own shards.
+mesh over them (``lcx.parallel.sharding.make_mesh``) is global, and each process runs the same program on its own
+shards.
 Call it once per process, before anything touches a JAX device.
 
 Environment (each variable falls back to JAX's own name):

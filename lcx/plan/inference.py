@@ -122,7 +122,8 @@ def max_context(model: ModelConfig, *, batch: int, gpu_mem_bytes: int, devices: 
 
 
 def valid_model_axis_sizes(model: ModelConfig, devices: int) -> list[int]:
-    """Model-axis sizes that split the attention cleanly (``lcx.parallel.sharding.valid_model_axis_sizes``): the divisors of
+    """Model-axis sizes that split the attention cleanly (``lcx.parallel.sharding.valid_model_axis_sizes``): the
+    divisors of
     kv_heads, and the multiples of kv_heads up to ``devices`` that also divide n_heads (KV heads replicated)."""
     return sharding.valid_model_axis_sizes(model.n_kv_heads, model.n_heads, limit=max(devices, model.n_kv_heads))
 
