@@ -18,6 +18,7 @@ from lcx.engine.sampling import filter_logits, filter_rows
 from tests.test_generate import CFG, _prompts
 
 HOT = SamplingConfig(temperature=0.9, top_k=20, top_p=0.95)
+SHARED = dict(max_new_tokens=8, capacity=32)  # one cache shape: the tests share compiled programs
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def test_filter_rows_applies_each_rows_own_setting():
 
 def test_a_seeded_request_gets_its_tokens_alone_or_in_any_row(params):
     prompts = _prompts([4, 6, 5], seed=7)
-    gen = Generator(CFG, params, max_new_tokens=10, sampling=HOT)
+    gen = Generator(CFG, params, sampling=HOT, **SHARED)
     batch = gen.result(gen.decode(gen.prefill(prompts, seeds=[11, 12, 13])))
     for row, seed in ((1, 12), (2, 13)):
         alone = gen.result(gen.decode(gen.prefill([prompts[row]], seeds=[seed])))
@@ -62,10 +63,10 @@ def test_a_seeded_request_gets_its_tokens_alone_or_in_any_row(params):
 def test_rows_mix_greedy_and_sampled_settings(params):
     prompts = _prompts([4, 6], seed=8)
     greedy = generate(CFG, params, prompts, max_new_tokens=8)
-    gen = Generator(CFG, params, max_new_tokens=8)
+    gen = Generator(CFG, params, **SHARED)
     mixed = gen.result(gen.decode(gen.prefill(prompts, sampling=[SamplingConfig(), HOT], seeds=[1, 2])))
     np.testing.assert_array_equal(mixed.tokens[0], greedy.tokens[0])
-    hot = Generator(CFG, params, max_new_tokens=8, sampling=HOT)
+    hot = Generator(CFG, params, sampling=HOT, **SHARED)
     alone = hot.result(hot.decode(hot.prefill(prompts[1:], seeds=[2])))
     np.testing.assert_array_equal(mixed.tokens[1], alone.tokens[0])
 
@@ -80,16 +81,16 @@ def test_one_seed_for_a_call_gives_each_prompt_its_own_stream(params):
 
 def test_sampled_decode_resumes_bit_identically(params):
     prompts = _prompts([4, 6], seed=10)
-    gen = Generator(CFG, params, max_new_tokens=10, sampling=HOT, seed=3)
+    gen = Generator(CFG, params, sampling=HOT, seed=3, **SHARED)
     whole = gen.result(gen.decode(gen.prefill(prompts)))
     state = gen.prefill(prompts)
-    for _ in range(4):
+    for _ in range(3):
         state = gen.decode(state, steps=3)
     np.testing.assert_array_equal(gen.result(state).tokens, whole.tokens)
 
 
 def test_forks_sample_their_own_streams(params):
-    gen = Generator(CFG, params, max_new_tokens=10, sampling=SamplingConfig(temperature=1.5), capacity=32)
+    gen = Generator(CFG, params, sampling=SamplingConfig(temperature=1.5), **SHARED)
     state = gen.fork(gen.prefill(_prompts([6], seed=11)), 2)
     out = gen.result(gen.decode(state))
     assert not np.array_equal(out.tokens[0], out.tokens[1])
@@ -116,7 +117,7 @@ def test_server_samples_a_request_as_the_generator_does_alone(params):
     ids = [server.submit(p, max_new_tokens=8, sampling=HOT, seed=20 + i) for i, p in enumerate(prompts)]
     greedy_id = server.submit(prompts[0], max_new_tokens=8)
     out = server.run()
-    gen = Generator(CFG, params, max_new_tokens=8, sampling=HOT)
+    gen = Generator(CFG, params, sampling=HOT, **SHARED)
     for i, p in enumerate(prompts):
         alone = gen.result(gen.decode(gen.prefill([p], seeds=[20 + i])))
         assert out[ids[i]] == alone.tokens[0].tolist()
