@@ -198,8 +198,7 @@ class LM:
         if not isinstance(chat, bool):
             raise ConfigError(f"chat={chat!r} is invalid: must be True (the chat frame) or False")
         policy = cache.make_policy()
-        framed = getattr(policy, "reconstructs", False) or (getattr(policy, "calibrates", False)
-                                                            and not policy.calibrated)
+        framed = policy.observes.reconstructs or (policy.observes.calibrates and not policy.calibrated)
         # the chat flag changes a generator only through those inputs: without them both share one
         key = (max_new_tokens, json.dumps(cache.to_dict(), sort_keys=True, default=repr), int(seed), chat and framed)
         gen = self._generators.get(key)
