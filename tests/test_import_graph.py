@@ -104,7 +104,7 @@ def test_import_graph_ground_floor_imports_nothing_from_lcx():
 # The floors of the package layout (docs/architecture.md): each package imports only from its own floor and below.
 BELOW_ENGINE = ("lcx.kernels", "lcx.parallel", "lcx.model", "lcx.cache")
 ABOVE_ENGINE = ("lcx.checkpoints", "lcx.data", "lcx.train", "lcx.eval", "lcx.plan", "lcx.cli", "lcx.experiment",
-                "lcx.lm")
+                "lcx.lm", "lcx.service")
 CONFIG_MODULES = ("lcx.config", "lcx.model.config", "lcx.cache.config", "lcx.train.config", "lcx.eval.config")
 
 

@@ -52,13 +52,20 @@ def test_server_tokens_equal_generating_each_request_alone(params):
 def test_server_refuses_what_it_cannot_hold(params):
     with pytest.raises(ConfigError, match=r"cache.layout='contiguous' is invalid for Server"):
         Server(CFG, params, cache=lcx.CacheConfig())
-    with pytest.raises(ConfigError, match=r"cache.policy='h2o' is invalid for Server.*allowed: 'full'"):
-        Server(CFG, params, cache=lcx.CacheConfig(layout="paged", policy="h2o", budget=16))
-    with pytest.raises(ConfigError, match=r"Server pages=2 is invalid: one request of max_len=32 needs 4 pages"):
-        Server(CFG, params, max_len=32, pages=2, cache=lcx.CacheConfig(layout="paged", page_size=8))
+    with pytest.raises(ConfigError, match=r"cache.policy='kvzip' is invalid for Server: it scores by reconstruction "
+                                          r"passes.*allowed: .*h2o.*streaming"):
+        Server(CFG, params, cache=lcx.CacheConfig(layout="paged", policy="kvzip", budget=16))
+    with pytest.raises(ConfigError, match=r"Server pages=0 is invalid: must be a positive integer"):
+        Server(CFG, params, max_len=32, pages=0, cache=lcx.CacheConfig(layout="paged", page_size=8))
     server = Server(CFG, params, max_len=32, cache=lcx.CacheConfig(layout="paged", page_size=8))
     with pytest.raises(CacheCapacityError, match=r"30 prompt \+ 8 new tokens exceeds the server's max_len=32"):
         server.submit(list(range(30)), max_new_tokens=8)
+    small = Server(CFG, params, max_len=64, pages=4, max_num_seqs=2, cache=lcx.CacheConfig(layout="paged",
+                                                                                            page_size=8))
+    with pytest.raises(CacheCapacityError, match=r"40 prompt \+ 8 new tokens needs 6 pages of 8 tokens \([0-9,]+ bytes "
+                                                 r"of KV cache\); the server's KV budget is 4 pages.*--cache-policy "
+                                                 r"streaming --cache-param budget="):
+        small.submit(list(range(40)), max_new_tokens=8)
 
 
 def _pool(server: Server) -> dict:
@@ -153,3 +160,86 @@ def test_cancel_drops_a_waiting_request_and_ends_a_running_one_at_once(params):
     with pytest.raises(ConfigError, match=r"Server.cancel: request_id=3 is invalid: must be an id submit returned "
                                           r"\(0 .. 2\)"):
         server.cancel(3)
+
+
+# --------------------------------------------------------------------------------------------------- chunked prefill
+def test_a_long_prompt_arrives_a_chunk_per_step_while_the_others_decode(params):
+    cache = lcx.CacheConfig(layout="paged", page_size=8)
+    server = Server(CFG, params, max_num_seqs=2, max_len=160, segment=2, prefill_chunk=16, cache=cache)
+    short, long = PROMPTS[0], np.random.default_rng(9).integers(0, 61, 100).tolist()
+    a = server.submit(short, max_new_tokens=40)
+    out: dict[int, list[int]] = {}
+    server.step(done=out)  # A prefilled (2 chunks of 16 would be 29 tokens: a step each) ...
+    while any(r.prefilling for r in server._running.values()):
+        server.step(done=out)
+    b = server.submit(long, max_new_tokens=4)
+    per_step = []
+    while server.busy:
+        got: list[int] = []
+        reading = [r for r in server._running.values() if r.id == b and r.prefilling]
+        server.step(on_token=lambda request, token: got.append(request), done=out)
+        if reading:
+            per_step.append(got.count(a))
+    assert len(per_step) >= 100 // 16  # B's prompt took a step per chunk ...
+    assert all(n == 2 for n in per_step[:-1])  # ... and A decoded a segment in each of them
+    alone = lcx.generate(CFG, params, [short, long], max_new_tokens=40)
+    assert out[a] == alone.tokens[0, :40].tolist() and out[b] == alone.tokens[1, :4].tolist()
+
+
+# --------------------------------------------------------------------------------------------------- eviction
+def test_an_evicting_policy_serves_prompts_past_its_pages_as_generate_does(params):
+    cache = lcx.CacheConfig(layout="paged", page_size=8, policy="streaming", budget=16, interval=8)
+    server = Server(CFG, params, max_num_seqs=1, max_len=200, segment=4, prefill_chunk=8, cache=cache)
+    assert server.row_pages == 3  # budget + interval slots, whatever max_len
+    prompt = np.random.default_rng(5).integers(0, 61, 90).tolist()
+    rid = server.submit(prompt, max_new_tokens=20)
+    out = server.run()
+    alone = lcx.generate(CFG, params, [prompt], max_new_tokens=20,
+                         cache=lcx.CacheConfig(**cache.to_dict() | {"prefill_chunk": server.chunk}))
+    assert out[rid] == alone.tokens[0, :20].tolist()
+    assert int(server.state.peak) <= server.row_pages and server.pages_used() == 0
+    with pytest.raises(ConfigError, match=r"cache.policy='kvzip' is invalid for Server"):
+        Server(CFG, params, cache=lcx.CacheConfig(layout="paged", policy="kvzip", budget=16))
+
+
+# --------------------------------------------------------------------------------------------------- the page store
+def test_stored_pages_serve_a_new_server_with_the_tokens_of_recomputing(params, tmp_path):
+    from lcx.engine.kv_store import PageStore
+
+    cache = lcx.CacheConfig(layout="paged", page_size=8)
+    first = Server(CFG, params, max_num_seqs=2, max_len=128, cache=cache, prefill_chunk=16,
+                   store=PageStore("model-a", page=8, directory=tmp_path))
+    prompt = np.random.default_rng(11).integers(0, 61, 43).tolist()
+    rid = first.submit(prompt, max_new_tokens=9)
+    answer = first.run()[rid]
+    files = sorted(tmp_path.glob("*.kvp"))
+    assert len(files) == (len(prompt) + len(answer) - 1) // 8  # the prompt's and the answer's whole pages
+    # a restarted server (nothing in memory): the next turn extends the conversation and reads its pages from disk
+    turn = prompt + answer + [7, 8, 9, 10, 11]
+    want = lcx.generate(CFG, params, [turn], max_new_tokens=6).tokens[0].tolist()
+
+    def serve(namespace):
+        server = Server(CFG, params, max_num_seqs=2, max_len=128, cache=cache, prefill_chunk=16,
+                        store=PageStore(namespace, page=8, directory=tmp_path))
+        rid = server.submit(turn, max_new_tokens=6)
+        out = server.run()[rid]
+        return out, server.cached_tokens, server.store
+
+    out, cached, store = serve("model-a")
+    assert out == want and cached == len(files) * 8
+    assert serve("model-b")[1] == 0  # another model's (or cache setting's) pages are never read
+    # a truncated file and a corrupt one: detected, deleted, recomputed - never served
+    keys = store.keys(np.asarray(turn[:len(files) * 8]))
+    paths = [tmp_path / f"{k}.kvp" for k in keys]
+    paths[3].write_bytes(paths[3].read_bytes()[:-100])
+    data = bytearray(paths[5].read_bytes())
+    data[-10] ^= 0xFF
+    paths[5].write_bytes(bytes(data))
+    out, cached, store = serve("model-a")
+    assert out == want and cached == 3 * 8 and store.corrupt == 1  # the run stops at the first bad page
+    # the truncated page was stored again, whole; the corrupt one (past it, unread so far) is found by the next
+    # restart, which stops there and stores it again; then every page reads back
+    out, cached, store = serve("model-a")
+    assert out == want and cached == 5 * 8 and store.corrupt == 1
+    out, cached, store = serve("model-a")
+    assert out == want and cached == (len(turn) - 1) // 8 * 8 and store.corrupt == 0  # this turn's pages too

@@ -12,7 +12,7 @@ from lcx.config_base import ConfigError
 
 def build_parser() -> argparse.ArgumentParser:
     from lcx import experiment
-    from lcx.cli import convert, export, generate, plan
+    from lcx.cli import convert, export, generate, plan, serve
 
     parser = argparse.ArgumentParser(prog="lcx", description="Long-context decoding experiments in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_parsers(sub)
     export.add_parser(sub)
     convert.add_parser(sub)
+    serve.add_parser(sub)
     return parser
 
 

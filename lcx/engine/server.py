@@ -1,4 +1,5 @@
-"""Serving many requests: continuous batching over a paged cache, prefix pages kept across requests, streaming.
+"""Serving many requests: continuous batching over a paged cache, chunked prefill between decode segments, prefix
+pages kept across requests (and across restarts, with a ``PageStore``), eviction policies on pages, streaming.
 
     server = Server(config, params, max_num_seqs=8, max_len=4096)
     ids = [server.submit(prompt, max_new_tokens=64) for prompt in prompts]
@@ -6,26 +7,36 @@
 
 The server holds ``max_num_seqs`` rows of one paged cache (``lcx.cache.paged``: a pool of ``pages`` pages of
 ``cache.page_size`` tokens). A request waits in a FIFO queue until a row is free and the pool can hold everything it
-may write (its prompt and ``max_new_tokens``, beyond the pages it shares): admission is refused or deferred, never
-an out-of-memory error, and a request no empty pool could hold is refused at ``submit``. Between jitted calls the
-host admits requests, prefills the admitted rows' prompts together (the other rows' caches untouched: their tokens
-are masked out), then decodes every active row ``segment`` steps at a time; a row that emits EOS or its last token is
-released at once (its pages back to the pool) and the next request takes it. Each request samples with its own
-settings and key (``lcx.engine.sampling``): its tokens equal ``lcx.generate`` of its prompt alone with the same
-settings and seed (greedy by default). The compiled functions are the configuration's ``Programs``, shared with
-``Generator``.
+may write beyond the pages it shares - its prompt and ``max_new_tokens`` under the ``full`` policy, the slots its
+policy plans (budget + interval) under an evicting one: admission is deferred, never an out-of-memory error, and a
+request no empty pool could hold is refused at ``submit`` with the bytes it needs, the budget, and a policy that
+would serve it.
 
-Cancellation: ``Server.cancel(request_id)`` (between ``run`` calls, or from inside ``on_token``) drops a waiting
-request, or ends a running one at once: its row and pages are released (its references gone, its committed pages
-back to admission, the kept prefixes it reads one user less) and it streams no further token. An ``Exception`` raised
-by ``on_token`` cancels that request the same way (the others go on): ``run`` leaves it out of what it returns and
+One ``step`` (``run`` repeats it): admit what fits; run **one prefill chunk** (at most ``prefill_chunk`` tokens) of
+every row still reading its prompt, as a batch of those rows only (the others' caches untouched); then decode every
+row past its prompt ``segment`` steps. A long prompt thus arrives a chunk per step while the other streams go on:
+their tokens wait for one chunk, not for the whole prompt. A row that emits EOS or its last token is released at once
+(its pages back to the pool) and the next request takes it. Each request samples with its own settings and key
+(``lcx.engine.sampling``): under the full policy its tokens equal ``lcx.generate`` of its prompt alone with the same
+settings and seed (greedy by default). Under an evicting policy (the slot policies on pages,
+``lcx.cache.paged_slots``) a row's prompt ends with the policy's end-of-prefill eviction, as in ``Generator``; during
+decode the batch evicts together (the slot cache's rule: when one row would overflow, every row is cut to its
+budget), so a request's tokens can differ from generating it alone. The compiled functions are the configuration's
+``Programs``, shared with ``Generator``.
+
+Cancellation: ``Server.cancel(request_id)`` (between steps, or from inside ``on_token``) drops a waiting request, or
+ends a running one at once: its row and pages are released (its references gone, its committed pages back to
+admission, the kept prefixes it reads one user less) and it streams no further token. An ``Exception`` raised by
+``on_token`` cancels that request the same way (the others go on): ``run`` leaves it out of what it returns and
 ``Server.cancelled`` maps its id to the exception (to None for a ``cancel`` call).
 
-Prefix pages: after its prefill, the whole pages of a request's prompt are kept (an extra reference) keyed by their
-tokens; a later request whose prompt starts with the same whole pages (a shared system prompt) gets them without
-prefilling them (a request that shares more with a prompt admitted in the same round waits one round for its
-pages). Kept prefixes are released least recently used first when a request needs their pages, and at most
-``prefix_entries`` are kept.
+Prefix pages (full policy): after its prefill, the whole pages of a request's prompt are kept (an extra reference)
+keyed by their tokens; a later request whose prompt starts with the same whole pages (a shared system prompt) gets
+them without prefilling them (a request that shares more with a prompt still being prefilled waits until its pages
+are kept). Kept prefixes are released least recently used first when a request needs their pages, and at most
+``prefix_entries`` are kept. With a ``store`` (``lcx.engine.kv_store.PageStore``) the whole pages of every prompt,
+and of a finished request's prompt + answer, are also written to host memory (and disk); a request whose prompt
+extends stored pages further than any kept prefix loads them into its own pages instead of prefilling them.
 
 Shape letters: b rows (``max_num_seqs``), T pages per row, S decode steps per segment.
 """
@@ -34,21 +45,22 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lcx.cache import page_pool, paged
+from lcx.cache import paged
 from lcx.cache.base import CacheCapacityError, round_chunk
 from lcx.cache.config import CacheConfig
-from lcx.cache.paged import PagedCache
 from lcx.config_base import ConfigError
+from lcx.engine import rows
 from lcx.engine.generator import Generator
 from lcx.engine.sampling import RowSampling, SamplingConfig, request_key, sample_rows
 from lcx.model.config import ModelConfig
+
+SUGGESTED_POLICY = "streaming"  # what a refusal proposes: bounded pages for any prompt, no statistics to gather
 
 
 @dataclasses.dataclass
@@ -63,6 +75,12 @@ class _Request:
     uses: list = dataclasses.field(default_factory=list)  # kept prefixes that must outlive it (read or made)
     sampling: SamplingConfig = SamplingConfig()
     key: np.ndarray | None = None  # its random stream's key (uint32 [2])
+    read: int = 0  # prompt tokens in its cache so far (shared, loaded or prefilled)
+    cached: int = 0  # prompt tokens it did not prefill (a kept prefix's pages or the store's)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.read < self.prompt.size
 
 
 @dataclasses.dataclass
@@ -74,10 +92,10 @@ class _Prefix:
 class Server:
     """Continuous batching over a paged cache; see the module docstring.
 
-    ``max_len``: the most tokens (prompt + new) of one request; ``pages``: the pool size (default: every row at
-    ``max_len``, i.e. no admission ever waits for pages); ``segment``: decode steps per jitted call (rows admitted
-    between segments); ``prefill_chunk``: prompt tokens per prefill call; ``prefix_entries``: prefixes kept across
-    requests (0: none).
+    ``max_len``: the most tokens (prompt + new) of one request; ``pages``: the pool size (default: every row at its
+    largest, i.e. no admission ever waits for pages); ``segment``: decode steps per jitted call (rows admitted
+    between segments); ``prefill_chunk``: prompt tokens per row and step; ``prefix_entries``: prefixes kept across
+    requests (0: none; the full policy only); ``store``: a ``PageStore`` for prompt pages (the full policy only).
 
     ``cancel(request_id)`` ends a request early (waiting or running; usable from inside ``on_token``); a request
     whose ``on_token`` raises an ``Exception`` is cancelled the same way. ``cancelled``: every cancelled request's id
@@ -85,7 +103,7 @@ class Server:
 
     def __init__(self, config: ModelConfig, params, *, max_num_seqs: int = 8, max_len: int = 4096,
                  pages: int | None = None, cache: CacheConfig | None = None, eos_id: int | None = None,
-                 segment: int = 16, prefill_chunk: int = 256, prefix_entries: int = 4):
+                 segment: int = 16, prefill_chunk: int = 256, prefix_entries: int = 4, store=None):
         cache = cache or CacheConfig(layout="paged")
         if cache.layout != "paged":
             raise ConfigError(f"cache.layout={cache.layout!r} is invalid for Server: it batches over a paged cache; "
@@ -94,21 +112,30 @@ class Server:
                             ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"Server {name}={value!r} is invalid: must be a positive integer")
-        if cache.make_policy().evicts:
-            raise ConfigError(f"cache.policy={cache.policy!r} is invalid for Server: it serves a cache that keeps "
-                              "every token; allowed: 'full' (eviction on pages runs through Generator)")
+        policy = cache.make_policy()
+        self.evicts = policy.evicts
+        if policy.observes.reconstructs or policy.observes.calibrates:
+            raise ConfigError(f"cache.policy={cache.policy!r} is invalid for Server: it "
+                              f"{'scores by reconstruction passes' if policy.observes.reconstructs else 'calibrates'}"
+                              f" over a contiguous cache; allowed: {', '.join(server_policies())}")
         cache = CacheConfig(**(cache.to_dict() | {"prefill_chunk": prefill_chunk}))
         self.gen = Generator(config, params, max_new_tokens=1, cache=cache, eos_id=eos_id)
         self.kind, self.config, self.eos_id = self.gen.kind, config, eos_id
+        self.cache_config = cache
         self.page = self.kind.page
-        self.row_pages = -(-max_len // self.page)
-        self.pages = pages or max_num_seqs * self.row_pages
-        if self.pages < self.row_pages:
-            raise ConfigError(f"Server pages={self.pages} is invalid: one request of max_len={max_len} needs "
-                              f"{self.row_pages} pages of {self.page} tokens")
-        self.rows, self.segment, self.chunk = max_num_seqs, segment, prefill_chunk
-        self.prefix_entries = prefix_entries
-        self.state = self._empty()
+        self.max_len = max_len
+        # a row's slots: every token under the full policy, the policy's plan (budget + interval) under eviction
+        slots = self.kind.plan(1, max_len, 0) if self.evicts else max_len
+        self.row_pages = -(-slots // self.page)
+        self.pages = max_num_seqs * self.row_pages if pages is None else pages
+        if isinstance(self.pages, bool) or not isinstance(self.pages, int) or self.pages < 1:
+            raise ConfigError(f"Server pages={self.pages!r} is invalid: must be a positive integer (a pool smaller "
+                              f"than a request of max_len={max_len} refuses the requests it cannot hold)")
+        self.rows, self.segment = max_num_seqs, segment
+        self.chunk = self.kind.prefill_chunk(prefill_chunk, max_len, self.row_pages * self.page)
+        self.prefix_entries = 0 if self.evicts else prefix_entries
+        self.store = None if self.evicts else store
+        self.state = paged.create(self.kind, self.rows, self.row_pages * self.page, self.pages)
         self._queue: collections.deque[_Request] = collections.deque()
         self._running: dict[int, _Request] = {}  # row -> request
         self._prefixes: collections.OrderedDict[tuple, _Prefix] = collections.OrderedDict()  # LRU order
@@ -116,17 +143,16 @@ class Server:
         self.committed = 0  # pages the running requests may own
         self.cancelled: dict[int, Exception | None] = {}  # request id -> what its on_token raised (None: cancel)
         self.prefill_tokens = 0  # prompt tokens run through the model (shared prefixes not counted twice)
+        self.cached_tokens = 0  # prompt tokens served from kept or stored pages
         self.programs = self.gen.programs
         self.sampling = RowSampling.build([SamplingConfig()] * self.rows, np.zeros((self.rows, 2), np.uint32))
-
-    def _empty(self) -> PagedCache:
-        return paged.create(self.kind, self.rows, self.row_pages * self.page, self.pages)
 
     # ----------------------------------------------------------------------------------------------- requests
     def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
                seed: int | None = None) -> int:
-        """Queue a request; returns its id. Refused (``CacheCapacityError``) if it exceeds ``max_len``.
-        ``sampling``: its settings (default greedy); ``seed``: its random stream (default: its request id)."""
+        """Queue a request; returns its id. Refused (``CacheCapacityError``) if it exceeds ``max_len`` or needs
+        more pages than the whole pool. ``sampling``: its settings (default greedy); ``seed``: its random stream
+        (default: its request id)."""
         prompt = np.asarray(prompt, np.int32)
         if prompt.ndim != 1 or prompt.size == 0:
             raise ConfigError("Server.submit: prompt must be a non-empty list of token ids")
@@ -134,9 +160,7 @@ class Server:
             raise ConfigError(f"Server.submit: prompt token ids must lie in [0, {self.config.vocab_size})")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive integer")
-        if prompt.size + max_new_tokens > self.row_pages * self.page:
-            raise CacheCapacityError(f"request of {prompt.size} prompt + {max_new_tokens} new tokens exceeds the "
-                                     f"server's max_len={self.row_pages * self.page}")
+        self.check(prompt.size, max_new_tokens)
         if sampling is not None and not isinstance(sampling, SamplingConfig):
             raise ConfigError(f"Server.submit: sampling={sampling!r:.60} is invalid: must be a lcx.SamplingConfig")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -147,26 +171,83 @@ class Server:
         self._queue.append(request)
         return request.id
 
+    def check(self, prompt: int, max_new_tokens: int) -> None:
+        """A ``CacheCapacityError`` if a request of ``prompt`` + ``max_new_tokens`` tokens can never be served:
+        past ``max_len``, or needing more pages than the whole pool (naming a policy that would serve it). Reads
+        only the configuration: callable from any thread."""
+        if prompt + max_new_tokens > self.max_len:
+            raise CacheCapacityError(f"request of {prompt} prompt + {max_new_tokens} new tokens exceeds the "
+                                     f"server's max_len={self.max_len}")
+        need = self.pages_needed(prompt, max_new_tokens)
+        if need > self.pages:
+            raise CacheCapacityError(self._never_fits(prompt, max_new_tokens, need))
+
+    def pages_needed(self, prompt: int, max_new_tokens: int) -> int:
+        """Pages a request of ``prompt`` + ``max_new_tokens`` tokens may own, sharing nothing."""
+        tokens = prompt + max_new_tokens
+        if self.evicts:
+            tokens = min(tokens, self.kind.plan(1, prompt, max_new_tokens))
+        return -(-tokens // self.page)
+
+    def _never_fits(self, prompt: int, new: int, need: int) -> str:
+        nbytes = self.kind.page_nbytes()
+        per_row = max(1, self.pages // self.rows) * self.page
+        interval = self.cache_config.interval
+        budget = max(self.page, (per_row - interval) // self.page * self.page)
+        return (f"request of {prompt} prompt + {new} new tokens needs {need} pages of {self.page} tokens "
+                f"({need * nbytes:,} bytes of KV cache); the server's KV budget is {self.pages} pages "
+                f"({self.pages * nbytes:,} bytes) under cache policy {self.cache_config.policy!r}; a policy that "
+                f"serves it in bounded pages: --cache-policy {SUGGESTED_POLICY} --cache-param budget={budget}")
+
+    @property
+    def busy(self) -> bool:
+        """Requests wait or run."""
+        return bool(self._queue or self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def pages_used(self) -> int:
+        """Pool pages held by a row or a kept prefix (a device read of the reference counts)."""
+        return int(np.count_nonzero(np.asarray(self.state.refs)))
+
+    def cached_of(self, request_id: int) -> int:
+        """Prompt tokens request ``request_id`` (running) did not prefill; 0 if it is not running."""
+        running = [r for r in self._running.values() if r.id == request_id]
+        return running[0].cached if running else 0
+
     def run(self, on_token: Callable[[int, int], None] | None = None) -> dict[int, list[int]]:
         """Serve every queued request; ``on_token(request_id, token)`` as tokens are generated (streaming).
         Returns each finished request's generated tokens (EOS included when emitted); a request cancelled meanwhile
         (``cancel``, or its ``on_token`` raised) is left out and recorded in ``cancelled``."""
         done: dict[int, list[int]] = {}
+        while self.busy:
+            self.step(on_token, done)
+        return done
+
+    def step(self, on_token: Callable[[int, int], None] | None = None, done: dict | None = None) -> dict:
+        """One round: admit, one prefill chunk of the rows reading their prompts, one decode segment of the others.
+        Finished requests' tokens go into ``done`` (returned)."""
+        done = {} if done is None else done
         emit = on_token or (lambda request, token: None)
-        while self._queue or self._running:
-            admitted = self._admit()
-            if not admitted and not self._running:  # unreachable: submit refuses what an empty pool cannot hold
-                raise CacheCapacityError(f"the pool of {self.pages} pages cannot hold the next request")
-            if admitted:
-                self._prefill(admitted, emit, done)
-            if self._running:
-                self._decode_rows(emit, done)
+        self._admit()
+        if not self._running and self._queue:  # unreachable: submit refuses what an empty pool cannot hold
+            raise CacheCapacityError(f"the pool of {self.pages} pages cannot hold the next request")
+        if any(r.prefilling for r in self._running.values()):
+            self._prefill_chunk(emit, done)
+        if any(not r.prefilling for r in self._running.values()):
+            self._decode_rows(emit, done)
         return done
 
     def cancel(self, request_id: int) -> bool:
         """End request ``request_id`` now: dropped from the queue, or (running) its row and pages released at once
         (its committed pages back to admission, the kept prefixes it reads one user less); it streams no further
-        token and ``run`` does not return it. Usable between ``run`` calls and from inside ``on_token``. Records
+        token and ``run`` does not return it. Usable between steps and from inside ``on_token``. Records
         ``cancelled[request_id] = None``; returns False (and records nothing) if it had already finished or been
         cancelled."""
         if (isinstance(request_id, bool) or not isinstance(request_id, (int, np.integer))
@@ -215,9 +296,17 @@ class Server:
         while self._queue and free_rows:
             request = self._queue[0]
             key, shared = self._shared(request.prompt)
-            if any(self._common_pages(request.prompt, other.prompt) > shared for other in admitted):
-                break  # it shares more with a prompt of this round: wait one round and read that prompt's pages
-            private = -(-(request.prompt.size + request.max_new_tokens) // self.page) - shared
+            reading = [r for r in self._running.values() if r.prefilling and self.prefix_entries]
+            if any(self._common_pages(request.prompt, other.prompt) > shared for other in reading):
+                break  # it shares more with a prompt still being read: wait, then read that prompt's kept pages
+            stored = 0
+            if self.store is not None:
+                stored = self.store.match(request.prompt[:(request.prompt.size - 1) // self.page * self.page])
+            if stored > shared:  # the store holds more of it than any kept prefix: load, share nothing
+                key, shared = None, 0
+            else:
+                stored = 0
+            private = self.pages_needed(request.prompt.size, request.max_new_tokens) - shared
             while private > self._free_pages() and self._drop_lru(keep=key):
                 pass
             if private > self._free_pages():
@@ -233,19 +322,33 @@ class Server:
             self.committed += private
             table = np.full(self.row_pages, -1, np.int32)
             table[:shared] = pages
-            self.state = _assign(self.state, jnp.int32(row), jnp.asarray(table), jnp.int32(shared * self.page))
+            self.state = rows.assign(self.state, jnp.int32(row), jnp.asarray(table), jnp.int32(shared * self.page))
+            loaded = self._load(request, stored) if stored else 0
+            request.read = request.cached = max(shared, loaded) * self.page
+            self.cached_tokens += request.cached
             one = RowSampling.build([request.sampling], request.key[None])
-            self.sampling = jax.tree.map(lambda all_, x: _set_row(all_, row, x[0]),
-                                         self.sampling, one)
+            self.sampling = jax.tree.map(lambda all_, x: _set_row(all_, row, x[0]), self.sampling, one)
             self._running[row] = request
             admitted.append(request)
         return admitted
+
+    def _load(self, request: _Request, n_pages: int) -> int:
+        """Row ``request.row`` gets fresh pages holding the store's first pages of its prompt (up to ``n_pages``;
+        fewer when a file turns out bad: the rest is prefilled); returns how many."""
+        n_pages, arrays = self.store.get(request.prompt[:n_pages * self.page])
+        if not n_pages:
+            return 0
+        width = pl2(n_pages)  # a few compiled widths: the rest is padding, never written
+        pad = lambda x: np.pad(x, [(0, 0), (0, width - n_pages)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+        self.state = rows.write_pages(self.state, jnp.int32(request.row), jnp.int32(n_pages),
+                                  {n: jnp.asarray(pad(x)) for n, x in arrays.items()})
+        return n_pages
 
     def _drop_lru(self, keep) -> bool:
         """Release the least recently used kept prefix no running request reads (not ``keep``); False if none."""
         for key, prefix in self._prefixes.items():
             if prefix.users == 0 and key != keep:
-                self.state = _hold(self.state, jnp.asarray(prefix.pages, jnp.int32), jnp.int32(-1))
+                self.state = rows.hold(self.state, jnp.asarray(prefix.pages, jnp.int32), jnp.int32(-1))
                 del self._prefixes[key]
                 return True
         return False
@@ -258,7 +361,7 @@ class Server:
             return
         table = np.asarray(self.state.table[request.row])
         pages = [int(p) for p in table[:n_pages]]
-        self.state = _hold(self.state, jnp.asarray(pages, jnp.int32), jnp.int32(1))
+        self.state = rows.hold(self.state, jnp.asarray(pages, jnp.int32), jnp.int32(1))
         # the pages are no longer the request's alone: the kept prefix owns them from now on
         shared_before = 0 if request.prefix is None else min(len(request.prefix) // self.page, n_pages)
         moved = n_pages - shared_before
@@ -269,48 +372,71 @@ class Server:
         while len(self._prefixes) > self.prefix_entries and self._drop_lru(keep=key):
             pass
 
+    def _store_pages(self, request: _Request, tokens: np.ndarray) -> None:
+        """Write the whole pages of ``tokens`` (what row ``request.row`` holds) the store lacks."""
+        n_pages = tokens.size // self.page
+        if self.store is None or n_pages == 0:
+            return
+        missing = self.store.missing(tokens[:n_pages * self.page])
+        if not missing:
+            return
+        table = np.asarray(self.state.table[request.row])
+        ids = jnp.asarray(table[missing], jnp.int32)
+        arrays = {n: np.asarray(jnp.take(getattr(self.state, n), ids, axis=1)) for n in rows.kv_names(self.state)}
+        self.store.put(tokens[:n_pages * self.page], missing, arrays)
+
     # ----------------------------------------------------------------------------------------------- steps
-    def _prefill(self, admitted: list[_Request], emit, done) -> None:
-        """Prefill the admitted rows' prompts (past their shared pages) as a batch of those rows only: the pool is
-        shared, so a sub-batch is their table rows and lengths (padded to a power of two with rows whose tokens are
-        all masked), written back after."""
-        rows = [r.row for r in admitted]
-        batch = min(self.rows, pl2(len(rows)))
-        idle = [r for r in range(self.rows) if r not in self._running]
-        pad = (idle + rows * batch)[:batch - len(rows)]  # rows that take no token: idle ones first
-        index = jnp.asarray(rows + pad, jnp.int32)
-        starts = np.asarray(self.state.lengths)[rows]
-        rest = [r.prompt[start:] for r, start in zip(admitted, starts)]
-        longest = max(x.size for x in rest)
-        chunk = min(self.chunk, round_chunk(longest))  # a few compiled widths, not always the largest
-        width = -(-longest // chunk) * chunk
-        ids = np.zeros((batch, width), np.int32)
-        lengths = np.zeros(batch, np.int64)
-        for i, x in enumerate(rest):
-            ids[i, :x.size] = x
-            lengths[i] = x.size
-            self.prefill_tokens += x.size
-        ok = np.arange(width)[None, :] < lengths[:, None]
+    def _prefill_chunk(self, emit, done) -> None:
+        """One chunk of every row still reading its prompt, as a batch of those rows only: the pool is shared, so a
+        sub-batch is their rows of every per-row buffer (padded to a power of two with empty rows), written back
+        after. A row whose prompt ends in this chunk gets its first token (and, under eviction, the policy's
+        end-of-prefill eviction)."""
+        reading = [r for r in self._running.values() if r.prefilling]
+        row_ids = [r.row for r in reading]
+        batch = min(self.rows, pl2(len(row_ids)))
+        index = jnp.asarray(row_ids + [self.rows] * (batch - len(row_ids)), jnp.int32)  # out of range: an empty row
+        rest = [r.prompt.size - r.read for r in reading]
+        chunk = min(self.chunk, round_chunk(max(rest)))  # a few compiled widths, not always the largest
+        ids = np.zeros((batch, chunk), np.int32)
+        ok = np.zeros((batch, chunk), bool)
+        last_index = np.full(batch, -1, np.int32)
+        weights = None
+        for i, r in enumerate(reading):
+            n = min(chunk, r.prompt.size - r.read)
+            ids[i, :n], ok[i, :n] = r.prompt[r.read:r.read + n], True
+            if r.read + n == r.prompt.size:
+                last_index[i] = n - 1
+            w = self.kind.prefill_weights(np.asarray([r.prompt.size]), r.prompt.size)
+            if w is not None:
+                weights = np.zeros((batch, chunk), np.float32) if weights is None else weights
+                weights[i, :n] = w[0, r.read:r.read + n]
+        sub = rows.gather(self.state, index)
         logits = jnp.zeros((batch, self.config.vocab_size), jnp.float32)
-        full = self.state
-        cache = full.replace(table=full.table[index], lengths=full.lengths[index])
-        for lo in range(0, width, chunk):
-            last = lengths - 1 - lo
-            last_index = np.where((lengths > 0) & (last >= 0) & (last < chunk), last, -1).astype(np.int32)
-            cache, logits = self.programs.prefill_chunk(self.gen.params, cache, jnp.asarray(ids[:, lo:lo + chunk]),
-                                                        jnp.asarray(ok[:, lo:lo + chunk]), jnp.asarray(last_index),
-                                                        logits, None)
-            cache = self.kind.sync(cache)
-        n = len(rows)
-        self.state = cache.replace(table=full.table.at[index[:n]].set(cache.table[:n]),
-                                   lengths=full.lengths.at[index[:n]].set(cache.lengths[:n]))
-        rows_sampling = jax.tree.map(lambda x: x[np.asarray(index)], self.sampling)
-        first = np.asarray(_first_tokens(logits, rows_sampling))  # each request's token 0
-        for i, request in enumerate(admitted):
+        sub, logits = self.programs.prefill_chunk(self.gen.params, sub, jnp.asarray(ids), jnp.asarray(ok),
+                                                  jnp.asarray(last_index), logits,
+                                                  None if weights is None else jnp.asarray(weights))
+        sub = self.kind.sync(sub)
+        ending = [i for i in range(len(reading)) if last_index[i] >= 0]
+        if self.evicts and ending:  # the policy's end-of-prefill eviction, for the rows whose prompt ended only
+            at = jnp.asarray(ending + [batch] * (pl2(len(ending)) - len(ending)), jnp.int32)
+            ended = self.kind.sync(self.programs.end_prefill(rows.gather(sub, at)))
+            sub = rows.scatter(rows.rows_of(sub), ended, at, len(ending))
+        self.state = rows.scatter(rows.rows_of(self.state), sub, index, len(row_ids))
+        for i, r in enumerate(reading):
+            r.read += int(ok[i].sum())
+            self.prefill_tokens += int(ok[i].sum())
+        if not ending:
+            return
+        picked = jnp.asarray([reading[i].row for i in ending], jnp.int32)
+        first = np.asarray(_first_tokens(logits[jnp.asarray(ending)],
+                                         jax.tree.map(lambda x: jnp.asarray(x)[picked], self.sampling)))
+        for j, i in enumerate(ending):
+            request = reading[i]
             if self._running.get(request.row) is not request:
                 continue  # cancelled from an earlier request's on_token
             self._keep_prefix(request)
-            self._emit(request, int(first[i]), emit, done)
+            self._store_pages(request, request.prompt[:request.prompt.size - 1])
+            self._emit(request, int(first[j]), emit, done)
 
     def _emit(self, request: _Request, token: int, emit, done) -> None:
         request.tokens.append(token)
@@ -326,13 +452,16 @@ class Server:
             self._finish(request, done)
 
     def _finish(self, request: _Request, done) -> None:
+        # what the row holds (the prompt and every token but the last, never fed back): a conversation's next turn
+        # resent with this answer in its history reads these pages
+        self._store_pages(request, np.concatenate([request.prompt, np.asarray(request.tokens[:-1], np.int32)]))
         self._end(request)
         done[request.id] = request.tokens
 
     def _end(self, request: _Request) -> None:
         """``request`` leaves its row: its pages lose its references, its committed pages return to admission and
         the kept prefixes it reads have one user less."""
-        self.state = _release(self.state, jnp.int32(request.row))
+        self.state = rows.release(self.state, jnp.int32(request.row))
         self.committed -= request.private
         for key in request.uses:
             if key in self._prefixes:
@@ -345,6 +474,8 @@ class Server:
         left = np.zeros(self.rows, np.int32)
         steps = np.zeros(self.rows, np.int32)
         for row, request in self._running.items():
+            if request.prefilling:
+                continue
             token[row], active[row] = request.tokens[-1], True
             left[row] = request.max_new_tokens - len(request.tokens)
             steps[row] = len(request.tokens)
@@ -357,8 +488,17 @@ class Server:
         for step in range(tokens.shape[0]):
             for row in np.flatnonzero(emitted[step]):
                 request = self._running.get(int(row))
-                if request is not None:
+                if request is not None and not request.prefilling:
                     self._emit(request, int(tokens[step, row]), emit, done)
+
+
+def server_policies() -> list[str]:
+    """The cache policies a ``Server`` runs: those of the paged slot cache that need no reconstruction pass and
+    no calibration."""
+    from lcx.cache.policy import registered_where
+
+    return registered_where(lambda p: p.cache_type == "slots" and not (p.observes.reconstructs
+                                                                        or p.observes.calibrates))
 
 
 def pl2(n: int) -> int:
@@ -376,24 +516,4 @@ def _set_row(values: np.ndarray, row: int, value) -> np.ndarray:
     return values
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _assign(state: PagedCache, row, table, length) -> PagedCache:
-    """Row ``row`` starts with the pages ``table [T]`` (-1: none) holding ``length`` tokens."""
-    state = state.with_pool(page_pool.assign(state.pool, row, table))
-    return state.replace(lengths=state.lengths.at[row].set(length))
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _release(state: PagedCache, row) -> PagedCache:
-    """Row ``row`` ends: its pages lose a reference, the row is empty."""
-    state = state.with_pool(page_pool.release(state.pool, row))
-    return state.replace(lengths=state.lengths.at[row].set(0))
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _hold(state: PagedCache, pages, delta) -> PagedCache:
-    """``delta`` more references to ``pages`` (a kept prefix taking or releasing them)."""
-    return state.with_pool(page_pool.hold(state.pool, pages, delta))
-
-
-__all__ = ["Server"]
+__all__ = ["Server", "server_policies"]

@@ -1,0 +1,95 @@
+"""What a ``lcx serve`` configuration holds: the page pool a KV budget buys, and how many sequences fit in it.
+
+One function for the server (it sizes its pool with it at start) and ``lcx plan --serve`` (it prints it): the pool is
+``--kv-memory`` bytes, or ``--gpu-memory-utilization`` of the device's free memory after the weights (the planner's
+rule: a margin left to the runtime), in whole pages of ``page_size`` tokens over every layer, keys and values; it is
+never larger than every row at its largest (``max_num_seqs`` rows of ``max_model_len`` tokens under the full policy,
+of the policy's planned slots under an evicting one), since more pages could never be used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lcx.cache.config import CacheConfig
+from lcx.config_base import ConfigError
+from lcx.model.config import ModelConfig
+from lcx.parallel.device_memory import usable_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ServePlan:
+    """The pool of a serve configuration. ``row_pages``: the most pages one sequence holds; ``pages``: the pool;
+    ``at_max_length``: sequences of ``max_model_len`` tokens the pool holds at once (under eviction: at their
+    planned slots); ``source``: where the budget came from."""
+
+    page_size: int
+    page_bytes: int
+    row_pages: int
+    pages: int
+    max_num_seqs: int
+    max_model_len: int
+    policy: str
+    source: str
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pages * self.page_bytes
+
+    @property
+    def at_max_length(self) -> int:
+        return self.pages // self.row_pages
+
+    @property
+    def tokens(self) -> int:
+        return self.pages * self.page_size
+
+    def lines(self) -> list[str]:
+        from lcx.config_base import format_bytes
+
+        capped = min(self.at_max_length, self.max_num_seqs)
+        return [f"KV pool: {self.pages:,} pages of {self.page_size} tokens = {self.tokens:,} tokens, "
+                f"{format_bytes(self.pool_bytes)} ({format_bytes(self.page_bytes)} per page; {self.source})",
+                f"one sequence holds at most {self.row_pages} pages ({self.row_pages * self.page_size:,} tokens"
+                f"{'' if self.policy == 'full' else f', policy {self.policy!r} evicting past them'})",
+                f"sequences at max length ({self.max_model_len:,} tokens) at once: {self.at_max_length:,} "
+                f"(serving {capped} of --max-num-seqs {self.max_num_seqs}"
+                f"{'' if self.at_max_length >= self.max_num_seqs else '; more wait for pages'})"]
+
+
+def serve_plan(model: ModelConfig, cache: CacheConfig, *, max_num_seqs: int, max_model_len: int,
+               kv_memory: int | None = None, free_bytes: int | None = None, utilization: float | None = None,
+               weight_bytes: int = 0) -> ServePlan:
+    """The pool of a serve configuration; see the module docstring. ``kv_memory``: the budget in bytes; else
+    ``utilization`` of ``free_bytes`` (the device's free memory before the weights) less ``weight_bytes``; else
+    every row at its largest."""
+    for name, value in (("--max-num-seqs", max_num_seqs), ("--max-model-len", max_model_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r} is invalid: must be a positive integer")
+    kind = cache.kind(model)
+    page_bytes = kind.page_nbytes()
+    slots = kind.plan(1, max_model_len, 0) if cache.make_policy().evicts else max_model_len
+    row_pages = -(-slots // cache.page_size)
+    most = max_num_seqs * row_pages
+    if kv_memory is not None:
+        pages, source = kv_memory // page_bytes, "--kv-memory"
+        if pages < 1:
+            raise ConfigError(f"--kv-memory={kv_memory} bytes is invalid: one page of {cache.page_size} tokens takes "
+                              f"{page_bytes:,} bytes")
+    elif utilization is not None and free_bytes is not None:
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+            raise ConfigError(f"--gpu-memory-utilization={utilization!r} is invalid: must be a fraction in (0, 1]")
+        budget = usable_bytes(free_bytes, utilization) - weight_bytes
+        pages, source = budget // page_bytes, f"{utilization:.0%} of free device memory less the weights"
+        if pages < 1:
+            raise ConfigError(f"--gpu-memory-utilization={utilization} leaves {budget:,} bytes for the KV cache: "
+                              f"not one page ({page_bytes:,} bytes); raise it or pass --kv-memory")
+    else:
+        pages, source = most, "every sequence at its largest"
+    if pages > most:
+        pages, source = most, f"{source}, capped at every sequence at its largest"
+    return ServePlan(page_size=cache.page_size, page_bytes=page_bytes, row_pages=row_pages, pages=int(pages),
+                     max_num_seqs=max_num_seqs, max_model_len=max_model_len, policy=cache.policy, source=source)
+
+
+__all__ = ["ServePlan", "serve_plan"]

@@ -1,0 +1,217 @@
+"""The bridge between the HTTP handlers (an asyncio loop) and the serving loop (``lcx.engine.server.Server``, which
+is not thread-safe): one engine thread owns the ``Server`` and runs its steps; handlers hand it requests and
+cancellations through a queue, and receive text through the loop (``call_soon_threadsafe``).
+
+Per request (a ``Generation``) the engine thread turns tokens into text: the whole answer decoded again at each token
+(an incomplete UTF-8 character at its end is held back), stop strings searched in it - a match ends the request at
+once (``Server.cancel``: its pages return before the next segment) and cuts the text before the stop - and text that
+could be the start of a stop string held back until it cannot. Events go to every subscriber of the generation (an
+idempotent retry subscribes to the one already running, and replays what it missed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+import traceback
+import uuid
+from typing import Any
+
+from lcx.engine.sampling import SamplingConfig
+from lcx.engine.server import Server
+
+log = logging.getLogger("lcx.serve")
+
+
+@dataclasses.dataclass(eq=False)
+class Generation:
+    """One request's life: what it asked, what it produced, and its subscribers (asyncio queues, loop side)."""
+
+    kind: str  # "completion" | "chat"
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingConfig
+    seed: int | None
+    stops: list[str]
+    loop: asyncio.AbstractEventLoop
+    id: str = ""
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    # engine thread side
+    request_id: int | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""  # the answer so far (cut before a stop string)
+    sent: int = 0  # characters of ``text`` published
+    cached_tokens: int = 0
+    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+    last_token_at: float | None = None
+    # loop side
+    events: list = dataclasses.field(default_factory=list)  # ("text", str) ... then ("done", None)
+    subscribers: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.id:
+            self.id = f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def subscribe(self) -> asyncio.Queue:
+        """(Loop side.) A queue of every event so far and those to come."""
+        queue: asyncio.Queue = asyncio.Queue()
+        for event in self.events:
+            queue.put_nowait(event)
+        self.subscribers.append(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue) -> None:
+        if queue in self.subscribers:
+            self.subscribers.remove(queue)
+
+    def _publish(self, event: tuple) -> None:  # loop side, via call_soon_threadsafe
+        self.events.append(event)
+        for queue in self.subscribers:
+            queue.put_nowait(event)
+
+    def usage(self) -> dict[str, Any]:
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.tokens),
+                "total_tokens": len(self.prompt) + len(self.tokens),
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+class Engine:
+    """The engine thread around ``server``; ``tokenizer`` decodes; ``metrics`` (``lcx.service.metrics.Metrics``)
+    is updated after every step. ``draining``: set on SIGTERM (the app answers new requests 503)."""
+
+    def __init__(self, server: Server, tokenizer, metrics, *, eos_id: int | None):
+        self.server, self.tokenizer, self.metrics, self.eos_id = server, tokenizer, metrics, eos_id
+        self._cv = threading.Condition()
+        self._pending: list[tuple[str, Generation]] = []
+        self._by_request: dict[int, Generation] = {}
+        self._closed = False
+        self.draining = False
+        self.failed: str | None = None  # the engine thread's fatal error (health answers 503)
+        self._thread = threading.Thread(target=self._run, name="lcx-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------------- handler side
+    def submit(self, gen: Generation) -> None:
+        """Queue ``gen``; the caller has checked it fits (``Server.check``)."""
+        with self._cv:
+            self._pending.append(("submit", gen))
+            self._cv.notify()
+
+    def cancel(self, gen: Generation) -> None:
+        """End ``gen`` (a client went away): its pages return before the next segment."""
+        with self._cv:
+            self._pending.append(("cancel", gen))
+            self._cv.notify()
+
+    @property
+    def idle(self) -> bool:
+        with self._cv:
+            return not self._pending and not self._by_request
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self.server.busy and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    break
+                commands, self._pending = self._pending, []
+            for what, gen in commands:
+                self._apply(what, gen)
+            if self.server.busy:
+                try:
+                    done = self.server.step(self._on_token)
+                except Exception:  # a bug, not bad input: fail what runs, keep serving the rest
+                    self._fail(traceback.format_exc())
+                    continue
+                for request_id, tokens in done.items():
+                    gen = self._by_request.get(request_id)
+                    if gen is not None and not gen.finished:
+                        ended_by_eos = bool(tokens) and tokens[-1] == self.eos_id
+                        self._finish(gen, "stop" if ended_by_eos else "length")
+            self.metrics.observe_server(self.server)
+
+    def _apply(self, what: str, gen: Generation) -> None:
+        if what == "submit":
+            if gen.finished:  # cancelled before it was submitted
+                return
+            gen.request_id = self.server.submit(gen.prompt, gen.max_tokens, gen.sampling, gen.seed)
+            self._by_request[gen.request_id] = gen
+            self.metrics.prompt_tokens.inc(len(gen.prompt))
+        elif not gen.finished:
+            if gen.request_id is not None:
+                self.server.cancel(gen.request_id)
+            self._finish(gen, "cancelled")
+
+    def _on_token(self, request_id: int, token: int) -> None:
+        gen = self._by_request.get(request_id)
+        if gen is None or gen.finished:
+            return
+        now = time.monotonic()
+        if not gen.tokens:
+            gen.cached_tokens = self.server.cached_of(request_id)
+            self.metrics.cached_tokens.inc(gen.cached_tokens)
+            self.metrics.ttft.observe(now - gen.arrival)
+        else:
+            self.metrics.itl.observe(now - gen.last_token_at)
+        gen.last_token_at = now
+        gen.tokens.append(token)
+        self.metrics.generation_tokens.inc()
+        text = self.tokenizer.decode(gen.tokens)
+        stop_at = min((i for i in (text.find(s) for s in gen.stops) if i >= 0), default=-1)
+        if stop_at >= 0:
+            gen.text = text[:stop_at]
+            self._send(gen, len(gen.text))
+            self.server.cancel(request_id)  # ends it now: its pages are free for the next step
+            self._finish(gen, "stop")
+            return
+        gen.text = text
+        safe = len(text) - (1 if text.endswith("\ufffd") else 0)  # an incomplete character: wait for the rest
+        for stop in gen.stops:  # text that may begin a stop string waits until it cannot
+            for k in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:k]):
+                    safe = min(safe, len(text) - k)
+                    break
+        self._send(gen, safe)
+
+    def _send(self, gen: Generation, upto: int) -> None:
+        if upto > gen.sent:
+            gen.loop.call_soon_threadsafe(gen._publish, ("text", gen.text[gen.sent:upto]))
+            gen.sent = upto
+
+    def _finish(self, gen: Generation, reason: str) -> None:
+        if reason in ("stop", "length"):
+            self._send(gen, len(gen.text))  # all of it now: a trailing incomplete character stays one U+FFFD
+        gen.finish_reason = reason
+        self.metrics.finished.labels(reason).inc()
+        if gen.request_id is not None:
+            self._by_request.pop(gen.request_id, None)
+        gen.loop.call_soon_threadsafe(gen._publish, ("done", reason))
+
+    def _fail(self, trace: str) -> None:
+        log.error("the serving loop failed; its running requests end with an error:\n%s", trace)
+        for gen in list(self._by_request.values()):
+            if gen.request_id is not None:
+                try:
+                    self.server.cancel(gen.request_id)
+                except Exception:  # the state may be unusable; the request ends anyway
+                    pass
+            self._finish(gen, "error")
+
+
+__all__ = ["Engine", "Generation"]

@@ -1,0 +1,378 @@
+"""``lcx serve`` in-process on 127.0.0.1, driven by the real ``openai`` client and ``httpx``: the endpoints and their
+wire format, greedy tokens equal to offline generation, per-request seeds, stop strings, bad input (4xx naming the
+field, the server healthy after), the API key, idempotency keys, 64 concurrent streams, clients that disconnect, and
+pages back to the baseline after each."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import lcx
+from lcx.data.haystack import NOISE
+from lcx.service.app import build_service, create_app, encode_chat
+from lcx.service.config import ServeConfig
+from tests.tiny_chat_model import write_model
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+MAX_LEN = 512
+SYSTEM = NOISE[:600]  # ~150 tokens: whole pages shared by every chat below
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A service on a uvicorn thread; ``url`` is its ``/v1`` base."""
+
+    def __init__(self, config: ServeConfig, lm):
+        self.service = build_service(config, lm)
+        self.uv = uvicorn.Server(uvicorn.Config(create_app(self.service), host="127.0.0.1", port=config.port,
+                                                log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        self.base = f"http://127.0.0.1:{config.port}"
+        self.url = self.base + "/v1"
+        deadline = time.monotonic() + 30
+        while not self.uv.started:
+            if time.monotonic() > deadline:
+                raise TimeoutError("uvicorn did not start in 30 s")
+            time.sleep(0.02)
+
+    def client(self, **kwargs):
+        return openai.OpenAI(base_url=self.url, api_key=kwargs.pop("api_key", "none"), max_retries=0, timeout=60,
+                             **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.base + "/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def settled(self, timeout: float = 20.0) -> dict[str, float]:
+        """The metrics once nothing runs or waits (the engine publishes them after each step)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if (m["lcx_requests_running"] == 0 and m["lcx_requests_waiting"] == 0 and self.service.engine.idle) \
+                    or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)
+
+    def kept_pages(self) -> int:
+        """Pages the kept prefixes hold (what may stay in use once every request has ended)."""
+        return len(set().union(*(p.pages for p in self.service.server._prefixes.values())))
+
+    def stop(self):
+        self.uv.should_exit = True
+        self.thread.join(10)
+        self.service.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("service") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def lm(model_dir):
+    return lcx.load(model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, lm):
+    running = Running(ServeConfig(model=str(model_dir), port=_free_port(), max_num_seqs=4, max_model_len=MAX_LEN,
+                                  page_size=8, segment=4, prefill_chunk=64, served_model_name="tiny"), lm)
+    yield running
+    running.stop()
+
+
+def _offline(lm, ids: list[int], n: int) -> list[int]:
+    """Greedy tokens of ``ids`` generated alone (EOS ends them)."""
+    out = lcx.generate(lm.config, lm.params, [ids], max_new_tokens=n, eos_id=lm.eos_id)
+    return out.tokens[0, :int(out.lengths[0])].tolist()
+
+
+def _chat(user: str, system: str = SYSTEM) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+# --------------------------------------------------------------------------------------------------- wire format
+def test_completions_and_chat_equal_offline_greedy_streamed_or_not(server, lm):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server.base + "/health", timeout=5).json() == {"status": "ok"}
+    prompt = "Here we go. There and back"
+    ids = lm.encode(prompt)
+    want = _offline(lm, ids, 12)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].text == lm.tokenizer.decode(want)
+    assert r.choices[0].finish_reason == ("stop" if want[-1] == lm.eos_id else "length")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want))
+    # the same prompt as token ids
+    assert client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0).choices[0].text == \
+        r.choices[0].text
+
+    messages = _chat("Say hi, user and assistant.")
+    chat_ids = encode_chat(server.service, [_M(m["role"], m["content"]) for m in messages])
+    rendered = lm.tokenizer.encode(lcx.data.haystack.render_chat(lm.tokenizer.chat_template, messages,
+                                                                 add_generation_prompt=True), bos=False)
+    assert chat_ids == rendered  # the template rendered as transformers renders it (its BOS text is the BOS id)
+    want = _offline(lm, chat_ids, 10)
+    c = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    assert c.object == "chat.completion" and c.choices[0].message.role == "assistant"
+    assert c.choices[0].message.content == lm.tokenizer.decode(want)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == c.choices[0].message.content
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == c.choices[0].finish_reason
+    usage = chunks[-1].usage  # the last chunk: no choices, the usage
+    assert not chunks[-1].choices and usage.completion_tokens == len(want)
+    # the system prompt's whole pages were kept by the first chat: the second read them
+    assert usage.prompt_tokens_details.cached_tokens >= (len(lm.tokenizer.encode(SYSTEM, bos=False)) // 8 - 1) * 8
+    # the raw stream: OpenAI's SSE framing, ending with [DONE]
+    with httpx.stream("POST", server.url + "/completions", timeout=30,
+                      json={"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0, "stream": True}) as s:
+        lines = [line for line in s.iter_lines() if line]
+    assert s.headers["content-type"].startswith("text/event-stream")
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]) == \
+        lm.tokenizer.decode(_offline(lm, ids, 5))
+    m = server.settled()
+    assert m["lcx_kv_pages_used"] == server.kept_pages() and m["lcx_prompt_tokens_cached_total"] > 0
+    for name in ("lcx_kv_pages_total", "lcx_prompt_tokens_total", "lcx_generation_tokens_total",
+                 "lcx_time_to_first_token_seconds_count", "lcx_inter_token_latency_seconds_count"):
+        assert m[name] > 0, name
+
+
+def test_a_seeded_request_gives_the_same_text_alone_and_in_a_crowd(server):
+    client = server.client()
+    body = dict(model="tiny", prompt="The grass is", max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+    alone = client.completions.create(**body).choices[0].text
+
+    async def crowd():
+        aclient = openai.AsyncOpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+        others = [aclient.completions.create(model="tiny", prompt=f"Noise {i} " * (i + 1), max_tokens=16,
+                                             temperature=1.0, seed=i) for i in range(5)]
+        out = await asyncio.gather(aclient.completions.create(**body), *others)
+        await aclient.close()
+        return out[0].choices[0].text
+
+    assert asyncio.run(crowd()) == alone
+    other = client.completions.create(**{**body, "seed": 8}).choices[0].text
+    assert other != alone  # the seed matters (12 sampled tokens of a 320-token vocabulary)
+
+
+def test_stop_strings_end_the_text_before_them(server, lm):
+    client = server.client()
+    full = client.completions.create(model="tiny", prompt="Here we go", max_tokens=24, temperature=0).choices[0]
+    text = full.text
+    assert len(text) > 6
+    stop = text[3:6]  # a stop string the greedy text contains
+    cut = client.completions.create(model="tiny", prompt="Here we go", max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="tiny", prompt="Here we go", max_tokens=24, temperature=0,
+                                         stop=stop, stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == text[:text.find(stop)]
+    assert server.settled()["lcx_kv_pages_used"] == server.kept_pages()
+
+
+# --------------------------------------------------------------------------------------------------- bad input
+BAD = [  # (body or raw text, status, what the message names)
+    ('{"model": "tiny", "prompt": ', 400, "not valid JSON"),
+    ('[1, 2]', 400, "must be a JSON object"),
+    ({"model": "nope", "prompt": "x"}, 404, "model='nope' does not exist"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": MAX_LEN}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "stop": ["a"] * 5}, 400, "stop"),
+    ({"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ({"model": "tiny", "prompt": [5, 100000]}, 400, "prompt token id 100000"),
+    ({"model": "tiny", "prompt": "and again " * 400}, 400, "--max-model-len"),
+    ({"model": "tiny"}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,status,names", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_completions_get_a_4xx_naming_the_field(server, body, status, names):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else \
+        {"json": body}
+    r = httpx.post(server.url + "/completions", timeout=30, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert names in error["message"] or names == error["param"], error
+    assert httpx.get(server.base + "/health", timeout=5).status_code == 200
+
+
+def test_bad_chats_get_a_4xx_naming_the_field(server):
+    for body, names in (({"model": "tiny", "messages": []}, "messages"),
+                        ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, "messages"),
+                        ({"model": "tiny", "messages": "hello"}, "messages"),
+                        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
+                         "max_tokens")):
+        r = httpx.post(server.url + "/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == names, r.text
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        server.client().chat.completions.create(model="tiny", messages=_chat("x"), top_p=2.0)
+    assert httpx.get(server.base + "/v1/nothing", timeout=5).status_code == 404
+    assert httpx.get(server.base + "/health", timeout=5).status_code == 200
+
+
+# --------------------------------------------------------------------------------------------------- idempotency
+def test_an_idempotency_key_gives_the_same_completion_generated_once(server):
+    body = {"model": "tiny", "prompt": "Say hi", "max_tokens": 20, "temperature": 1.0}
+    before = server.settled()
+    finished = lambda m: sum(v for k, v in m.items() if k.startswith("lcx_requests_finished_total"))  # noqa: E731
+
+    async def twice():
+        async with httpx.AsyncClient(timeout=60) as client:
+            headers = {"Idempotency-Key": "retry-1"}
+            return await asyncio.gather(*[client.post(server.url + "/completions", json=body, headers=headers)
+                                          for _ in range(3)])
+
+    first = [r.json() for r in asyncio.run(twice())]
+    later = httpx.post(server.url + "/completions", json=body, headers={"Idempotency-Key": "retry-1"}, timeout=60)
+    assert all(r == first[0] for r in first[1:] + [later.json()])  # same id, same text, same usage
+    assert finished(server.settled()) == finished(before) + 1  # generated once
+    other = httpx.post(server.url + "/completions", json={**body, "max_tokens": 3},
+                       headers={"Idempotency-Key": "retry-1"}, timeout=60)
+    assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_key_reused"
+    # a streamed retry replays the same text
+    streamed = server.client().completions.create(**body, stream=True, extra_headers={"Idempotency-Key": "retry-1"})
+    chunks = list(streamed)
+    assert {ch.id for ch in chunks} == {first[0]["id"]}
+    assert "".join(ch.choices[0].text for ch in chunks) == first[0]["choices"][0]["text"]
+
+
+# --------------------------------------------------------------------------------------------------- load and faults
+def test_64_concurrent_streams_finish_with_offline_tokens_and_return_every_page(server, lm):
+    users = [f"Question {i}: " + NOISE[i * 7:i * 7 + 20 + i] for i in range(64)]
+    limits = [4 + i % 9 for i in range(64)]
+
+    async def one(client, user, limit):
+        stream = await client.chat.completions.create(model="tiny", messages=_chat(user), max_tokens=limit,
+                                                      temperature=0, stream=True)
+        return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+
+    async def load():
+        client = openai.AsyncOpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+        out = await asyncio.gather(*[one(client, u, n) for u, n in zip(users, limits)])
+        await client.close()
+        return out
+
+    texts = asyncio.run(load())
+    service = server.service
+    for user, limit, text in zip(users[::9], limits[::9], texts[::9]):  # offline references for a sample
+        ids = encode_chat(service, [_M("system", SYSTEM), _M("user", user)])
+        assert text == lm.tokenizer.decode(_offline(lm, ids, limit)), user
+    m = server.settled()
+    assert m["lcx_requests_running"] == 0 and m["lcx_kv_pages_used"] == server.kept_pages()
+    assert service.server.committed == 0 and np.all(np.asarray(service.server.state.table) == -1)
+
+
+class _M:
+    def __init__(self, role, content):
+        self.role, self.content = role, content
+
+    def text(self):
+        return self.content
+
+
+def test_clients_that_disconnect_cancel_their_requests_and_return_their_pages(server):
+    before = server.settled()
+    cancelled = lambda m: m.get('lcx_requests_finished_total{reason="cancelled"}', 0.0)  # noqa: E731
+
+    async def drop_after_two_chunks(client, i):
+        body = {"model": "tiny", "messages": _chat(f"Tell me more {i}"), "max_tokens": 400, "temperature": 0,
+                "stream": True}
+        async with client.stream("POST", server.url + "/chat/completions", json=body) as response:
+            seen = 0
+            async for line in response.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 2:
+                    return  # closes the connection mid-stream
+
+    async def drill():
+        async with httpx.AsyncClient(timeout=60) as client:
+            await asyncio.gather(*[drop_after_two_chunks(client, i) for i in range(16)])
+            try:  # a non-streaming client that gives up before its answer
+                await client.post(server.url + "/completions", timeout=0.1,
+                                  json={"model": "tiny", "prompt": "x", "max_tokens": 400, "temperature": 0})
+            except httpx.TimeoutException:
+                pass
+
+    asyncio.run(drill())
+    deadline = time.monotonic() + 30
+    while cancelled(server.metrics()) < cancelled(before) + 17 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    m = server.settled()
+    assert cancelled(m) == cancelled(before) + 17
+    assert m["lcx_kv_pages_used"] == server.kept_pages() and server.service.server.committed == 0
+
+
+def test_the_api_key_is_required_when_set(model_dir, lm):
+    running = Running(ServeConfig(model=str(model_dir), port=_free_port(), max_num_seqs=2, max_model_len=MAX_LEN,
+                                  page_size=8, segment=4, prefill_chunk=64, api_key="sesame"), lm)
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            running.client(api_key="wrong").completions.create(model="tiny", prompt="x", max_tokens=2)
+        assert httpx.post(running.url + "/completions", json={"model": "tiny", "prompt": "x"},
+                          timeout=10).status_code == 401
+        r = running.client(api_key="sesame").completions.create(model=str(model_dir), prompt="x", max_tokens=2)
+        assert r.usage.completion_tokens >= 1
+    finally:
+        running.stop()
+
+
+def test_a_prompt_the_budget_can_never_hold_is_refused_naming_a_policy_and_others_go_on(model_dir, lm):
+    # the incident: a KV budget of 12 pages of 8 tokens (96 tokens), a long prompt arriving among short requests
+    page = lcx.CacheConfig(layout="paged", page_size=8).kind(lm.config).page_nbytes()
+    running = Running(ServeConfig(model=str(model_dir), port=_free_port(), max_num_seqs=2, max_model_len=MAX_LEN,
+                                  page_size=8, segment=4, prefill_chunk=64, kv_memory=12 * page), lm)
+    try:
+        client = running.client()
+        long = " ".join(str(i) for i in range(100))  # digits: ~290 tokens of this tokenizer, 3x the budget
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="tiny", prompt=long, max_tokens=8)
+        message = err.value.body["message"]
+        assert "the server's KV budget is 12 pages" in message and "--cache-policy streaming" in message
+        assert "bytes of KV cache" in message
+        short = client.completions.create(model="tiny", prompt="Here we go", max_tokens=8, temperature=0)
+        assert short.usage.completion_tokens >= 1
+    finally:
+        running.stop()
+    # the same budget under streaming: the long prompt is served in bounded pages
+    budget = 48
+    streaming = Running(ServeConfig(model=str(model_dir), port=_free_port(), max_num_seqs=2, max_model_len=MAX_LEN,
+                                    page_size=8, segment=4, prefill_chunk=16, kv_memory=12 * page,
+                                    cache_policy="streaming", cache_params=(("budget", budget), ("interval", 16))),
+                        lm)
+    try:
+        r = streaming.client().completions.create(model="tiny", prompt=long, max_tokens=8, temperature=0)
+        assert r.usage.prompt_tokens > 12 * 8 and r.usage.completion_tokens >= 1
+        peak = int(streaming.service.server.state.peak)
+        assert peak <= 2 * -(-(budget + 16) // 8)  # two rows of budget + interval slots at most
+    finally:
+        streaming.stop()
