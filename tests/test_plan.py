@@ -589,3 +589,20 @@ def test_plan_cache_section_counts_per_head_keep_sets_and_adaptive_slots():
     assert (shared.cache_keep_sets, per_head.cache_keep_sets) == ("per layer", "per KV head")
     # one head may take min(2 x budget, 8 x budget - 7 x floor(0.2 x budget)) of its layer's 8 x budget slots
     assert adaptive.cache_slots == min(2 * 1024, 8 * 1024 - 7 * 204) + 64
+
+
+def test_plan_serve_prints_the_pool_lcx_serve_sizes(capsys):
+    """``lcx plan --serve``: pages of a KV budget, sequences at max length; eviction bounds a sequence's pages."""
+    config = MODELS / "llama2-7b.yaml"
+    rc, out, _ = run_cli(capsys, config, "--serve", "--context", 4096, "--gpu-mem", "80GiB", "--kv-memory", "8GiB",
+                         "--max-num-seqs", 8, "--page-size", 16, "--json")
+    plan = json.loads(out)
+    # Llama-2-7B in float16: 512 KiB per token, 8 MiB per page of 16; 8 GiB -> 1024 pages, 4 sequences of 4096
+    assert rc == 0 and plan["page_bytes"] == 8 * 1024 * KiB and plan["pages"] == 1024
+    assert plan["row_pages"] == 256 and plan["at_max_length"] == 4
+    rc, out, _ = run_cli(capsys, config, "--serve", "--context", 32768, "--gpu-mem", "80GiB", "--kv-memory", "8GiB",
+                         "--cache-policy", "streaming", "--cache-param", "budget=1024")
+    assert rc == 0 and "one sequence holds at most 68 pages (1,088 tokens, policy 'streaming'" in out
+    # 8 sequences of 68 pages are all the pool can ever use: 544 pages of the 1024 the budget buys
+    assert "KV pool: 544 pages" in out and "capped at every sequence at its largest" in out
+    assert "sequences at max length (32,768 tokens) at once: 8 (serving 8 of --max-num-seqs 8)" in out

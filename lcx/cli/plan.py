@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from collections.abc import Sequence
@@ -80,6 +81,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--utilization", type=float, default=UTILIZATION,
                    help=f"usable fraction of device memory (default {UTILIZATION})")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    s = p.add_argument_group("serving (--serve): the page pool of `lcx serve` at --context = --max-model-len")
+    s.add_argument("--serve", action="store_true", help="plan a serve configuration: pages, sequences at max length")
+    s.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (default 8)")
+    s.add_argument("--kv-memory", default=None, metavar="SIZE", help="the KV budget (default: --utilization of "
+                   "--gpu-mem less the weights)")
     t = p.add_argument_group("training (--train): params, optimizer state, gradients and activations per device")
     t.add_argument("--train", action="store_true", help="plan a training run: --context is train.seq_len and "
                    "--batch train.batch_size")
@@ -113,6 +119,28 @@ def _cache_section(policy: str | None, budget: int | None, params: Sequence[str]
     return CacheConfig.from_mapping(spec, prefix="--cache-param")
 
 
+def _serve(args: argparse.Namespace, model: ModelConfig, gpu_mem: int) -> int:
+    """``lcx plan --serve``: the pool ``lcx serve`` would size with these flags (``lcx.plan.serving``)."""
+    from lcx.cache.config import CacheConfig
+    from lcx.plan.inference import weight_bytes
+    from lcx.plan.serving import serve_plan
+
+    cache = _cache_section(args.cache_policy or "full", args.budget, args.cache_param, args.page_size or 16)
+    if args.kv_dtype is not None:
+        cache = CacheConfig(**(cache.to_dict() | {"kv_dtype": args.kv_dtype}))
+    plan = serve_plan(model, cache, max_num_seqs=args.max_num_seqs, max_model_len=args.context,
+                      kv_memory=None if args.kv_memory is None else parse_bytes(args.kv_memory, "--kv-memory"),
+                      free_bytes=gpu_mem, utilization=args.utilization,
+                      weight_bytes=weight_bytes(model, args.weight_dtype or model.param_dtype))
+    if args.json:
+        print(json.dumps(dataclasses.asdict(plan) | {"pool_bytes": plan.pool_bytes,
+                                                      "at_max_length": plan.at_max_length}, indent=2))
+    else:
+        print(f"lcx serve plan for {args.config} (policy {cache.policy!r}, kv dtype {cache.kv_dtype or model.dtype})")
+        print("\n".join(plan.lines()))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the plan; 0 when a plan was made (whatever the checkpoints say), ConfigError for bad input."""
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem")
@@ -131,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
         t_plan = train_plan(t_inputs)
         print(json.dumps(t_plan, indent=2) if args.json else render_train(t_inputs, t_plan, str(args.config)))
         return 0
+    if args.serve:
+        return _serve(args, model, gpu_mem)
     inputs = PlanInputs(model=model, context=args.context, batch=args.batch, gpu_mem_bytes=gpu_mem,
                         devices=args.devices, data=args.data, kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype,
                         budget=args.budget, utilization=args.utilization,
