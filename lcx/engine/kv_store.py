@@ -66,6 +66,8 @@ class PageStore:
                 self.directory.mkdir(parents=True, exist_ok=True)
             except OSError as err:
                 raise ConfigError(f"kv store directory {str(directory)!r} cannot be created: {err}") from err
+            for stale in self.directory.glob(f".tmp-*{SUFFIX}"):  # a write a killed process left unfinished
+                stale.unlink(missing_ok=True)
         self.hits = self.misses = self.corrupt = 0
         self._disk_used = self.disk_used()
 

@@ -77,6 +77,7 @@ class _Request:
     key: np.ndarray | None = None  # its random stream's key (uint32 [2])
     read: int = 0  # prompt tokens in its cache so far (shared, loaded or prefilled)
     cached: int = 0  # prompt tokens it did not prefill (a kept prefix's pages or the store's)
+    stored: tuple | None = None  # (pages, arrays) the store gave it, until loaded
 
     @property
     def prefilling(self) -> bool:
@@ -299,9 +300,7 @@ class Server:
             reading = [r for r in self._running.values() if r.prefilling and self.prefix_entries]
             if any(self._common_pages(request.prompt, other.prompt) > shared for other in reading):
                 break  # it shares more with a prompt still being read: wait, then read that prompt's kept pages
-            stored = 0
-            if self.store is not None:
-                stored = self.store.match(request.prompt[:(request.prompt.size - 1) // self.page * self.page])
+            stored = self._stored(request, shared)
             if stored > shared:  # the store holds more of it than any kept prefix: load, share nothing
                 key, shared = None, 0
             else:
@@ -323,8 +322,9 @@ class Server:
             table = np.full(self.row_pages, -1, np.int32)
             table[:shared] = pages
             self.state = rows.assign(self.state, jnp.int32(row), jnp.asarray(table), jnp.int32(shared * self.page))
-            loaded = self._load(request, stored) if stored else 0
-            request.read = request.cached = max(shared, loaded) * self.page
+            if stored:
+                self._load(request)
+            request.read = request.cached = max(shared, stored) * self.page
             self.cached_tokens += request.cached
             one = RowSampling.build([request.sampling], request.key[None])
             self.sampling = jax.tree.map(lambda all_, x: _set_row(all_, row, x[0]), self.sampling, one)
@@ -332,17 +332,25 @@ class Server:
             admitted.append(request)
         return admitted
 
-    def _load(self, request: _Request, n_pages: int) -> int:
-        """Row ``request.row`` gets fresh pages holding the store's first pages of its prompt (up to ``n_pages``;
-        fewer when a file turns out bad: the rest is prefilled); returns how many."""
-        n_pages, arrays = self.store.get(request.prompt[:n_pages * self.page])
-        if not n_pages:
+    def _stored(self, request: _Request, shared: int) -> int:
+        """Leading pages of ``request``'s prompt the store can give (read and checked once, kept on the request
+        while it waits), when that is more than the ``shared`` pages of a kept prefix; else 0."""
+        if self.store is None:
             return 0
+        if request.stored is None:
+            n = self.store.match(request.prompt[:(request.prompt.size - 1) // self.page * self.page])
+            # reading checks each file: a bad one ends the run there (and may leave fewer pages than a kept prefix)
+            request.stored = self.store.get(request.prompt[:n * self.page]) if n > shared else (0, None)
+        return request.stored[0]
+
+    def _load(self, request: _Request) -> None:
+        """Row ``request.row`` (empty) gets fresh pages holding the store's pages of its prompt."""
+        n_pages, arrays = request.stored
+        request.stored = None
         width = pl2(n_pages)  # a few compiled widths: the rest is padding, never written
         pad = lambda x: np.pad(x, [(0, 0), (0, width - n_pages)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
         self.state = rows.write_pages(self.state, jnp.int32(request.row), jnp.int32(n_pages),
-                                  {n: jnp.asarray(pad(x)) for n, x in arrays.items()})
-        return n_pages
+                                      {n: jnp.asarray(pad(x)) for n, x in arrays.items()})
 
     def _drop_lru(self, keep) -> bool:
         """Release the least recently used kept prefix no running request reads (not ``keep``); False if none."""

@@ -127,6 +127,8 @@ def _generation(service: Service, request, prompt: list[int], kind: str, limit: 
         raise ApiError(404, f"model={request.model!r} does not exist: this server serves {config.name!r}", "model",
                        code="model_not_found")
     what = "messages" if kind == "chat" else "prompt"
+    if not prompt:
+        raise ApiError(400, f"{what} encodes to no tokens: send some text", what)
     if len(prompt) >= config.max_model_len:
         raise ApiError(400, f"{what} of {len(prompt)} tokens is too long: --max-model-len is {config.max_model_len} "
                        "tokens (prompt + new tokens)", what, code="context_length_exceeded")

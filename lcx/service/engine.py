@@ -150,7 +150,12 @@ class Engine:
         if what == "submit":
             if gen.finished:  # cancelled before it was submitted
                 return
-            gen.request_id = self.server.submit(gen.prompt, gen.max_tokens, gen.sampling, gen.seed)
+            try:
+                gen.request_id = self.server.submit(gen.prompt, gen.max_tokens, gen.sampling, gen.seed)
+            except Exception:  # the handler checked it; a refusal here is a bug, and only this request's
+                log.error("request %s refused by the serving loop:\n%s", gen.id, traceback.format_exc())
+                self._finish(gen, "error")
+                return
             self._by_request[gen.request_id] = gen
             self.metrics.prompt_tokens.inc(len(gen.prompt))
         elif not gen.finished:

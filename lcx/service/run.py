@@ -30,7 +30,9 @@ class DrainingServer(uvicorn.Server):
     def _exit_when_idle(self, sig, frame) -> None:
         while not self.service.engine.idle:
             time.sleep(0.05)
-        super().handle_exit(sig, frame)
+        # not uvicorn's handle_exit: it records the signal and raises it again after shutdown, whose default action
+        # would kill the process (exit -15, no clean-up) after a clean drain
+        self.should_exit = True
 
 
 def serve(service, host: str, port: int, log_level: str = "info") -> None:
