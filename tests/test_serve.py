@@ -243,3 +243,26 @@ def test_stored_pages_serve_a_new_server_with_the_tokens_of_recomputing(params, 
     assert out == want and cached == 5 * 8 and store.corrupt == 1
     out, cached, store = serve("model-a")
     assert out == want and cached == (len(turn) - 1) // 8 * 8 and store.corrupt == 0  # this turn's pages too
+
+
+def test_a_request_pins_only_the_kept_pages_it_shares(params):
+    """A prompt that shares one page of a kept 3-page prefix reads (and pins) that page only: its own pages are
+    counted once, and the longer prefix can still be released for pages."""
+    cache = lcx.CacheConfig(layout="paged", page_size=8)
+    server = Server(CFG, params, max_num_seqs=2, max_len=64, pages=20, segment=2, prefill_chunk=32, cache=cache,
+                    prefix_entries=8)
+    common = list(range(3, 11))  # one page
+    a, b = common + [10] * 16 + [11], common + [20] * 16 + [21]  # 3 whole pages + 1 token each
+    server.submit(a, max_new_tokens=30)
+    server.step()  # a prefilled; its 3 pages kept
+    server.submit(b, max_new_tokens=30)
+    server.step()  # b reads page 0 of a's prefix, keeps its own 3 pages
+    need = server.pages_needed(len(a), 30)
+    assert server.committed == 2 * (need - 3)  # each owns its pages less the 3 its kept prefix holds
+    # a's 3 pages (read by a), b's 3 pages (by b), and page 0 alone (by b)
+    assert sorted((len(k) // 8, p.users) for k, p in server._prefixes.items()) == [(1, 1), (3, 1), (3, 1)]
+    longer = tuple(a[:24])
+    assert server._prefixes[longer].users == 1  # its maker only: b pins the 1-page entry, not this one
+    out = server.run()
+    alone = lcx.generate(CFG, params, [a, b], max_new_tokens=30)
+    assert list(out.values()) == [alone.tokens[0].tolist(), alone.tokens[1].tolist()]

@@ -113,8 +113,10 @@ def assign(pool: PagePool, row, pages: jax.Array) -> PagePool:
 
 
 def hold(pool: PagePool, pages: jax.Array, delta) -> PagePool:
-    """``delta`` more references (negative: fewer) to each of ``pages [n]`` that no row's table counts."""
-    return _with_peak(pool.replace(refs=pool.refs.at[pages].add(delta)))
+    """``delta`` more references (negative: fewer) to each of ``pages [n]`` that no row's table counts (-1: none,
+    padding)."""
+    return _with_peak(pool.replace(refs=pool.refs.at[jnp.where(pages >= 0, pages, pool.n_pages)].add(delta,
+                                                                                                    mode="drop")))
 
 
 # --------------------------------------------------------------------------------------------------- letting go

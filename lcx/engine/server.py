@@ -305,6 +305,8 @@ class Server:
                 key, shared = None, 0
             else:
                 stored = 0
+            if key is not None:
+                key = self._narrow(key, shared)
             private = self.pages_needed(request.prompt.size, request.max_new_tokens) - shared
             while private > self._free_pages() and self._drop_lru(keep=key):
                 pass
@@ -352,11 +354,25 @@ class Server:
         self.state = rows.write_pages(self.state, jnp.int32(request.row), jnp.int32(n_pages),
                                       {n: jnp.asarray(pad(x)) for n, x in arrays.items()})
 
+    def _narrow(self, key: tuple, shared: int) -> tuple:
+        """The kept prefix of the first ``shared`` pages of ``key``'s, as an entry of its own when shorter (one more
+        reference to those pages): a request pins only the pages it reads, and the longer entry stays free to go."""
+        if shared == len(self._prefixes[key].pages):
+            return key
+        short = key[:shared * self.page]
+        if short not in self._prefixes:
+            pages = self._prefixes[key].pages[:shared]
+            self.state = rows.hold(self.state, _padded(pages), jnp.int32(1))
+            self._prefixes[short] = _Prefix(pages)
+        return short
+
     def _drop_lru(self, keep) -> bool:
-        """Release the least recently used kept prefix no running request reads (not ``keep``); False if none."""
+        """Release the least recently used kept prefix no running request reads (not ``keep``); False if none. Its
+        pages spill to the store first (host memory; they may serve a later request from there)."""
         for key, prefix in self._prefixes.items():
             if prefix.users == 0 and key != keep:
-                self.state = rows.hold(self.state, jnp.asarray(prefix.pages, jnp.int32), jnp.int32(-1))
+                self._store_pages(np.asarray(key, np.int32), prefix.pages)
+                self.state = rows.hold(self.state, _padded(prefix.pages), jnp.int32(-1))
                 del self._prefixes[key]
                 return True
         return False
@@ -369,8 +385,9 @@ class Server:
             return
         table = np.asarray(self.state.table[request.row])
         pages = [int(p) for p in table[:n_pages]]
-        self.state = rows.hold(self.state, jnp.asarray(pages, jnp.int32), jnp.int32(1))
-        # the pages are no longer the request's alone: the kept prefix owns them from now on
+        self.state = rows.hold(self.state, _padded(pages), jnp.int32(1))
+        # the pages are no longer the request's alone: the kept prefix owns them from now on (the prefix it read is
+        # exactly its shared pages: _narrow)
         shared_before = 0 if request.prefix is None else min(len(request.prefix) // self.page, n_pages)
         moved = n_pages - shared_before
         request.private -= moved
@@ -380,18 +397,21 @@ class Server:
         while len(self._prefixes) > self.prefix_entries and self._drop_lru(keep=key):
             pass
 
-    def _store_pages(self, request: _Request, tokens: np.ndarray) -> None:
-        """Write the whole pages of ``tokens`` (what row ``request.row`` holds) the store lacks."""
-        n_pages = tokens.size // self.page
+    def _store_pages(self, tokens: np.ndarray, pages) -> None:
+        """Write the whole pages of ``tokens``, held in the pool pages ``pages`` (in order), that the store lacks."""
+        n_pages = min(tokens.size // self.page, len(pages))
         if self.store is None or n_pages == 0:
             return
         missing = self.store.missing(tokens[:n_pages * self.page])
         if not missing:
             return
-        table = np.asarray(self.state.table[request.row])
-        ids = jnp.asarray(table[missing], jnp.int32)
-        arrays = {n: np.asarray(jnp.take(getattr(self.state, n), ids, axis=1)) for n in rows.kv_names(self.state)}
+        ids = _padded([int(pages[i]) for i in missing], fill=0)
+        arrays = {n: np.asarray(_take_pages(getattr(self.state, n), ids))[:, :len(missing)]
+                  for n in rows.kv_names(self.state)}
         self.store.put(tokens[:n_pages * self.page], missing, arrays)
+
+    def _row_pages(self, request: _Request) -> np.ndarray:
+        return np.asarray(self.state.table[request.row])
 
     # ----------------------------------------------------------------------------------------------- steps
     def _prefill_chunk(self, emit, done) -> None:
@@ -443,7 +463,8 @@ class Server:
             if self._running.get(request.row) is not request:
                 continue  # cancelled from an earlier request's on_token
             self._keep_prefix(request)
-            self._store_pages(request, request.prompt[:request.prompt.size - 1])
+            if self.store is not None and self.store.directory is not None:  # on disk now: a kill -9 keeps them
+                self._store_pages(request.prompt[:request.prompt.size - 1], self._row_pages(request))
             self._emit(request, int(first[j]), emit, done)
 
     def _emit(self, request: _Request, token: int, emit, done) -> None:
@@ -462,7 +483,9 @@ class Server:
     def _finish(self, request: _Request, done) -> None:
         # what the row holds (the prompt and every token but the last, never fed back): a conversation's next turn
         # resent with this answer in its history reads these pages
-        self._store_pages(request, np.concatenate([request.prompt, np.asarray(request.tokens[:-1], np.int32)]))
+        if self.store is not None:
+            held = np.concatenate([request.prompt, np.asarray(request.tokens[:-1], np.int32)])
+            self._store_pages(held, self._row_pages(request))
         self._end(request)
         done[request.id] = request.tokens
 
@@ -516,6 +539,16 @@ def pl2(n: int) -> int:
 
 # --------------------------------------------------------------------------------------------------- jitted
 _first_tokens = jax.jit(lambda logits, rows: sample_rows(logits, rows, jnp.zeros_like(rows.top_k)))
+
+
+def _padded(pages, fill: int = -1) -> jax.Array:
+    """Page ids padded to a power of two (``fill``; -1: out of range, dropped): a few compiled shapes, not one per
+    page count."""
+    pages = list(pages)
+    return jnp.asarray(pages + [fill] * (pl2(len(pages)) - len(pages)), jnp.int32)
+
+
+_take_pages = jax.jit(lambda pool, ids: jnp.take(pool, ids, axis=1))
 
 
 def _set_row(values: np.ndarray, row: int, value) -> np.ndarray:
