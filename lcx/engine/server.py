@@ -440,10 +440,12 @@ class Server:
                 weights[i, :n] = w[0, r.read:r.read + n]
         sub = rows.gather(self.state, index)
         logits = jnp.zeros((batch, self.config.vocab_size), jnp.float32)
-        sub, logits = self.programs.prefill_chunk(self.gen.params, sub, jnp.asarray(ids), jnp.asarray(ok),
-                                                  jnp.asarray(last_index), logits,
-                                                  None if weights is None else jnp.asarray(weights))
-        sub = self.kind.sync(sub)
+        width = self._width(max(r.read + chunk for r in reading))
+        narrow, wide = self._narrowed(sub, width)
+        narrow, logits = self.programs.prefill_chunk(self.gen.params, narrow, jnp.asarray(ids), jnp.asarray(ok),
+                                                     jnp.asarray(last_index), logits,
+                                                     None if weights is None else jnp.asarray(weights))
+        sub = self.kind.sync(_widened(narrow, wide))
         ending = [i for i in range(len(reading)) if last_index[i] >= 0]
         if self.evicts and ending:  # the policy's end-of-prefill eviction, for the rows whose prompt ended only
             at = jnp.asarray(ending + [batch] * (pl2(len(ending)) - len(ending)), jnp.int32)
@@ -466,6 +468,20 @@ class Server:
             if self.store is not None and self.store.directory is not None:  # on disk now: a kill -9 keeps them
                 self._store_pages(request.prompt[:request.prompt.size - 1], self._row_pages(request))
             self._emit(request, int(first[j]), emit, done)
+
+    def _width(self, tokens: int) -> int:
+        """Table entries a call reads for rows of at most ``tokens`` tokens: the pages rounded up (``round_chunk``)
+        under the full policy - attention gathers and masks every entry, so a row of 1k tokens in a server of max_len 16k would
+        read 16x what it holds - and the whole table under eviction (its slots are the table)."""
+        if self.evicts:
+            return self.row_pages
+        return min(self.row_pages, round_chunk(-(-tokens // self.page)))  # <= 25% over: a few compiled widths
+
+    def _narrowed(self, state, width: int):
+        """``(state with its table cut to width entries, the whole table)``; the whole state when no cut."""
+        if width >= self.row_pages:
+            return state, None
+        return state.replace(table=state.table[:, :width]), state.table
 
     def _emit(self, request: _Request, token: int, emit, done) -> None:
         request.tokens.append(token)
@@ -510,11 +526,13 @@ class Server:
             token[row], active[row] = request.tokens[-1], True
             left[row] = request.max_new_tokens - len(request.tokens)
             steps[row] = len(request.tokens)
-        self.state, tokens, emitted = self.programs.serve_segment(
-            self.gen.params, self.state, jnp.asarray(token), jnp.asarray(active), jnp.asarray(left),
+        held = max(r.prompt.size + len(r.tokens) for r in self._running.values() if not r.prefilling)
+        narrow, wide = self._narrowed(self.state, self._width(held + self.segment))
+        narrow, tokens, emitted = self.programs.serve_segment(
+            self.gen.params, narrow, jnp.asarray(token), jnp.asarray(active), jnp.asarray(left),
             jax.tree.map(jnp.asarray, self.sampling), jnp.asarray(steps), n_steps=self.segment,
             sampled=bool(np.any(self.sampling.temperature[active] > 0)))  # all greedy: the argmax-only program
-        self.state = self.kind.sync(self.state)
+        self.state = self.kind.sync(_widened(narrow, wide))
         tokens, emitted = np.asarray(tokens), np.asarray(emitted)  # [S, b]
         for step in range(tokens.shape[0]):
             for row in np.flatnonzero(emitted[step]):
@@ -546,6 +564,14 @@ def _padded(pages, fill: int = -1) -> jax.Array:
     page count."""
     pages = list(pages)
     return jnp.asarray(pages + [fill] * (pl2(len(pages)) - len(pages)), jnp.int32)
+
+
+def _widened(state, wide):
+    """``state`` (its table cut by ``Server._narrowed``) with the entries past the cut from ``wide`` (None: uncut).
+    Rows hold no page past the cut that the call could have changed: it granted only within it."""
+    if wide is None:
+        return state
+    return state.replace(table=wide.at[:, :state.table.shape[1]].set(state.table))
 
 
 _take_pages = jax.jit(lambda pool, ids: jnp.take(pool, ids, axis=1))
