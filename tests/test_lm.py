@@ -19,30 +19,16 @@ from lcx.data.haystack import NOISE, Frame, render_chat
 from lcx.data.tokenizer import ByteTokenizer
 from lcx.engine import Generator
 from lcx.lm import LM
+from tests.tiny_chat_model import CHAT, SPECIALS, write_tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: pad, BOS, EOS
-CHAT = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
-        "{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
 TEXTS = ["The grass is green.", "Here we go. There and back"]
 LONG = [NOISE * 2, "The sky is blue. The sun"]  # the first evicts under a budget of 8
 NEW = 6
 
 
-def _tokenizer(folder):
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([NOISE * 20, "Say hi, user and assistant: here we go again and again."], trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHAT}))
-    return tok
+_tokenizer = write_tokenizer  # the tiny chat model's BPE tokenizer and chat template
 
 
 def _write_gguf(path, hf_dir, tok):
