@@ -471,8 +471,8 @@ class Server:
 
     def _width(self, tokens: int) -> int:
         """Table entries a call reads for rows of at most ``tokens`` tokens: the pages rounded up to a power of two
-        under the full policy - attention gathers and masks every entry, so a row of 1k tokens in a server of max_len 16k would
-        read 16x what it holds - and the whole table under eviction (its slots are the table)."""
+        under the full policy - attention gathers and masks every entry, so a row of 1k tokens in a server of
+        max_len 16k would read 16x what it holds - and the whole table under eviction (its slots are the table)."""
         if self.evicts:
             return self.row_pages
         # a power of two: at most 2x what the rows hold, and one compiled width per octave - finer widths
