@@ -24,6 +24,7 @@ or a replaced checkpoint reruns them. ``results.md`` ends with the checkpoint it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -38,6 +39,7 @@ from lcx.config import (Config, ConfigError, ModelConfig, RopeConfig, check_cach
 from lcx.config_base import config_fields, unknown_key
 from lcx.data.tokenizer import BYTES
 from lcx.parallel import context as context_parallel
+from lcx.eval.cells import ONE, Shard, stage_lock, write_atomic
 from lcx.eval.config import AblateConfig, EvalConfig
 from lcx.parallel.sharding import MeshConfig
 from lcx.train.config import DataConfig, TrainConfig
@@ -319,7 +321,7 @@ def _done(out_dir: Path, settings: dict) -> bool:
 
 
 def _finish(out_dir: Path, settings: dict) -> None:
-    (out_dir / "done.json").write_text(json.dumps(settings, indent=2, sort_keys=True))
+    write_atomic(out_dir / "done.json", json.dumps(settings, indent=2, sort_keys=True))
 
 
 def _settings(cfg: ExperimentConfig, stage: str, info, variants: dict | None = None, tokenizer=None) -> dict:
@@ -338,7 +340,11 @@ def _settings(cfg: ExperimentConfig, stage: str, info, variants: dict | None = N
     return json.loads(json.dumps(out, default=str))
 
 
-def run_eval_stage(cfg: ExperimentConfig, stage: str = "eval", progress: bool = True) -> Path:
+def run_eval_stage(cfg: ExperimentConfig, stage: str = "eval", progress: bool = True, shard: Shard = ONE,
+                   merge: bool = False) -> Path:
+    """Run (this worker's ``shard`` of) an eval / ablate grid; its cells persist as they finish (a rerun skips the
+    done ones) and the worker that finds every cell done writes the merged results and ``done.json``. ``merge``:
+    compute nothing, write the merged results of the cells done so far."""
     from lcx.eval.grid import run_ablate, run_eval
 
     cfg.require(stage)
@@ -347,23 +353,32 @@ def run_eval_stage(cfg: ExperimentConfig, stage: str = "eval", progress: bool = 
     out_dir = cfg.run_dir / stage
     tokenizer = run_tokenizer(cfg, model)
     settings = _settings(cfg, stage, info, variants, tokenizer)
-    if _done(out_dir, settings):
+    if _done(out_dir, settings) and not merge:
         _say(f"{stage}: {out_dir / 'results.md'} is up to date with checkpoint {info.path} (delete done.json to "
              "rerun)")
         return out_dir
-    if (out_dir / "done.json").is_file():
-        _say(f"{stage}: inputs changed since the last run (now checkpoint {info.path}, step {info.step}): rerunning")
-    _say(f"{stage} {info.path} -> {out_dir}")
+    if (out_dir / "done.json").is_file() and not merge:
+        _say(f"{stage}: inputs changed since the last run (now checkpoint {info.path}, step {info.step}): rerunning "
+             "the cells they touch")
+    _say(f"{stage} {info.path} -> {out_dir}" + ("" if shard.count == 1 else f" (shard {shard})"))
     _check_variant_tokenizers(cfg, variants, tokenizer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    checkpoints = {"trained": {"step": info.step, "fingerprint": info.fingerprint}}
+    checkpoints.update({name: {"step": v[2].step, "fingerprint": v[2].fingerprint} for name, v in variants.items()})
+    if cfg.ablate is not None and stage == "ablate":
+        checkpoints.update({v.name: checkpoints["trained"] for v in cfg.ablate.ropes if v.name not in checkpoints})
+    inputs = {"checkpoints": checkpoints, "prompt_fixes": settings.get("prompt_fixes", [])}
+    common = dict(progress=progress, tokenizer=tokenizer, shard=shard, inputs=inputs,
+                  footer=_provenance(cfg, info, variants), merge_only=merge)
     if stage == "eval":
-        run_eval(model, params, cfg.eval, cfg.cache, out_dir, progress=progress, tokenizer=tokenizer)
+        rows = run_eval(model, params, cfg.eval, cfg.cache, out_dir, **common)
     else:
-        run_ablate(model, params, cfg.eval, cfg.ablate, out_dir, progress=progress,
-                   checkpoints={name: v[:2] for name, v in variants.items()}, tokenizer=tokenizer)
-    with open(out_dir / "results.md", "a") as f:
-        f.write(_provenance(cfg, info, variants))
-    _finish(out_dir, settings)
-    print((out_dir / "results.md").read_text())
+        rows = run_ablate(model, params, cfg.eval, cfg.ablate, out_dir,
+                          checkpoints={name: v[:2] for name, v in variants.items()}, **common)
+    if rows is not None:  # every cell done: the stage is
+        _finish(out_dir, settings)
+    if rows is not None or merge:
+        print((out_dir / "results.md").read_text())
     return out_dir
 
 
@@ -381,25 +396,38 @@ def _provenance(cfg: ExperimentConfig, info, variants: dict) -> str:
 
 
 def run(cfg: ExperimentConfig, stages: Sequence[str] | None = None, progress: bool = True,
-        allow_changes: bool = False) -> Path:
+        allow_changes: bool = False, shard: Shard = ONE, merge: bool = False) -> Path:
     """Run ``stages`` (default: the config's ``stages``) in order; returns the run directory. ``allow_changes``:
-    training stages resume even with changed settings (recorded in their ``settings.jsonl``)."""
+    training stages resume even with changed settings (recorded in their ``settings.jsonl``).
+
+    ``shard``: this worker's share of the eval / ablate grids (``lcx.eval.cells``); a training stage runs in one
+    worker at a time under a lock in the run directory - the first trains, the others wait for it, then find it
+    done. ``merge``: only write the merged results of the eval / ablate cells done so far (nothing runs)."""
     stages = list(stages or cfg.stages)
     if not stages:
         raise ConfigError("stages is empty: list the stages to run (e.g. stages: [train, eval, ablate])")
     from lcx.train.loop import make_run_dir
 
     make_run_dir(cfg.run_dir)
-    (cfg.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    write_atomic(cfg.run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    if merge:
+        grids = [s for s in stages if s in ("eval", "ablate")]
+        if not grids:
+            raise ConfigError(f"--merge merges the cells of eval / ablate stages; stages {stages} have none")
+        for stage in grids:
+            run_eval_stage(cfg, stage, progress, merge=True)
+        return cfg.run_dir
     for stage in stages:
-        if stage == "train":
-            run_train(cfg, progress, allow_changes)
-        elif stage == "finetune":
-            run_finetune(cfg, progress, allow_changes)
-        elif stage == "router":
-            run_router(cfg, progress)
-        else:
-            run_eval_stage(cfg, stage, progress)
+        if stage in ("eval", "ablate"):
+            run_eval_stage(cfg, stage, progress, shard)
+            continue
+        with stage_lock(cfg.run_dir / f".{stage}.lock") if shard.count > 1 else contextlib.nullcontext():
+            if stage == "train":
+                run_train(cfg, progress, allow_changes)
+            elif stage == "finetune":
+                run_finetune(cfg, progress, allow_changes)
+            else:
+                run_router(cfg, progress)
     return cfg.run_dir
 
 
@@ -415,13 +443,24 @@ def add_parsers(subparsers) -> None:
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
         p.add_argument("--allow-changes", action="store_true",
                        help="resume training with changed train / data settings (recorded per segment of steps)")
+        if name in ("run", "eval", "ablate"):
+            p.add_argument("--shard", metavar="I/N", default=None,
+                           help="run worker I's share (0-based) of N of the grid's cells: N processes or machines "
+                                "sharing the run directory split one grid; the last to finish writes the merged "
+                                "results")
+            p.add_argument("--merge", action="store_true",
+                           help="run nothing: write the merged results of the cells done so far")
         p.set_defaults(func=_cli, stage=None if name == "run" else name.replace("train-router", "router"))
 
 
 def _cli(args) -> int:
+    shard = Shard.parse(args.shard) if getattr(args, "shard", None) is not None else ONE
+    merge = getattr(args, "merge", False)
+    if merge and shard.count > 1:
+        raise ConfigError(f"--merge and --shard {shard} are exclusive: --merge runs no cells")
     cfg = load_experiment(args.config, args.overrides)
     run(cfg, None if args.stage is None else [args.stage], progress=not args.no_progress,
-        allow_changes=args.allow_changes)
+        allow_changes=args.allow_changes, shard=shard, merge=merge)
     return 0
 
 

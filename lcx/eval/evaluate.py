@@ -92,8 +92,9 @@ def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, de
     Examples that share a context (a task's ``questions_per_haystack``) prefill it once where they share a batch:
     ``one_shot`` prefills each run of equal contexts for one row and forks it (``Generator.fork``; any cache), and
     ``streaming`` with a paged cache shares the whole pages consecutive prompts start with (``Generator.prefill``).
-    ``counts``: a dict that receives ``prompt_tokens`` (what the batches would prefill without sharing) and
-    ``prefilled_tokens`` (what went through the model)."""
+    ``counts``: a dict that receives ``prompt_tokens`` (what the batches would prefill without sharing),
+    ``prefilled_tokens`` (what went through the model) and ``kv_bytes`` (the device KV bytes per sequence at the
+    end of generation, the most of any batch: ``GenerateResult.cache_bytes`` over its rows)."""
     tok = task.tokenizer
     examples = cell_examples(task, length=length, depth=depth, samples=samples, seed=seed)
     check_fits(task, model, [ex.prompt_ids for ex in examples])
@@ -105,7 +106,7 @@ def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, de
     gen = Generator(model, params, max_new_tokens=max(max_new, buffer or 0) + extra, cache=cache, eos_id=tok.eos_id,
                     capacity=capacity, unroll=unroll, **policy_inputs(cache.make_policy(), task.frame))
     outputs = [""] * samples
-    asked = 0
+    asked = kv_bytes = 0
     for batch in _batches(examples, batch_size, protocol, task.name):
         real = len(batch)
         if protocol == "one_shot":  # a group smaller than the batch repeats its last row: one compiled batch shape
@@ -128,11 +129,12 @@ def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, de
                 asked += sum(examples[i].prompt_len for i in batch)
                 state = gen.prefill([examples[i].prompt_ids for i in batch])
             result = gen.result(gen.decode(state, steps=max_new))
+            kv_bytes = max(kv_bytes, result.cache_bytes // max(len(result.tokens), 1))
         for i, tokens, n in zip(batch[:real], result.tokens, result.lengths):
             outputs[i] = tok.decode(tokens[:n])
     gen.close()
     if counts is not None:
-        counts.update(prompt_tokens=asked, prefilled_tokens=gen.prefilled_tokens)
+        counts.update(prompt_tokens=asked, prefilled_tokens=gen.prefilled_tokens, kv_bytes=kv_bytes)
     return examples, outputs
 
 
@@ -176,25 +178,30 @@ def retrieval_accuracy(model: ModelConfig, params, task: Task, *, length: int, d
 def window_nll(model: ModelConfig, params, task: Task, *, length: int, samples: int, batch_size: int, seed: int,
                cache: CacheConfig, prefix: int | None = None, capacity: int | None = None,
                tail: int | None = None, longest: int | None = None, unroll: bool | None = None,
-               per_token: bool = False) -> np.ndarray:
+               per_token: bool = False, counts: dict | None = None) -> np.ndarray:
     """Mean negative log-likelihood (nats / token) of tokens ``prefix+1 .. length`` of each of ``samples``
     validation windows of ``length`` tokens, ``[samples]``.
 
     With ``tail``, the windows are the last ``length`` tokens of windows of ``longest`` tokens (the first token
     kept when it is BOS) and the last ``tail`` tokens are scored: the same text at every length. ``per_token``: the
-    NLL of every scored token, ``[samples, length - prefix]``."""
+    NLL of every scored token, ``[samples, length - prefix]``. ``counts``: a dict that receives ``kv_bytes``, the
+    device KV bytes per sequence after the last scored token (the most of any batch)."""
     ids, prefix = perplexity_windows(task, length=length, samples=samples, seed=seed, prefix=prefix, tail=tail,
                                      longest=longest)
     check_fits(task, model, ids)
     gen = Generator(model, params, max_new_tokens=length - prefix, cache=cache, capacity=capacity, unroll=unroll,
                     **policy_inputs(cache.make_policy(), task.frame))
     nll = []
+    kv_bytes = 0
     for lo in range(0, samples, batch_size):
         batch = ids[lo:lo + batch_size]
         state = gen.prefill(batch[:, :prefix])
-        _, logprobs = gen.score(state, batch[:, prefix:])
+        state, logprobs = gen.score(state, batch[:, prefix:])
+        kv_bytes = max(kv_bytes, state.cache.kv_bytes() // len(batch))
         nll.append(-logprobs if per_token else -np.mean(logprobs, axis=1))
     gen.close()
+    if counts is not None:
+        counts["kv_bytes"] = kv_bytes
     return np.concatenate(nll)
 
 

@@ -17,14 +17,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from lcx.config import CacheConfig, ConfigError, ModelConfig
+from lcx.config import CacheConfig, ConfigError, ModelConfig, to_dict
+from lcx.eval.cells import (ONE, Cell, CellStore, Shard, assign, cell_name, count_done, normalized, order,
+                             write_atomic)
 from lcx.eval.config import AblateConfig, EvalConfig, RopeVariant, Setting
 from lcx.data.task import TOKENIZER, Example, Task
 from lcx.data.tokenizer import describe
@@ -179,9 +183,78 @@ def check_prompts(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConf
 
 def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, settings: list[Setting],
          ropes: tuple[RopeVariant, ...], out_dir: Path, title: str, progress: bool,
-         tokenizer=None) -> list[dict]:
+         tokenizer=None, *, shard: Shard = ONE, inputs: Mapping[str, Any] | None = None, footer: str = "",
+         merge_only: bool = False) -> list[dict] | None:
     """``models``: variant name -> (model config, params) of that variant's checkpoint (RoPE overrides applied);
-    ``tokenizer``: the run's (None: lcx's byte tokenizer), which builds and grades every task."""
+    ``tokenizer``: the run's (None: lcx's byte tokenizer), which builds and grades every task. ``inputs``: what
+    every cell also depends on (e.g. ``{"checkpoints": {variant: {step, fingerprint}}}``), recorded per cell.
+
+    Cells persist under ``out_dir/cells`` (``lcx.eval.cells``); this worker runs ``shard``'s share, then any cell
+    nobody holds. Returns the merged rows once every cell is done (having written ``results.*`` and
+    ``outputs.jsonl``, ``footer`` appended to ``results.md``), else None. ``merge_only``: run nothing; write the
+    merged results of the cells done so far (results.md says how many are missing)."""
+    grid = _plan(models, ev, settings, ropes, tokenizer, inputs or {})
+    store = CellStore(out_dir / "cells")
+    if merge_only:
+        return _merge(store, grid.cells, out_dir, title, footer, partial=True)
+    check_prompts(models, ev, tokenizer)  # after the capacity check (in _plan): it builds a prompt per cell
+    store.clean()
+    owned = assign(grid.cells, shard)
+    done = count_done(store, grid.cells)
+    if done:
+        _note(f"{title}: {done} of {len(grid.cells)} cells already done in {store.root}")
+    bar = tqdm(total=len(grid.cells), initial=done, desc=title + ("" if shard.count == 1 else f" [shard {shard}]"),
+               unit="cell", disable=not progress, dynamic_ncols=True)
+    busy = []
+    for i in order(owned, len(grid.cells)):
+        cell, spec = grid.cells[i], grid.specs[i]
+        if store.is_done(cell):
+            continue
+        with store.lock(cell) as held:
+            if not held:
+                busy.append(cell)
+                continue
+            if store.is_done(cell):  # finished by another worker since the check above
+                continue
+            release_compiled()  # programs of earlier cells, once they fill the process's memory map
+            bar.set_postfix_str(cell.name[:-9])
+            t0 = time.perf_counter()
+            rows, outputs = _compute(grid, spec, models, ev)
+            store.save(cell, rows, outputs, time.perf_counter() - t0)
+        bar.n = count_done(store, grid.cells)
+        bar.refresh()
+    bar.close()
+    rows = _merge(store, grid.cells, out_dir, title, footer, partial=False)
+    if rows is None:
+        running = [c for c in busy if not store.is_done(c)]
+        _note(f"{title}: {count_done(store, grid.cells)} of {len(grid.cells)} cells done; "
+              + (f"{len(running)} running in other workers (e.g. {running[0].name}: {store.holder(running[0])}); "
+                 if running else "") + "the worker that finishes the last cell writes the merged results "
+              "(or `lcx ablate CONFIG --merge`)")
+    return rows
+
+
+def _note(msg: str) -> None:
+    print(f"lcx: {msg}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Grid:
+    """A grid ready to run: its tasks, generation budgets, caches and capacities per cell, and its cells (the
+    ``_cells`` tuples in ``specs``, the persisted identities in ``cells``, in the same order)."""
+
+    tasks: dict
+    ppl_task: Task
+    per_task: dict
+    max_new: int
+    caches: dict
+    capacities: dict
+    specs: list
+    cells: list
+
+
+def _plan(models, ev: EvalConfig, settings: list[Setting], ropes: tuple[RopeVariant, ...], tokenizer,
+          inputs: Mapping[str, Any]) -> _Grid:
     tasks, ppl_task = grid_tasks(ev, tokenizer)
     per_task = _max_new(ev, tasks)
     max_new = max(per_task.values())  # one compiled decode loop for every task
@@ -192,57 +265,110 @@ def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, setti
                                             max(ev.lengths) if s.compression is None and s.protocol == "streaming"
                                             else n)
                   for s in settings for v in ropes for n in ev.lengths}
-    check_prompts(models, ev, tokenizer)  # after the capacity check: it builds a prompt per cell
-    cells = list(_cells(settings, ropes, tasks, ev))
+    specs = list(_cells(settings, ropes, tasks, ev))
+    tok = TOKENIZER if tokenizer is None else tokenizer
+    cells = [_cell(spec, caches, models, ev, per_task, ppl_task, tok, inputs) for spec in specs]
+    return _Grid(tasks, ppl_task, per_task, max_new, caches, capacities, specs, cells)
+
+
+def _cell(spec, caches, models, ev: EvalConfig, per_task: dict, ppl_task: Task, tokenizer, inputs) -> Cell:
+    """The persisted identity of one cell: a readable name and everything its rows depend on - not the grid's
+    other axes, so adding a length, task or policy leaves the other cells' inputs as they were."""
+    setting, variant, name, length, depth, metric = spec
+    cache = caches[(setting, length)]
+    label = setting_label(cache, variant.name, setting)
+    record = {"setting": label, "cache": cache.to_dict(), "protocol": setting.protocol,
+              "compression": setting.compression, "model": to_dict(models[variant.name][0]),
+              "tokenizer": tokenizer.spec, "length": length, "metric": metric, "seed": ev.seed,
+              "batch_size": ev.batch_size, **{k: v for k, v in inputs.items() if k != "checkpoints"},
+              "checkpoint": (inputs.get("checkpoints") or {}).get(variant.name)}
+    if metric == "accuracy":
+        record.update(task=name, params=dict(ev.params) if not ev.tasks else {}, depth=depth, samples=ev.samples,
+                      chat=ev.chat, max_new_tokens=per_task[name])
+        prompts_, scale = ev.samples, 1.0
+    else:
+        args = _ppl_args(ev)
+        record.update(task=name, perplexity=ev.perplexity.to_dict() if ev.perplexity is not None else
+                      {"task": ev.task, "params": dict(ev.params)}, ppl=args,
+                      longest=max(ev.lengths) if args["tail"] else None)
+        prompts_, scale = args["samples"], 4.0  # scored a token per step: dearer than a prefill
+    full = not cache.make_policy().evicts
+    cost = prompts_ * length * scale * (1.0 + length / 4096 if full else 1.0)
+    return Cell(cell_name(label, name, length, "" if depth is None else f"d{depth:g}", metric), normalized(record),
+                cost)
+
+
+def _compute(grid: _Grid, spec, models, ev: EvalConfig) -> tuple[list[dict], list[dict]]:
+    """Run one cell: its rows (one, or one per perplexity bucket) and its prompts' generations."""
+    setting, variant, name, length, depth, metric = spec
+    tasks, per_task, max_new = grid.tasks, grid.per_task, grid.max_new
+    cache = grid.caches[(setting, length)]
+    label = setting_label(cache, variant.name, setting)
+    model, params = models[variant.name]
+    # the full cache, and a one-shot cell, get one capacity for all their tasks (one compiled program each)
+    fixed = (grid.capacities[(setting, variant.name, length)]
+             if not cache.make_policy().evicts or setting.protocol == "one_shot" else None)
+    t0 = time.perf_counter()
+    counts = {}  # retrieval: the prompt tokens asked for and prefilled (shared contexts once); device KV bytes
     rows, generations = [], []
-    bar = tqdm(cells, desc=title, unit="cell", disable=not progress, dynamic_ncols=True)
-    for setting, variant, name, length, depth, metric in bar:
-        release_compiled()  # programs of earlier cells, once they fill the process's memory map
-        cache = caches[(setting, length)]
-        label = setting_label(cache, variant.name, setting)
-        bar.set_postfix_str(f"{label} {name} {length} {metric}")
-        model, params = models[variant.name]
-        # the full cache, and a one-shot cell, get one capacity for all their tasks (one compiled program each)
-        fixed = (capacities[(setting, variant.name, length)]
-                 if not cache.make_policy().evicts or setting.protocol == "one_shot" else None)
-        t0 = time.perf_counter()
-        counts = {}  # retrieval: the prompt tokens asked for and prefilled (shared contexts once)
-        if metric == "perplexity":
-            args = _ppl_args(ev)
-            samples, buckets, prefix = args["samples"], args["buckets"], args["prefix"]
-            nll = window_nll(model, params, ppl_task, length=length, samples=samples,
-                             batch_size=min(args["batch_size"], samples), seed=ev.seed, cache=cache, prefix=prefix,
-                             capacity=fixed, tail=args["tail"], longest=max(ev.lengths), unroll=ev.unroll,
-                             per_token=bool(buckets))
-            if buckets:  # one row per bucket of scored positions (the window's time on the last one)
-                start = prefix or max(1, length // 2)
-                edges = [b for b in buckets if start < b <= length]
-                for lo_edge, hi_edge in zip([start, *edges[:-1]], edges):
-                    part = nll[:, lo_edge - start:hi_edge - start].mean(axis=1)
-                    rows.append(_row(cache, variant, hi_edge, None, metric, math.exp(float(np.mean(part))),
-                                     perplexity_interval(part), label, samples,
-                                     time.perf_counter() - t0 if hi_edge == edges[-1] else 0.0, name, setting,
-                                     len(tasks)))
-                continue
-            value, (lo, hi) = math.exp(float(np.mean(nll))), perplexity_interval(nll)
-        else:
-            samples = ev.samples
-            examples, outputs = retrieval_outputs(
-                model, params, tasks[name], length=length, depth=depth, samples=samples,
-                batch_size=min(ev.batch_size, samples), seed=ev.seed, cache=cache, max_new_tokens=per_task[name],
-                capacity=fixed, protocol=setting.protocol, unroll=ev.unroll,
-                buffer=max_new + (ONE_SHOT_ROOM if setting.protocol == "one_shot" else 0), counts=counts)
-            scores = grades(tasks[name], examples, outputs)
-            generations += [{"setting": label, "task": name, "length": length, "depth": depth, "sample": i,
-                             "answer": ex.answer, "output": out, "grade": float(g)}
-                            for i, (ex, out, g) in enumerate(zip(examples, outputs, scores))]
-            value, (lo, hi) = float(np.mean(scores)), wilson_interval(float(np.sum(scores)), len(scores))
-        rows.append({**_row(cache, variant, length, depth, metric, value, (lo, hi), label, samples,
-                            time.perf_counter() - t0, name, setting, len(tasks)), **counts})
-    write_report(rows, out_dir, title)
-    if generations:
-        (out_dir / "outputs.jsonl").write_text("".join(json.dumps(g) + "\n" for g in generations))
-    return rows
+    if metric == "perplexity":
+        args = _ppl_args(ev)
+        samples, buckets, prefix = args["samples"], args["buckets"], args["prefix"]
+        nll = window_nll(model, params, grid.ppl_task, length=length, samples=samples,
+                         batch_size=min(args["batch_size"], samples), seed=ev.seed, cache=cache, prefix=prefix,
+                         capacity=fixed, tail=args["tail"], longest=max(ev.lengths), unroll=ev.unroll,
+                         per_token=bool(buckets), counts=counts)
+        if buckets:  # one row per bucket of scored positions (the window's time on the last one)
+            start = prefix or max(1, length // 2)
+            edges = [b for b in buckets if start < b <= length]
+            for lo_edge, hi_edge in zip([start, *edges[:-1]], edges):
+                part = nll[:, lo_edge - start:hi_edge - start].mean(axis=1)
+                rows.append({**_row(cache, variant, hi_edge, None, metric, math.exp(float(np.mean(part))),
+                                    perplexity_interval(part), label, samples,
+                                    time.perf_counter() - t0 if hi_edge == edges[-1] else 0.0, name, setting,
+                                    len(tasks)), **counts})
+            return rows, generations
+        value, (lo, hi) = math.exp(float(np.mean(nll))), perplexity_interval(nll)
+    else:
+        samples = ev.samples
+        examples, outputs = retrieval_outputs(
+            model, params, tasks[name], length=length, depth=depth, samples=samples,
+            batch_size=min(ev.batch_size, samples), seed=ev.seed, cache=cache, max_new_tokens=per_task[name],
+            capacity=fixed, protocol=setting.protocol, unroll=ev.unroll,
+            buffer=max_new + (ONE_SHOT_ROOM if setting.protocol == "one_shot" else 0), counts=counts)
+        scores = grades(tasks[name], examples, outputs)
+        generations += [{"setting": label, "task": name, "length": length, "depth": depth, "sample": i,
+                         "answer": ex.answer, "output": out, "grade": float(g)}
+                        for i, (ex, out, g) in enumerate(zip(examples, outputs, scores))]
+        value, (lo, hi) = float(np.mean(scores)), wilson_interval(float(np.sum(scores)), len(scores))
+    rows.append({**_row(cache, variant, length, depth, metric, value, (lo, hi), label, samples,
+                        time.perf_counter() - t0, name, setting, len(tasks)), **counts})
+    return rows, generations
+
+
+def _merge(store: CellStore, cells: list[Cell], out_dir: Path, title: str, footer: str, *,
+           partial: bool) -> list[dict] | None:
+    """The grid's rows and generations from its cells' records, in grid order, written as ``results.csv``,
+    ``results.md``, plots and ``outputs.jsonl`` (under the merge lock). None when a cell is missing, unless
+    ``partial`` (then results.md says which share is missing)."""
+    records = [store.load(c) for c in cells]
+    missing = sum(r is None for r in records)
+    if missing and not partial:
+        return None
+    rows = [row for r in records if r is not None for row in r["rows"]]
+    generations = [g for r in records if r is not None for g in r["outputs"]]
+    if not rows:
+        raise ConfigError(f"{title}: none of the {len(cells)} cells is done in {store.root}: nothing to merge")
+    note = (f"\n**Partial: {len(cells) - missing} of {len(cells)} cells done** (merged on demand; the missing cells "
+            "are not in the tables).\n" if missing else "")
+    with store.merging():
+        write_report(rows, out_dir, title)
+        if generations:
+            write_atomic(out_dir / "outputs.jsonl", "".join(json.dumps(g) + "\n" for g in generations))
+        if footer or note:
+            with open(out_dir / "results.md", "a") as f:
+                f.write(note + footer)
+    return None if missing else rows
 
 
 def _row(cache: CacheConfig, variant: RopeVariant, length: int, depth, metric: str, value: float, interval,
@@ -277,17 +403,29 @@ def _models(model: ModelConfig, params, ropes: tuple[RopeVariant, ...], checkpoi
 
 
 def run_eval(model: ModelConfig, params, ev: EvalConfig, cache: CacheConfig, out_dir: Path, *,
-             progress: bool = True, tokenizer=None) -> list[dict]:
-    """The eval stage: ``cache`` over ``ev.lengths`` x ``ev.depths`` (and perplexity when ``ev.perplexity``)."""
+             progress: bool = True, tokenizer=None, shard: Shard = ONE, inputs: Mapping[str, Any] | None = None,
+             footer: str = "", merge_only: bool = False) -> list[dict] | None:
+    """The eval stage: ``cache`` over ``ev.lengths`` x ``ev.depths`` (and perplexity when ``ev.perplexity``). Cells
+    persist under ``out_dir/cells``; ``shard``, ``inputs``, ``footer`` and ``merge_only`` as in ``run_ablate``."""
     ropes = (RopeVariant("trained"),)
     return _run(_models(model, params, ropes, None), ev, [AblateConfig.of_cache(cache)], ropes, out_dir,
-                _title("eval", ev), progress, tokenizer)
+                _title("eval", ev), progress, tokenizer, shard=shard, inputs=inputs, footer=footer,
+                merge_only=merge_only)
 
 
 def run_ablate(model: ModelConfig, params, ev: EvalConfig, ablate: AblateConfig, out_dir: Path, *,
-               progress: bool = True, checkpoints: Mapping[str, tuple] | None = None, tokenizer=None) -> list[dict]:
+               progress: bool = True, checkpoints: Mapping[str, tuple] | None = None, tokenizer=None,
+               shard: Shard = ONE, inputs: Mapping[str, Any] | None = None, footer: str = "",
+               merge_only: bool = False) -> list[dict] | None:
     """The ablate stage: every policy x budget (or compression) x protocol x RoPE variant over ``ev.lengths`` x
-    ``ev.depths``. ``checkpoints``: (model, params) of the variants that name a ``checkpoint``."""
+    ``ev.depths``. ``checkpoints``: (model, params) of the variants that name a ``checkpoint``.
+
+    Each cell persists under ``out_dir/cells/`` when it finishes (``lcx.eval.cells``): a rerun skips the cells done
+    with the same inputs. ``shard``: this worker's share of the cells (others may run the rest, in other processes
+    or machines sharing ``out_dir``). ``inputs``: what every cell also depends on (``{"checkpoints": {variant:
+    {"step", "fingerprint"}}}`` and more), recorded per cell. Returns the merged rows once every cell is done
+    (results written, ``footer`` ending results.md), else None. ``merge_only``: compute nothing, merge what is
+    done."""
     settings = ablate.settings()
     if not settings:
         raise ConfigError("ablate.policies is empty: nothing to ablate")
@@ -298,7 +436,8 @@ def run_ablate(model: ModelConfig, params, ev: EvalConfig, ablate: AblateConfig,
         raise ConfigError(f"ablate: settings {twice} appear twice in the grid (same policy, budget, parameters and "
                           f"RoPE variant); remove the duplicates")
     return _run(_models(model, params, ablate.ropes, checkpoints), ev, settings, ablate.ropes, out_dir,
-                _title("ablate", ev), progress, tokenizer)
+                _title("ablate", ev), progress, tokenizer, shard=shard, inputs=inputs, footer=footer,
+                merge_only=merge_only)
 
 
 def _title(stage: str, ev: EvalConfig) -> str:

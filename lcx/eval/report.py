@@ -14,7 +14,8 @@ import numpy as np
 from lcx.eval.stats import wilson_interval
 
 FIELDS = ("setting", "policy", "budget", "rope", "length", "depth", "metric", "value", "lo", "hi", "samples",
-          "seconds", "task", "compression", "protocol", "prompt_tokens", "prefilled_tokens")
+          "seconds", "task", "compression", "protocol", "prompt_tokens", "prefilled_tokens",
+          "kv_bytes")
 MACRO = "macro average"
 
 
