@@ -112,6 +112,12 @@ class ExperimentConfig(Config):
             self.require(stage)
         if self.finetune is not None and self.data is not None:
             finetune_data(self)  # its task and parameters, now rather than when the stage starts
+        if self.ablate is not None and self.eval is not None:
+            for i, entry in enumerate(self.ablate.policies):
+                extra = sorted(set(dict(entry).get("lengths", ())) - set(self.eval.lengths))
+                if extra:
+                    raise ConfigError(f"ablate.policies[{i}].lengths has {extra}, not in eval.lengths="
+                                      f"{list(self.eval.lengths)}: an entry's lengths are a subset of the grid's")
         if self.ablate is not None:  # every grid cell's policy must work with this model
             for cache in self.ablate.caches(max(self.eval.lengths) if self.eval is not None else 256):
                 check_cache(cache, self.model)

@@ -205,3 +205,25 @@ def test_bad_shard_is_one_clear_error(text, tmp_path, capsys):
     cfg.write_text("name: x\nstages: [eval]\neval: {task: passkey}\n")
     assert main(["run", str(cfg), f"--shard={text}"]) == 2
     assert "--shard" in capsys.readouterr().err
+
+
+def test_policy_entries_choose_their_ropes_lengths_and_samples():
+    from lcx.eval.config import AblateConfig, EvalConfig
+    from lcx.eval.grid import _cells
+
+    ablate = AblateConfig.from_mapping({
+        "ropes": [{"name": "trained"}, {"name": "yarn", "type": "yarn", "factor": 2.0}],
+        "policies": [{"policy": "full", "ropes": ["trained"]},
+                     {"policy": "full", "ropes": ["yarn"], "lengths": [256], "samples": 1},
+                     {"policy": "streaming", "ropes": ["trained"], "samples": 3}],
+        "budgets": [64]})
+    ev = EvalConfig(task="passkey", lengths=(128, 256), samples=2, batch_size=1)
+    cells = [(s.policy, s.samples, v.name, n) for s, v, _, n, _, _ in _cells(ablate.settings(), ablate.ropes,
+                                                                          {"passkey": None}, ev)]
+    assert cells == [("full", None, "trained", 128), ("full", None, "trained", 256), ("full", 1, "yarn", 256),
+                     ("streaming", 3, "trained", 128), ("streaming", 3, "trained", 256)]
+    for entry, message in (({"policy": "full", "ropes": ["ntk"]}, r"ropes=\['ntk'\] is invalid: .*\['trained'\]"),
+                           ({"policy": "full", "samples": 0}, r"samples=0 is invalid: a positive integer"),
+                           ({"policy": "full", "lengths": "256"}, r"lengths='256' is invalid")):
+        with pytest.raises(ConfigError, match=message):
+            AblateConfig.from_mapping({"policies": [entry]})

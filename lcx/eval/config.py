@@ -231,17 +231,29 @@ class RopeVariant:
 
 
 PROTOCOLS = ("streaming", "one_shot")
+# Keys of an ablate.policies entry that place it in the grid rather than configure its cache.
+ENTRY_KEYS = ("ropes", "lengths", "samples")
 
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """One row of an ablation before its length is known: a cache section, its budget or compression ratio, and
-    how the prompt meets the cache (``protocol``)."""
+    how the prompt meets the cache (``protocol``). ``ropes`` / ``lengths``: the RoPE variants and context lengths
+    this row runs at (None: all of the grid's); ``samples``: its retrieval prompts per cell (None: ``eval.samples``;
+    the first n prompts are the same at any n, so a costly row on fewer prompts is paired with the others').
+    """
 
     spec: tuple[tuple[str, Any], ...]
     budget: int | None = None
     compression: float | None = None
     protocol: str = "streaming"
+    ropes: tuple[str, ...] | None = None
+    lengths: tuple[int, ...] | None = None
+    samples: int | None = None
+
+    def runs(self, rope: str, length: int) -> bool:
+        """Whether the grid has this row's cell at RoPE variant ``rope`` and ``length`` tokens."""
+        return (self.ropes is None or rope in self.ropes) and (self.lengths is None or length in self.lengths)
 
     @property
     def policy(self) -> str:
@@ -310,19 +322,23 @@ class AblateConfig:
 
     def settings(self) -> list[Setting]:
         """Every row of the grid: (policy, budget or compression, protocol); ``full`` once. A policy entry may set
-        its own ``interval`` and ``prefill_chunk`` (e.g. a memory tier whose local positions must stay in range)."""
+        its own ``interval`` and ``prefill_chunk`` (e.g. a memory tier whose local positions must stay in range),
+        restrict itself to some RoPE variants (``ropes: [names]``) and lengths (``lengths: [...]``, a subset of
+        ``eval.lengths``), and run fewer (or more) prompts per cell (``samples: n``; the first n of the same
+        prompts)."""
         out = []
         for entry in self.policies:
+            grid = {k: v if k == "samples" else tuple(v) for k, v in entry if k in ENTRY_KEYS}
             spec = tuple(sorted({"interval": self.interval, "prefill_chunk": self.prefill_chunk,
-                                 **dict(entry)}.items()))
+                                 **{k: v for k, v in entry if k not in ENTRY_KEYS}}.items()))
             if dict(spec).get("policy", "full") == "full":
-                out.append(Setting(tuple((k, v) for k, v in spec if k != "interval")))
+                out.append(Setting(tuple((k, v) for k, v in spec if k != "interval"), **grid))
                 continue
             for protocol in self.protocols:
                 if self.compressions:
-                    out += [Setting(spec, compression=c, protocol=protocol) for c in self.compressions]
+                    out += [Setting(spec, compression=c, protocol=protocol, **grid) for c in self.compressions]
                 else:
-                    out += [Setting(spec, budget=b, protocol=protocol) for b in self.budgets]
+                    out += [Setting(spec, budget=b, protocol=protocol, **grid) for b in self.budgets]
         return out
 
     def caches(self, length: int | None = None) -> list[CacheConfig]:
@@ -354,11 +370,30 @@ class AblateConfig:
             entries.append(tuple(sorted(p.items())))
         ropes = data.pop("ropes", [{"name": "trained"}])
         variants = tuple(RopeVariant.from_mapping(r, f"{prefix}.ropes[{i}]") for i, r in enumerate(ropes))
+        names = [v.name for v in variants]
+        for i, entry in enumerate(entries):
+            given = dict(entry)
+            if "ropes" in given and (not isinstance(given["ropes"], Sequence) or isinstance(given["ropes"], str)
+                                     or not given["ropes"] or any(r not in names for r in given["ropes"])):
+                raise ConfigError(f"{prefix}.policies[{i}].ropes={given['ropes']!r} is invalid: a non-empty list of "
+                                  f"the names in {prefix}.ropes {names}")
+            if "lengths" in given:
+                lengths = given["lengths"]
+                if isinstance(lengths, str) or not isinstance(lengths, Sequence):
+                    raise ConfigError(f"{prefix}.policies[{i}].lengths={lengths!r} is invalid: a non-empty list of "
+                                      "context lengths from eval.lengths")
+                _positive_ints(lengths, f"{prefix}.policies[{i}].lengths")
+            samples = given.get("samples", 1)
+            if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+                raise ConfigError(f"{prefix}.policies[{i}].samples={samples!r} is invalid: a positive integer (this "
+                                  "entry's prompts per cell; default eval.samples)")
+            entries[i] = tuple((k, tuple(v) if k in ("ropes", "lengths") else v) for k, v in entry)
         built = from_dict(cls, data, prefix=prefix)
         return dataclasses.replace(built, policies=tuple(entries), ropes=variants)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"policies": [dict(p) for p in self.policies], "budgets": list(self.budgets),
+        return {"policies": [{k: list(v) if k in ("ropes", "lengths") else v for k, v in p} for p in self.policies],
+                "budgets": list(self.budgets),
                 "compressions": list(self.compressions), "protocols": list(self.protocols),
                 "ropes": [{"name": r.name, **dict(r.rope),
                            **({"max_position_embeddings": r.max_position_embeddings}

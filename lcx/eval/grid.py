@@ -100,6 +100,8 @@ def _cells(settings, ropes, tasks, ev: EvalConfig):
     for setting in settings:
         for variant in ropes:
             for length in ev.lengths:
+                if not setting.runs(variant.name, length):  # a policy entry's own ``ropes`` / ``lengths``
+                    continue
                 for name in tasks:
                     if ev.metric == "accuracy":
                         for depth in (ev.depths or (None,)):
@@ -264,7 +266,7 @@ def _plan(models, ev: EvalConfig, settings: list[Setting], ropes: tuple[RopeVari
                                             max_new + (ONE_SHOT_ROOM if s.protocol == "one_shot" else 0),
                                             max(ev.lengths) if s.compression is None and s.protocol == "streaming"
                                             else n)
-                  for s in settings for v in ropes for n in ev.lengths}
+                  for s in settings for v in ropes for n in ev.lengths if s.runs(v.name, n)}
     specs = list(_cells(settings, ropes, tasks, ev))
     tok = TOKENIZER if tokenizer is None else tokenizer
     cells = [_cell(spec, caches, models, ev, per_task, ppl_task, tok, inputs) for spec in specs]
@@ -283,9 +285,10 @@ def _cell(spec, caches, models, ev: EvalConfig, per_task: dict, ppl_task: Task, 
               "batch_size": ev.batch_size, **{k: v for k, v in inputs.items() if k != "checkpoints"},
               "checkpoint": (inputs.get("checkpoints") or {}).get(variant.name)}
     if metric == "accuracy":
-        record.update(task=name, params=dict(ev.params) if not ev.tasks else {}, depth=depth, samples=ev.samples,
+        samples = setting.samples or ev.samples
+        record.update(task=name, params=dict(ev.params) if not ev.tasks else {}, depth=depth, samples=samples,
                       chat=ev.chat, max_new_tokens=per_task[name])
-        prompts_, scale = ev.samples, 1.0
+        prompts_, scale = samples, 1.0
     else:
         args = _ppl_args(ev)
         record.update(task=name, perplexity=ev.perplexity.to_dict() if ev.perplexity is not None else
@@ -330,7 +333,7 @@ def _compute(grid: _Grid, spec, models, ev: EvalConfig) -> tuple[list[dict], lis
             return rows, generations
         value, (lo, hi) = math.exp(float(np.mean(nll))), perplexity_interval(nll)
     else:
-        samples = ev.samples
+        samples = setting.samples or ev.samples
         examples, outputs = retrieval_outputs(
             model, params, tasks[name], length=length, depth=depth, samples=samples,
             batch_size=min(ev.batch_size, samples), seed=ev.seed, cache=cache, max_new_tokens=per_task[name],
@@ -430,7 +433,7 @@ def run_ablate(model: ModelConfig, params, ev: EvalConfig, ablate: AblateConfig,
     if not settings:
         raise ConfigError("ablate.policies is empty: nothing to ablate")
     labels = [setting_label(s.cache(max(ev.lengths), ONE_SHOT_ROOM), v.name, s) for s in settings
-              for v in ablate.ropes]
+              for v in ablate.ropes if s.ropes is None or v.name in s.ropes]
     twice = sorted({x for x in labels if labels.count(x) > 1})
     if twice:
         raise ConfigError(f"ablate: settings {twice} appear twice in the grid (same policy, budget, parameters and "
