@@ -2,6 +2,8 @@
 
     lcx run CONFIG [key=value ...]        the stages the config lists (``stages:``), in order
     lcx train | finetune | train-router | eval | ablate CONFIG      one stage
+    lcx run | eval | ablate CONFIG --shard I/N     worker I's share of the grids' cells (``lcx.eval.cells``)
+    lcx run | eval | ablate CONFIG --merge         the merged results of the cells done so far
 
 Run directory::
 
@@ -10,6 +12,7 @@ Run directory::
     runs/NAME/finetune/                   the same, started from train/ (or finetune.init_from)
     runs/NAME/router/                     a learned memory router distilled from the model (lcx.train.router)
     runs/NAME/eval/, runs/NAME/ablate/    results.csv, results.md, outputs.jsonl, *.png, done.json
+    runs/NAME/ablate/cells/<cell>/        one finished grid cell: cell.json (rows, inputs), outputs.jsonl
 
 Evaluating a model without training: ``checkpoint: PATH`` at the top level (a Hugging Face directory, a ``.gguf``
 file, or an lcx run / stage directory) with ``stages: [eval]`` or ``[ablate]``. The model section comes from the
@@ -19,7 +22,8 @@ also without a ``data:`` section) is the checkpoint's own tokenizer.
 Rerunning a finished stage reuses its outputs: training resumes from its last checkpoint (nothing to do when it
 reached ``steps``), eval, ablate and router are skipped when ``done.json`` records the same inputs - the settings
 they read and the exact checkpoint (step and content fingerprint) they evaluated, so more training, a new fine-tune
-or a replaced checkpoint reruns them. ``results.md`` ends with the checkpoint it came from.
+or a replaced checkpoint reruns them. Within an eval / ablate grid the unit is the cell: a rerun computes only the
+cells whose recorded inputs differ from the current ones (or that are missing). ``results.md`` ends with the checkpoint it came from.
 """
 
 from __future__ import annotations

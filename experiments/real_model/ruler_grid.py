@@ -1,5 +1,6 @@
-"""One table and one plot of a RULER-style grid run in slices: the macro average (95% interval) of every setting at
-every compression ratio, from the ``results.csv`` of ``lcx run`` (and of ``experiments/kvpress_eval.py``).
+"""One table and one plot of a RULER-style grid (one run, or several merged): the macro average (95% interval) of
+every setting at every compression ratio, from the ``results.csv`` of ``lcx run`` (and of
+``experiments/kvpress_eval.py``).
 
 A row is a setting without its ratio (``snapkv window=32 kernel=5``), a column a compression ratio; ``full`` and
 other settings that do not compress fill their own column. Where two files hold the same cell the later argument
@@ -9,8 +10,9 @@ more than the context), so KVzip's pooled runs with caps 2, 4 and 8 are one sett
 
 Usage::
 
-    python experiments/real_model/ruler_grid.py runs/smollm2_ruler_grid*/ablate/results.csv \
-        docs/real_model/ruler.csv --out docs/real_model/ruler_grid
+    python experiments/real_model/ruler_grid.py runs/smollm2_ruler_grid/ablate/results.csv \
+        runs/kvpress_ruler_075/results.csv --out runs/ruler_grid
+    python experiments/real_model/ruler_grid.py docs/real_model/ruler_grid_tasks.csv --out docs/real_model/ruler_grid
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def plot(grid: dict[tuple[str, str], dict], path: Path) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", type=Path, nargs="+", help="results.csv files of the grid's slices")
+    parser.add_argument("results", type=Path, nargs="+", help="results.csv files (a later one wins a cell)")
     parser.add_argument("--out", type=Path, required=True, help="writes OUT.md, OUT.csv and OUT.png")
     args = parser.parse_args(argv)
     grid = cells(args.results)
