@@ -227,3 +227,20 @@ def test_policy_entries_choose_their_ropes_lengths_and_samples():
                            ({"policy": "full", "lengths": "256"}, r"lengths='256' is invalid")):
         with pytest.raises(ConfigError, match=message):
             AblateConfig.from_mapping({"policies": [entry]})
+
+
+def test_a_full_entry_limited_to_short_lengths_gets_a_cache_for_those():
+    """One compiled capacity per full-cache setting: sized for the longest length the entry runs, not the grid's
+    (a full entry stopped at 16k of a 32k grid computed attention over 32k slots)."""
+    from lcx.config import ModelConfig
+    from lcx.eval.config import AblateConfig, EvalConfig
+    from lcx.eval.grid import _plan
+
+    model = ModelConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64,
+                        max_position_embeddings=128)
+    ablate = AblateConfig.from_mapping({"policies": [{"policy": "full", "lengths": [128]}, {"policy": "full",
+                                                     "dtype": "float32"}]})
+    ev = EvalConfig(task="passkey", params={"instruction": False}, lengths=(128, 512), samples=1, batch_size=1)
+    grid = _plan({"trained": (model, None)}, ev, ablate.settings(), ablate.ropes, None, {})
+    short, every = ablate.settings()
+    assert grid.capacities[(short, "trained", 128)] < 512 <= grid.capacities[(every, "trained", 128)]

@@ -264,8 +264,8 @@ def _plan(models, ev: EvalConfig, settings: list[Setting], ropes: tuple[RopeVari
     caches = {(s, length): s.cache(length, ONE_SHOT_ROOM) for s in settings for length in ev.lengths}
     capacities = {(s, v.name, n): _capacity(models[v.name][0], caches[(s, n)], ev,
                                             max_new + (ONE_SHOT_ROOM if s.protocol == "one_shot" else 0),
-                                            max(ev.lengths) if s.compression is None and s.protocol == "streaming"
-                                            else n)
+                                            max(s.lengths or ev.lengths)
+                                            if s.compression is None and s.protocol == "streaming" else n)
                   for s in settings for v in ropes for n in ev.lengths if s.runs(v.name, n)}
     specs = list(_cells(settings, ropes, tasks, ev))
     tok = TOKENIZER if tokenizer is None else tokenizer
