@@ -244,3 +244,18 @@ def test_a_full_entry_limited_to_short_lengths_gets_a_cache_for_those():
     grid = _plan({"trained": (model, None)}, ev, ablate.settings(), ablate.ropes, None, {})
     short, every = ablate.settings()
     assert grid.capacities[(short, "trained", 128)] < 512 <= grid.capacities[(every, "trained", 128)]
+
+
+def test_one_setting_in_two_entries_at_other_lengths_is_one_row_of_the_grid(monkeypatch):
+    from lcx.eval import grid
+    from lcx.eval.config import AblateConfig, EvalConfig
+
+    ev = EvalConfig(task="passkey", lengths=(128, 256), samples=2, batch_size=1)
+    monkeypatch.setattr(grid, "_run", lambda *a, **k: [])
+    split = AblateConfig.from_mapping({"policies": [{"policy": "streaming", "lengths": [128], "samples": 1},
+                                                    {"policy": "streaming", "lengths": [256]}]})
+    assert grid.run_ablate(None, None, ev, split, Path("unused")) == []
+    overlap = AblateConfig.from_mapping({"policies": [{"policy": "streaming", "samples": 1},
+                                                      {"policy": "streaming", "lengths": [256]}]})
+    with pytest.raises(ConfigError, match=r"settings \['streaming @64'\] appear twice"):
+        grid.run_ablate(None, None, ev, overlap, Path("unused"))

@@ -432,9 +432,10 @@ def run_ablate(model: ModelConfig, params, ev: EvalConfig, ablate: AblateConfig,
     settings = ablate.settings()
     if not settings:
         raise ConfigError("ablate.policies is empty: nothing to ablate")
-    labels = [setting_label(s.cache(max(ev.lengths), ONE_SHOT_ROOM), v.name, s) for s in settings
-              for v in ablate.ropes if s.ropes is None or v.name in s.ropes]
-    twice = sorted({x for x in labels if labels.count(x) > 1})
+    # the same setting may appear in two entries at different lengths (e.g. more prompts at the longest one)
+    labels = [(setting_label(s.cache(max(ev.lengths), ONE_SHOT_ROOM), v.name, s), n) for s in settings
+              for v in ablate.ropes for n in ev.lengths if s.runs(v.name, n)]
+    twice = sorted({x for x, _ in labels if labels.count((x, _)) > 1})
     if twice:
         raise ConfigError(f"ablate: settings {twice} appear twice in the grid (same policy, budget, parameters and "
                           f"RoPE variant); remove the duplicates")
