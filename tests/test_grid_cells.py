@@ -109,12 +109,13 @@ def test_kill_9_mid_grid_then_rerun_computes_only_the_missing_cells(trained, tmp
     assert len(grown) == N_CELLS + 4 and {k: grown[k] for k in after} == after
     assert len(read_csv(stage / "results.csv")) == N_CELLS + 4
     # A changed input recomputes exactly the cells it touches: perplexity windows, not the passkey cells
-    assert main(["ablate", str(cfg), "ablate.budgets=[64,96]", "eval.perplexity.samples=4",
-                 "eval.perplexity.batch_size=4", "--no-progress"]) == 0
+    # (other windows of the same shape: the compiled programs are reused)
+    assert main(["ablate", str(cfg), "ablate.budgets=[64,96]", "eval.perplexity.params={bos: true}",
+                 "--no-progress"]) == 0
     changed = _records(stage)
     kept = {k for k in grown if changed[k] == grown[k]}
     assert kept == {k for k, r in grown.items() if r["inputs"]["metric"] == "accuracy"} and len(kept) == 6
-    assert all(r["rows"][0]["samples"] == 4 for k, r in changed.items() if k not in kept)
+    assert all(r["inputs"]["perplexity"]["params"] == {"bos": True} for k, r in changed.items() if k not in kept)
 
     # --merge on demand with a cell missing: the tables of the rest, saying so; no done.json
     victim = next(iter(sorted(changed)))
@@ -123,8 +124,8 @@ def test_kill_9_mid_grid_then_rerun_computes_only_the_missing_cells(trained, tmp
     shutil.rmtree(stage / "cells" / victim)
     (stage / "done.json").unlink()
     capsys.readouterr()
-    assert main(["ablate", str(cfg), "ablate.budgets=[64,96]", "eval.perplexity.samples=4",
-                 "eval.perplexity.batch_size=4", "--merge"]) == 0
+    assert main(["ablate", str(cfg), "ablate.budgets=[64,96]", "eval.perplexity.params={bos: true}",
+                 "--merge"]) == 0
     md = (stage / "results.md").read_text()
     assert f"Partial: {N_CELLS + 3} of {N_CELLS + 4} cells done" in md and not (stage / "done.json").exists()
     assert len(read_csv(stage / "results.csv")) == N_CELLS + 3
