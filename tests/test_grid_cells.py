@@ -99,7 +99,8 @@ def test_kill_9_mid_grid_then_rerun_computes_only_the_missing_cells(trained, tmp
     assert len(after) == N_CELLS
     assert {k: after[k] for k in before} == before  # the finished cells were not recomputed
     assert {r["pid"] for k, r in after.items() if k not in before} == {os.getpid()}
-    assert not [p for p in (stage / "cells").iterdir() if p.name.startswith(".tmp.")]
+    assert not [p for p in (stage / "cells").iterdir()
+                if p.name.startswith(".tmp.") or p.name.endswith(".lock") and not p.name.startswith(".")]
     assert (stage / "done.json").is_file() and len(read_csv(stage / "results.csv")) == N_CELLS
 
     # The grid grows: a new budget runs only its own cells

@@ -15,7 +15,8 @@ deterministic share of the cells each (``assign``: cells dealt largest first to 
 estimated cost), then any cell nobody holds. A cell is run under a lock on ``cells/<cell>.lock``: an OS advisory
 lock (``fcntl``, POSIX record locks, which NFS v4, Lustre and GPFS honour), which the kernel releases when its holder
 dies - even under ``kill -9`` - so a dead worker's cell is taken over by the next worker that reaches it, and a live
-worker's is left alone. The lock file names its holder (host, pid, start) for a human reading the directory.
+worker's is left alone. The lock file names its holder (host, pid, start) for a human reading the directory; the
+lock files go when the merge finds every cell done.
 """
 
 from __future__ import annotations
@@ -170,6 +171,12 @@ class CellStore:
         for entry in self.root.iterdir():
             if entry.name.startswith((".tmp.", ".old.")) and _abandoned(entry):
                 shutil.rmtree(entry, ignore_errors=True)
+
+    def drop_locks(self) -> None:
+        """Remove the cells' lock files (once every cell is done)."""
+        for path in self.root.glob("*.lock"):
+            if not path.name.startswith("."):
+                path.unlink(missing_ok=True)
 
     @contextmanager
     def lock(self, cell: Cell) -> Iterator[bool]:

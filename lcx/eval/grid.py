@@ -371,6 +371,8 @@ def _merge(store: CellStore, cells: list[Cell], out_dir: Path, title: str, foote
         if footer or note:
             with open(out_dir / "results.md", "a") as f:
                 f.write(note + footer)
+        if not missing:
+            store.drop_locks()  # every cell done: no worker needs them (a late one re-creates, locks, finds it done)
     return None if missing else rows
 
 
