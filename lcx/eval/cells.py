@@ -79,6 +79,9 @@ class Cell:
     inputs: dict
     cost: float = 1.0
 
+    def __post_init__(self):  # as JSON gives them back, so a stored record compares equal
+        object.__setattr__(self, "inputs", normalized(self.inputs))
+
 
 def cell_name(*parts: Any) -> str:
     """A directory name for a cell identified by ``parts``: the parts, made filesystem-safe and shortened, plus a
@@ -121,7 +124,7 @@ class CellStore:
         """The record of ``cell`` when it is done with its current inputs (``rows``, ``outputs``, ``inputs``, ...),
         else None. A record that cannot be read is not done (it is recomputed)."""
         record = self._read(cell)
-        if record is None or record.get("inputs") != normalized(cell.inputs):
+        if record is None or record.get("inputs") != cell.inputs:
             return None
         outputs = self.path(cell) / "outputs.jsonl"
         try:
@@ -139,12 +142,12 @@ class CellStore:
 
     def is_done(self, cell: Cell) -> bool:
         record = self._read(cell)
-        return record is not None and record.get("inputs") == normalized(cell.inputs)
+        return record is not None and record.get("inputs") == cell.inputs
 
     def stale(self, cell: Cell) -> bool:
         """Whether ``cell`` has a record computed from other inputs (it will be recomputed)."""
         record = self._read(cell)
-        return record is not None and record.get("inputs") != normalized(cell.inputs)
+        return record is not None and record.get("inputs") != cell.inputs
 
     def save(self, cell: Cell, rows: list[dict], outputs: list[dict], seconds: float) -> None:
         """Persist a finished cell atomically: written under a temporary name, then renamed into place (a record
@@ -152,7 +155,7 @@ class CellStore:
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
-        record = {"cell": cell.name, "inputs": normalized(cell.inputs), "rows": normalized(rows),
+        record = {"cell": cell.name, "inputs": cell.inputs, "rows": normalized(rows),
                   "seconds": round(seconds, 3), "host": socket.gethostname(), "pid": os.getpid(),
                   "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         _write(tmp / "outputs.jsonl", "".join(json.dumps(o) + "\n" for o in outputs))
@@ -192,16 +195,9 @@ class CellStore:
         except OSError:
             return "unknown"
 
-    @contextmanager
-    def merging(self) -> Iterator[None]:
+    def merging(self):
         """Held while one worker writes the merged results (the others wait for it)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / ".merge.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # closing releases the lock
+        return stage_lock(self.root / ".merge.lock")
 
 
 def _abandoned(path: Path, seconds: float = 3600.0) -> bool:

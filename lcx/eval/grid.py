@@ -27,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lcx.config import CacheConfig, ConfigError, ModelConfig, to_dict
-from lcx.eval.cells import (ONE, Cell, CellStore, Shard, assign, cell_name, count_done, normalized, order,
+from lcx.eval.cells import (ONE, Cell, CellStore, Shard, assign, cell_name, count_done, order,
                              write_atomic)
 from lcx.eval.config import AblateConfig, EvalConfig, RopeVariant, Setting
 from lcx.data.task import TOKENIZER, Example, Task
@@ -294,11 +294,10 @@ def _cell(spec, caches, models, ev: EvalConfig, per_task: dict, ppl_task: Task, 
         record.update(task=name, perplexity=ev.perplexity.to_dict() if ev.perplexity is not None else
                       {"task": ev.task, "params": dict(ev.params)}, ppl=args,
                       longest=max(ev.lengths) if args["tail"] else None)
-        prompts_, scale = args["samples"], 4.0  # scored a token per step: dearer than a prefill
+        prompts_, scale = args["samples"], 1.0  # a window costs about a prompt (scored in chunks)
     full = not cache.make_policy().evicts
     cost = prompts_ * length * scale * (1.0 + length / 4096 if full else 1.0)
-    return Cell(cell_name(label, name, length, "" if depth is None else f"d{depth:g}", metric), normalized(record),
-                cost)
+    return Cell(cell_name(label, name, length, "" if depth is None else f"d{depth:g}", metric), record, cost)
 
 
 def _compute(grid: _Grid, spec, models, ev: EvalConfig) -> tuple[list[dict], list[dict]]:
