@@ -48,6 +48,9 @@ def _order(name: str) -> tuple:
     return base != "full", base, name.startswith("kvpress"), "int8" in name
 
 
+TITLE = "# RULER-style grid: macro average accuracy (11 tasks, 2,048 tokens) by policy and compression ratio"
+
+
 def table(grid: dict[tuple[str, str], dict]) -> str:
     ratios = sorted({r for _, r in grid if r != NONE}, key=float)
     columns = ([NONE] if any(r == NONE for _, r in grid) else []) + ratios
@@ -110,7 +113,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     grid = cells(args.results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(table(grid))
+    args.out.with_suffix(".md").write_text(f"{TITLE}\n\n{table(grid)}")
     with open(args.out.with_suffix(".csv"), "w") as f:
         f.write("setting,compression,value,lo,hi,samples,file\n")
         for (name, ratio), cell in grid.items():

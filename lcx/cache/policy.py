@@ -131,6 +131,7 @@ class EvictionPolicy(CachePolicy):
     """Base class of eviction policies. Subclasses are frozen dataclasses registered with ``@register``.
 
     Class attributes:
+
     - ``position_mode``: "original" - keys are rotated at their true positions (H2O, SnapKV, TOVA); "cache" - keys
       are stored unrotated and rotated by slot rank at attention time (StreamingLLM, LaCache), which lets decoding
       continue far past the trained context. The ``positions`` field overrides it per config.

@@ -229,6 +229,6 @@ def perplexity_windows(task: Task, *, length: int, samples: int, seed: int, pref
 
 def perplexity(model: ModelConfig, params, task: Task, *, length: int, samples: int, batch_size: int, seed: int,
                cache: CacheConfig, prefix: int | None = None) -> float:
-    """exp(mean NLL) of tokens ``prefix+1 .. length`` of ``samples`` validation windows of ``length`` tokens."""
+    """exp(mean NLL) of tokens ``prefix+1``-``length`` of ``samples`` validation windows of ``length`` tokens."""
     return float(math.exp(np.mean(window_nll(model, params, task, length=length, samples=samples,
                                              batch_size=batch_size, seed=seed, cache=cache, prefix=prefix))))

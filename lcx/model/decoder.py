@@ -177,7 +177,7 @@ def is_unrolled(params: dict) -> bool:
 def attention_inputs(config: ModelConfig, params, input_ids: jax.Array, rotated: bool = True
                      ) -> tuple[jax.Array, jax.Array]:
     """Queries ``[L, b, t, h, d]`` and keys ``[L, b, t, k, d]`` of every layer for a full forward pass at positions
-    ``0 .. t-1``: what each layer's attention compared (``rotated``, by RoPE at the true positions) or the
+    ``0``-``t-1``: what each layer's attention compared (``rotated``, by RoPE at the true positions) or the
     projections before RoPE. Routers and attention statistics are computed from them."""
     _, state = Decoder(config).apply({"params": params}, input_ids, mutable=["intermediates"])
     attn = state["intermediates"]["layers"]["attn"]

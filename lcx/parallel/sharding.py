@@ -18,6 +18,7 @@ all-reduces of the row-parallel matmuls: after the output projection (heads cont
 projection (mlp contracted). The vocabulary is not split: the embedding lookup and the logits need no collective.
 
 Topology (KV groups vs the model axis, :func:`check_topology`):
+
 - kv_heads a multiple of the model axis: "shard", each device owns kv_heads / model whole KV groups;
 - model axis a multiple of kv_heads (and a divisor of n_heads): "replicate", each KV head is repeated
   r = model / kv_heads times after the K/V projection (:func:`replicate_kv_heads`), so the cache holds kv_heads x r

@@ -1,4 +1,4 @@
-"""The README's custom-policy example, run exactly as written: registered, loaded from YAML, used to generate - on
+"""The custom-policy example of docs/guides/caches.md, run exactly as written: registered, loaded from YAML, used to generate - on
 the float cache and on the 8-bit one, where it must read dequantized values, not the codes."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import lcx
 from lcx.cache.policy import SlotView, top_budget
 from lcx.kernels.quant import quantize
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "caches.md"
 
 
 def _blocks():
-    text = README.read_text()
+    text = GUIDE.read_text()
     section = text.split("<!-- custom-policy:start -->")[1].split("<!-- custom-policy:end -->")[0]
     python = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     yaml = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
@@ -29,7 +29,7 @@ def _blocks():
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
-    """The README's experiment config, its policy module importable as written (imported once: a policy name
+    """The guide's experiment config, its policy module importable as written (imported once: a policy name
     registers once per process; the registration is undone after the module)."""
     from lcx.cache.policy import _REGISTRY
 
@@ -46,6 +46,7 @@ def config(tmp_path_factory):
     _REGISTRY.pop("vnorm", None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
 def test_readme_custom_policy_registers_loads_and_generates(config, kv_dtype):
     assert config.cache.policy == "vnorm" and config.cache.params == {"sinks": 4}

@@ -1,0 +1,70 @@
+"""The documentation: the Sphinx site builds with every warning an error (a broken cross-reference, a docstring that
+no longer parses, a page outside every toctree), every public name has a page two clicks from the site's index, and
+the README stays a landing page whose commands are the ones CI runs."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    proc = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", "docs", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        pytest.fail(f"sphinx -W failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+    return out
+
+
+def _links(page: Path) -> set[str]:
+    return {href.split("#")[0] for href in re.findall(r'href="([^"]+)"', page.read_text())}
+
+
+@pytest.mark.slow
+def test_site_builds_and_every_public_name_is_two_clicks_from_the_index(site):
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import build_pages
+    finally:
+        sys.path.pop(0)
+    index_links = _links(site / "index.html")
+    assert "api/index.html" in index_links, "the site's index must link the API reference"
+    api_links = _links(site / "api" / "index.html")
+    home = build_pages.homes()
+    checked = 0
+    for module, _ in build_pages.PUBLIC:
+        for name, obj in build_pages._public(module):
+            if isinstance(obj, types.ModuleType) or not build_pages.documented(obj):
+                continue
+            page = f"generated/{home[id(obj)]}.{name}.html"
+            assert page in api_links, f"{module}.{name}: no link to {page} on the API reference page"
+            html = (site / "api" / page).read_text()
+            assert f'id="{home[id(obj)]}.{name}"' in html, f"{page} does not document {name}"
+            checked += 1
+    assert checked > 150
+    # A docstring's content reaches its page (the signature and the text, not an empty stub).
+    score = (site / "api" / "generated" / "lcx.engine.Generator.html").read_text()
+    assert 'id="lcx.engine.Generator.score"' in score and "log-prob" in score
+    # Guides, results and the notebooks are pages of the site.
+    for page in ["guides/caches.html", "guides/serving.html", "results.html", "development.html",
+                 "notebooks/03_eviction_maps.html", "changelog.html", "architecture.html"]:
+        assert (site / page).exists(), page
+
+
+def test_readme_is_a_landing_page_whose_test_command_is_ci_s():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    main = re.search(r"^.*pip install -e \. && lcx run .*$", readme, re.M)
+    tests = re.search(r"^.*pip install -e \"\.\[test\]\" && python -m pytest.*$", readme, re.M)
+    assert main and tests, "README must hold the main-job and test set-up commands"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert tests.group(0).strip() in ci, "CI must run exactly the README's test command"
