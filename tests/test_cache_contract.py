@@ -98,6 +98,7 @@ def params():
 PROMPTS = [[5, 9, 2, 7, 1, 3, 3, 8, 2, 6, 4], [1, 2, 3], [7] * 17]
 
 
+@pytest.mark.slow
 def test_cache_contract_new_type_generates_like_the_full_cache(params):
     full = lcx.generate(CFG, params, PROMPTS, max_new_tokens=10)
     mirror = lcx.generate(CFG, params, PROMPTS, max_new_tokens=10, cache=lcx.CacheConfig(policy="mirror"))
@@ -121,6 +122,7 @@ def test_cache_contract_state_derives_from_the_declaration(params):
     chex.assert_trees_all_equal_shapes_and_dtypes(abstract, state)
 
 
+@pytest.mark.slow
 def test_cache_contract_resume_of_a_new_type(params, tmp_path):
     gen = lcx.Generator(CFG, params, max_new_tokens=8, cache=lcx.CacheConfig(policy="mirror"))
     state = gen.decode(gen.prefill(PROMPTS), steps=3)

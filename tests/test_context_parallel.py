@@ -41,6 +41,7 @@ def test_layout_batch_permutes_rows_and_unlayout_restores():
 
 # Pallas: the offsets and separate query / key segment ids are what is new here (windows and caps are the flash
 # kernels' own tests); jnp: every mask.
+@pytest.mark.slow
 @pytest.mark.parametrize("impl, window, softcap", [("jnp", None, None), ("jnp", 8, None), ("jnp", None, 5.0),
                                                    ("pallas", 8, None)])
 def test_blocks_merge_and_backward_to_the_whole_attention(impl, window, softcap):

@@ -96,6 +96,7 @@ def test_documents_errors_name_file_line_and_field(tmp_path):
         make_task("documents", {"path": str(tmp_path / "short.txt")}).num_rows(64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_packed_batch_gives_each_document_its_own_loss(tmp_path, impl):
     """fp32: per-token nll of a packed row (segment ids + restarted positions) = each document run on its own."""
@@ -147,6 +148,7 @@ def test_hf_tokenizer_resolution_and_vocab_mismatch(tmp_path):
         DataConfig(task="corpus", tokenizer=str(tok_dir))
 
 
+@pytest.mark.slow
 def test_finetune_from_hf_directory_uses_its_tokenizer(tmp_path, hf_factory):
     """init_from an HF directory with a tokenizer.json: batches are that tokenizer's ids (text round-trips), the run
     records it, export copies it, and a model whose vocabulary is too small for it is refused."""

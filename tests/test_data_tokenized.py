@@ -97,6 +97,7 @@ def test_examples_are_deterministic_and_mark_the_question(tok):
     assert question.startswith("What is the pass key?") and question.endswith("The pass key is")
 
 
+@pytest.mark.parity
 def test_chat_template_renders_as_transformers(tok):
     transformers = pytest.importorskip("transformers")
     fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok.file), bos_token="<|im_start|>",

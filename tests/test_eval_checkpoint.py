@@ -19,6 +19,8 @@ from lcx.eval.evaluate import retrieval_outputs, window_nll
 from lcx.eval.paired import paired_table, read_outputs
 from lcx.experiment import load_experiment, run
 
+pytestmark = pytest.mark.parity
+
 VOCAB = 512
 CHAT = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
         "{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
@@ -56,6 +58,7 @@ def _write(tmp_path, body: dict):
     return path
 
 
+@pytest.mark.slow
 def test_checkpoint_ablate_in_its_own_tokens(hf_dir, tmp_path):
     """An HF checkpoint evaluated without training: its config is the model section (keys under model: override),
     its tokenizer builds the prompts, several tasks get a macro average, compressions and protocols are rows."""
@@ -92,6 +95,7 @@ def test_checkpoint_ablate_in_its_own_tokens(hf_dir, tmp_path):
         "| snapkv @c=0.5 window=8 one-shot", "| snapkv @c=0.5 window=8"}
 
 
+@pytest.mark.slow
 def test_one_shot_protocol_equals_prefill_when_nothing_is_evicted(hf_dir, monkeypatch):
     """Context prefilled, question teacher-forced: the next-token logits of prefilling the whole prompt, for the full
     cache and for a compressing policy whose budget holds every token; a budget that evicts changes them. The
@@ -143,6 +147,7 @@ def test_one_shot_protocol_equals_prefill_when_nothing_is_evicted(hf_dir, monkey
         short.score(short.prefill(contexts), questions)
 
 
+@pytest.mark.slow
 def test_perplexity_buckets_split_one_pass(hf_dir, tmp_path):
     """Bucket rows are the perplexity of their positions, from one pass: their token-weighted log-mean is the
     window's."""
@@ -170,6 +175,7 @@ def test_perplexity_buckets_split_one_pass(hf_dir, tmp_path):
     assert abs(float(np.dot(weights, logs)) - float(np.mean(whole))) < 1e-4
 
 
+@pytest.mark.slow
 def test_generate_and_checkpoint_from_a_gguf_file(hf_dir, tmp_path, capsys, monkeypatch):
     """``checkpoint: X.gguf`` and ``lcx generate --model X.gguf``: the config, weights and tokenizer come from the
     file. Its evaluation with needle ``depths`` and perplexity on a folder of documents (``eval.perplexity: {task:

@@ -44,6 +44,7 @@ def micro(tmp_path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_experiment_all_stages_then_rerun_reuses_outputs(micro, tmp_path, capsys):
     assert main(["run", str(micro), "--no-progress"]) == 0
     run = tmp_path / "runs" / "micro"
@@ -72,6 +73,7 @@ def test_experiment_all_stages_then_rerun_reuses_outputs(micro, tmp_path, capsys
     assert [r["step"] for r in train_rows] == [1, 2, 3]  # the rerun trained nothing more
 
 
+@pytest.mark.slow
 def test_eval_reruns_when_its_checkpoint_changed(micro, tmp_path, capsys):
     """More training on a finished run: eval's done.json names the checkpoint it evaluated, so it reruns."""
     def args(*more):
@@ -163,6 +165,7 @@ def test_eval_markdown_table_layout():
     assert np.isclose(0.75, np.mean([1.0, 0.5]))
 
 
+@pytest.mark.slow
 def test_eval_perplexity_under_eviction_equals_full_when_budget_covers(tmp_path):
     import jax
 

@@ -42,6 +42,8 @@ def _rel(ours, ref) -> float:
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
+@pytest.mark.slow
+@pytest.mark.parity
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_families_logits_tokens_and_roundtrip_equal_transformers(case, tmp_path):
     """Logits of a 3x-window prompt (rel <= 1e-4), greedy tokens of a generation 4x the window (chunked prefill and
@@ -134,6 +136,7 @@ def test_families_config_errors_name_the_field(changes, message):
     assert message in str(err.value)
 
 
+@pytest.mark.slow
 def test_families_training_gradients_through_windows_and_caps_equal_the_reference():
     """A Gemma-2-shaped model (local / global layers, window 8, both soft-caps, QK-norm off) trained on packed
     documents: the loss gradients through the XLA path (blocked attention with window, cap and segments) equal the
@@ -167,6 +170,7 @@ def test_families_training_gradients_through_windows_and_caps_equal_the_referenc
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 def test_families_teacher_forcing_through_the_bounded_cache_equals_one_forward_pass():
     """``Generator.score`` (what perplexity runs) on a Gemma-3-shaped model, 50 tokens after a 10-token prompt with
     the local layers keeping window - 1 + room slots (evicting as it goes; room: the interval with 4-token prefill

@@ -62,6 +62,7 @@ def test_generate_chunked_prefill_equals_one_chunk(params):
     np.testing.assert_array_equal(a.tokens, b.tokens)
 
 
+@pytest.mark.slow
 def test_generate_ragged_batch_rows_equal_rows_alone(params):
     prompts = _prompts([3, 11, 6])
     batch = generate(CFG, params, prompts, max_new_tokens=8, cache=CacheConfig(prefill_chunk=4))
@@ -146,6 +147,7 @@ def test_generate_cache_dtype_bf16_close_to_fp32(params):
     np.testing.assert_allclose(np.asarray(state.logits), np.asarray(ref.logits), atol=0.05)
 
 
+@pytest.mark.slow
 def test_generate_bfloat16_model_batched_long_prefill_close_to_fp32(params):
     # A bfloat16 model, batch 2, 256-token prompts: the shape at which XLA:CPU once picked a bf16 x bf16 -> f32 dot
     # it cannot run for the attention's value product ("Unsupported element type for DotThunk") and crashed.

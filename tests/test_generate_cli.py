@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import jax
 import numpy as np
 
@@ -13,6 +14,7 @@ from lcx.data import ByteTokenizer
 CFG = lcx.ModelConfig(vocab_size=260, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, init_std=0.2)
 
 
+@pytest.mark.slow
 def test_generate_cli_ids_from_hf_dir_match_python_api(tmp_path, capsys):
     params = lcx.init_params(CFG, jax.random.key(3))
     hf.save_hf(CFG, params, tmp_path)
@@ -55,6 +57,7 @@ def test_byte_tokenizer_roundtrip():
     assert np.all(np.asarray(ids) < tok.vocab_size)
 
 
+@pytest.mark.slow
 def test_generate_cli_tokenizer_json_must_match_the_model(tmp_path, capsys):
     """A checkpoint's tokenizer.json is used, never replaced by bytes; one larger than the vocabulary is an error."""
     tokenizers = __import__("pytest").importorskip("tokenizers")

@@ -52,6 +52,7 @@ def test_malformed_prompts_are_refused(params, prompt, match):
         lcx.generate(CFG, params, prompt, max_new_tokens=2)
 
 
+@pytest.mark.slow
 def test_positions_past_the_trained_range_warn_or_fail_when_strict(params):
     long_prompt = [list(range(1, 31))]  # 30 + 8 new tokens > max_position_embeddings = 32
     # the check runs at prefill, before anything is compiled for decoding

@@ -13,6 +13,8 @@ from lcx.config import CacheConfig
 from lcx.engine import generate
 from tests.conftest import random_hf_model
 
+pytestmark = pytest.mark.parity
+
 
 @pytest.mark.parametrize("family, overrides", [
     ("llama", {}),

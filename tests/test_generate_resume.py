@@ -45,6 +45,7 @@ def _run(tmp_path: Path, mode: str) -> list:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_generate_resume_in_fresh_process_gives_identical_tokens(tmp_path):
     full = _run(tmp_path, "full")
     partial = _run(tmp_path, "save")
@@ -53,6 +54,7 @@ def test_generate_resume_in_fresh_process_gives_identical_tokens(tmp_path):
     assert np.asarray(partial)[:, 9:].tolist() != np.asarray(full)[:, 9:].tolist()  # the save was mid-way
 
 
+@pytest.mark.slow
 def test_generate_restore_refuses_other_settings(tmp_path):
     import jax
 

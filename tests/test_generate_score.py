@@ -40,6 +40,7 @@ def params():
     return lcx.init_params(CFG, jax.random.key(1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_score_in_chunks_equals_one_token_per_step(policy, params, monkeypatch):
     rng = np.random.default_rng(0)
@@ -61,6 +62,7 @@ def test_score_in_chunks_equals_one_token_per_step(policy, params, monkeypatch):
                                other.score(stepped_state, tokens[:, :5])[1], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_score_in_chunks_fails_when_the_schedule_is_ignored(params, monkeypatch):
     """The equality above is not automatic: chunks wider than the room an eviction frees evict elsewhere, and a
     memory tier that routes a chunk once (as a prefill does) recalls other blocks than each step would."""
@@ -84,6 +86,7 @@ def test_score_in_chunks_fails_when_the_schedule_is_ignored(params, monkeypatch)
     assert np.abs(pooled - stepped).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_prefill_chunk_auto_is_one_call_with_little_padding(params):
     assert [round_chunk(n) for n in (5, 64, 65, 100, 1000, 2048, 2049, 3000)] == [8, 64, 80, 112, 1024, 2048, 2560,
                                                                                    3072]

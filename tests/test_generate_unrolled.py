@@ -45,6 +45,7 @@ CACHES = {  # the full cache (the default): test_unrolled_decode_loop_reads_weig
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CACHES))
 def test_unrolled_generation_equals_scanned(params, name):
     """Same greedy tokens and final cache for each cache type, same teacher-forced log-probabilities."""
@@ -96,6 +97,7 @@ def _weight_copies(gen: Generator, state) -> list[str]:
             and re.search(r"= (\S+) ", line).group(1).split("{")[0] in shapes]
 
 
+@pytest.mark.slow
 def test_unrolled_decode_loop_reads_weights_in_place(params):
     """The point of unrolling: no per-step copy of any layer weight. The scanned loop copies (slices) them - the
     check can fail."""

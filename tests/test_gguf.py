@@ -255,6 +255,7 @@ K_QUANTS = {"attn_q": Q.Q4_K, "attn_k": Q.Q6_K, "attn_v": Q.Q2_K, "attn_output":
 
 
 # --------------------------------------------------------------------------------------------------- (a) logits
+@pytest.mark.parity
 @pytest.mark.parametrize("case", sorted(MIXED))
 def test_quantized_llama_matches_transformers_gguf_loader(case, tmp_path):
     model = random_hf_model("llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96)
@@ -267,6 +268,7 @@ def test_quantized_llama_matches_transformers_gguf_loader(case, tmp_path):
     assert not np.allclose(ours, hf_logits(model, ids), atol=1e-3)
 
 
+@pytest.mark.parity
 def test_k_quants_tied_llama_matches_transformers_gguf_loader(tmp_path):
     model = random_hf_model("llama", vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
                             num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)
@@ -277,6 +279,7 @@ def test_k_quants_tied_llama_matches_transformers_gguf_loader(tmp_path):
     assert_logits_close(ours, hf_logits(transformers_gguf_model(path), ids))
 
 
+@pytest.mark.parity
 def test_qwen2_biases_match_transformers_gguf_loader(tmp_path):
     model = random_hf_model("qwen2", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_key_value_heads=1)
     path = write_gguf(tmp_path / "q.gguf", model, "qwen2", pre="qwen2",
@@ -288,6 +291,7 @@ def test_qwen2_biases_match_transformers_gguf_loader(tmp_path):
     assert_logits_close(ours, hf_logits(transformers_gguf_model(path), ids))
 
 
+@pytest.mark.parity
 def test_qwen3_qk_norm_matches_transformers_gguf_loader(tmp_path):
     model = random_hf_model("qwen3", vocab_size=VOCAB, hidden_size=64, intermediate_size=96)
     path = write_gguf(tmp_path / "q3.gguf", model, "qwen3", pre="qwen2", types={"attn_q": Q.Q8_0, "ffn_up": Q.Q4_1})
@@ -345,6 +349,7 @@ def _llama3_rope_freqs(theta, dim, factor, low, high, original) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", sorted(SOURCES))
 def test_f32_gguf_equals_the_source_model(case, tmp_path):
     """Unquantized: lcx's logits equal the HF model the GGUF was written from (the q/k un-permutation, biases,
@@ -367,6 +372,7 @@ def test_f32_gguf_equals_the_source_model(case, tmp_path):
     assert_logits_close(ours, hf_logits(model, ids))
 
 
+@pytest.mark.parity
 def test_dtype_and_mesh_and_hf_reexport(tmp_path):
     model = random_hf_model("llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96)
     path = write_gguf(tmp_path / "m.gguf", model, "llama", types=MIXED["a"])
@@ -402,6 +408,7 @@ TOKENIZER_CASES = {  # pre-tokenizer -> (architecture, compare with transformers
 }
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("pre", sorted(TOKENIZER_CASES))
 def test_gguf_tokenizer_matches_original_and_transformers(pre, tmp_path):
     arch, with_transformers = TOKENIZER_CASES[pre]
@@ -481,6 +488,7 @@ def test_hf_tokenizer_chat_template_from_files(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------- (c) convert
+@pytest.mark.parity
 def test_convert_writes_a_directory_transformers_loads(tmp_path, capsys):
     import torch
     import transformers
@@ -523,6 +531,7 @@ def test_convert_writes_a_directory_transformers_loads(tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------------------------------- (d) refusals
+@pytest.mark.parity
 def test_refuses_unsupported_architecture(tmp_path):
     model = random_hf_model("llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1)
     path = write_gguf(tmp_path / "g.gguf", model, "gemma")  # Gemma 1: no llama.cpp rules in lcx
@@ -531,6 +540,7 @@ def test_refuses_unsupported_architecture(tmp_path):
         lcx_gguf.load_gguf(path)
 
 
+@pytest.mark.parity
 def test_refuses_unsupported_tensor_type(tmp_path):
     model = random_hf_model("llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1)
     path = write_gguf(tmp_path / "iq.gguf", model, "llama", types={"ffn_up": Q.IQ4_NL})
@@ -538,6 +548,7 @@ def test_refuses_unsupported_tensor_type(tmp_path):
         lcx_gguf.load_gguf(path)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("what", ["sliding_window", "pre", "unknown_tensor", "rope_freqs", "partial_bias"])
 def test_refuses_what_lcx_cannot_run(what, tmp_path):
     model = random_hf_model("llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1)

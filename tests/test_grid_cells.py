@@ -78,6 +78,7 @@ def _lcx(*args: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_kill_9_mid_grid_then_rerun_computes_only_the_missing_cells(trained, tmp_path, capsys):
     cfg = _grid(tmp_path, trained)
     stage = tmp_path / "runs" / "grid" / "ablate"
@@ -132,6 +133,7 @@ def test_kill_9_mid_grid_then_rerun_computes_only_the_missing_cells(trained, tmp
     assert len(read_csv(stage / "results.csv")) == N_CELLS + 3
 
 
+@pytest.mark.slow
 def test_two_shards_split_the_grid_and_merge_to_the_one_process_results(trained, tmp_path):
     one = _grid(tmp_path, trained, "one")
     assert main(["run", str(one), "--no-progress"]) == 0

@@ -16,6 +16,8 @@ import lcx
 from lcx import hf
 from tests.conftest import hf_logits, random_hf_model
 
+pytestmark = pytest.mark.parity
+
 
 def _lcx_logits(path, ids):
     config, params = hf.load_hf(path)

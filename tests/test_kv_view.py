@@ -37,6 +37,7 @@ def _masked(q, k, v, mask, spec):
     return tuple(jnp.concatenate(parts, axis=2) for parts in zip(*outs))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", list(SPECS))
 def test_attend_view_chunk_and_decode_equal_the_masked_softmax(spec):
     spec = SPECS[spec]

@@ -21,6 +21,8 @@ from lcx.cache.config import CacheConfig  # noqa: E402
 from lcx.engine import Generator  # noqa: E402
 from tests.conftest import random_hf_model  # noqa: E402
 
+pytestmark = pytest.mark.parity
+
 PROMPT, RATIO, NEW = 40, 0.5, 16
 KEPT = int(PROMPT * (1 - RATIO))
 
@@ -113,6 +115,7 @@ def _lcx_run(path, params: dict, prompt: np.ndarray):
     return kept, np.asarray(gen.result(gen.decode(state)).tokens[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(_presses()))
 def test_kept_positions_and_greedy_tokens_equal_kvpress(name, checkpoint):
     path, prompt = checkpoint
@@ -151,6 +154,7 @@ def _byte_tokenizer(folder) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
+@pytest.mark.slow
 def test_kvzip_reconstruction_scores_keep_what_kvpress_keeps(tmp_path):
     """KVzip: the context is repeated in chunks of 16 (three passes, the later two led by kvpress's second prompt
     and the previous chunk's last 8 tokens); each layer keeps its 2 x 20 best (KV head, position) scores

@@ -102,6 +102,7 @@ def _decoded(lm, result):
     return [lm.tokenizer.decode(t[:n]) for t, n in zip(result.tokens, result.lengths)]
 
 
+@pytest.mark.slow
 def test_generate_equals_lcx_generate_on_the_encoded_prompts(lm):
     assert isinstance(lm, LM) and lm.source.startswith("hf ") and lm.eos_id == 2
     ids = [lm.tokenizer.encode(t) for t in TEXTS]
@@ -138,6 +139,7 @@ def test_chat_applies_the_template(lm):
         LM(lm.config, lm.params, ByteTokenizer()).generate(text, chat=True)
 
 
+@pytest.mark.slow
 def test_score_equals_generator_score(lm):
     ids = [np.asarray(lm.encode(t)) for t in LONG]
     full = lm.score(LONG)
@@ -162,6 +164,7 @@ def test_score_equals_generator_score(lm):
     assert np.abs(streamed[0] - full[0]).max() > 1e-2  # then the policy shows
 
 
+@pytest.mark.slow
 def test_kvzip_gets_its_repeat_prompt_from_the_tokenizer(lm):
     cache = {"policy": "kvzip", "budget": 8, "chunk": 16, "interval": 64}
     with pytest.raises(ConfigError, match="pass Generator\\(reconstruction=...\\)"):
@@ -175,6 +178,7 @@ def test_kvzip_gets_its_repeat_prompt_from_the_tokenizer(lm):
     assert chat.reconstruction == Frame(lm.tokenizer, lm.chat_template).reconstruction() != gen.reconstruction
 
 
+@pytest.mark.slow
 def test_a_compression_ratio_sizes_the_cache_for_the_prompts(lm):
     """``{"policy": ..., "compression": c}`` keeps round((1 - c) x longest prompt) tokens, compressed once after the
     whole prompt - the ablation grid's one_shot cell."""

@@ -39,6 +39,7 @@ def full(params):
 
 
 # --------------------------------------------------------------------------------------------------- exactness
+@pytest.mark.slow
 @pytest.mark.parametrize("router, store, blocks", [("quest", "host", "contiguous"), ("infllm", "device", "contiguous"),
                                                    ("quest", "device", "cluster")])
 def test_memory_recalling_every_block_equals_the_full_cache(params, full, router, store, blocks):
@@ -48,6 +49,7 @@ def test_memory_recalling_every_block_equals_the_full_cache(params, full, router
     assert (out.store_bytes > 0) == (store == "host")
 
 
+@pytest.mark.slow
 def test_memory_logits_equal_the_full_cache_under_teacher_forcing(params):
     """Perplexity protocol: prefill a prefix, score the rest token by token through the tiers (fp32, every block
     recalled, original positions): the log-probabilities equal the full cache's."""
@@ -69,6 +71,7 @@ def test_memory_logits_equal_the_full_cache_under_teacher_forcing(params):
     assert state8.cache.kv_bytes() * (4 * d) == state.cache.kv_bytes() * (d + 2)  # 1-byte codes + 2-byte scale
 
 
+@pytest.mark.slow
 def test_memory_device_kv_is_bounded_while_decoding_16x_the_working_size(params):
     cache = memory(topk=2, window=16)
     gen = lcx.Generator(CFG, params, max_new_tokens=16 * 24, cache=cache)
@@ -120,6 +123,7 @@ def test_memory_quest_score_bounds_every_key_of_the_block():
     assert bool(jnp.all(scores >= jnp.max(dots, axis=-1) - 1e-5))
 
 
+@pytest.mark.slow
 def test_memory_end_to_end_recalls_the_needle_block(params):
     """Through generation: keys of one early block are made to match the final query; after prefill of a long
     prompt, that block is among each layer's recalled blocks."""
@@ -198,6 +202,7 @@ def test_memory_cluster_blocks_group_similar_keys():
     assert np.asarray(contiguous[0, :, :, 0]).tolist() == [list(range(8)), list(range(8, 16))]
 
 
+@pytest.mark.slow
 def test_memory_save_and_restore_resumes_with_the_store(params, tmp_path):
     gen = lcx.Generator(CFG, params, max_new_tokens=20, cache=memory(topk=2))
     state = gen.decode(gen.prefill(PROMPTS), steps=9)
@@ -237,6 +242,7 @@ def test_memory_budget_sets_the_window():
 
 
 # --------------------------------------------------------------------------------------------------- learned router
+@pytest.mark.slow
 def test_memory_learned_router_trains_loads_and_reports_its_gate(params, tmp_path):
     from lcx.eval.recall import trace_recall
     from lcx.train.config import DataConfig
@@ -264,6 +270,7 @@ def test_memory_learned_router_trains_loads_and_reports_its_gate(params, tmp_pat
         lcx.Config(model=model, cache=memory(router="learned", router_path=str(tmp_path)))
 
 
+@pytest.mark.slow
 def test_memory_grouped_routing_covering_everything_is_exact(params, full):
     """Two-level routing with groups that cover every block recalls every block: the full cache's tokens."""
     out = lcx.generate(CFG, params, PROMPTS, max_new_tokens=24,
@@ -271,6 +278,7 @@ def test_memory_grouped_routing_covering_everything_is_exact(params, full):
     np.testing.assert_array_equal(out.tokens, full.tokens)
 
 
+@pytest.mark.slow
 def test_memory_grouped_routing_finds_a_planted_needle(params):
     """A block whose keys match the query stands out at both levels: its group's bounds, then its own."""
     from lcx.cache.memory.attend import route

@@ -72,6 +72,7 @@ def test_model_is_causal():
     assert not np.allclose(np.asarray(a[:, 6:]), np.asarray(b[:, 6:]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch"])
 def test_model_remat_same_logits_and_grads(policy):
     params = init_params(CFG, jax.random.key(3))
@@ -97,6 +98,7 @@ def test_model_bf16_compute_close_to_fp32():
     assert float(jnp.max(jnp.abs(out - ref))) < 0.05 * float(jnp.max(jnp.abs(ref)))
 
 
+@pytest.mark.slow
 def test_model_fp16_forward_4096_tokens_is_finite():
     cfg = dataclasses.replace(CFG, dtype="fp16", param_dtype="fp16", n_layers=1,
                               rope=lcx.RopeConfig(type="yarn", factor=4.0, original_max_position_embeddings=1024),

@@ -21,6 +21,7 @@ def test_notebooks_are_all_found():
     assert len(PAGES) >= 5, PAGES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PAGES)
 def test_notebook_runs_top_to_bottom(name, monkeypatch):
     import matplotlib

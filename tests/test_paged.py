@@ -25,6 +25,7 @@ def params():
     return lcx.init_params(CFG, jax.random.key(3))
 
 
+@pytest.mark.slow
 def test_paged_generation_equals_the_contiguous_cache(params):
     prompts = [CONTEXT[:37], CONTEXT[25:]]  # no common prefix: nothing shared
     want = lcx.generate(CFG, params, prompts, max_new_tokens=12)
@@ -111,6 +112,7 @@ def test_fork_shares_full_pages_and_copies_the_partial_one(params, tmp_path):
                                   gen.result(gen.decode(state)).tokens)
 
 
+@pytest.mark.slow
 def test_eviction_on_pages_forks_a_compressed_context_and_equals_the_contiguous_cache(params):
     """The slot cache's eviction over pages (``lcx.cache.paged_slots``), SnapKV with per-head keep sets: the 45-token
     context is compressed while it streams in (capacity 16 + 8) and at the end; fork gives its two full pages to

@@ -522,6 +522,7 @@ LLAMA3_70B_CONFIG_JSON = {  # meta-llama/Meta-Llama-3-70B config.json
 }
 
 
+@pytest.mark.parity
 def test_plan_from_hf_directory_matches_the_yaml(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_70B_CONFIG_JSON))
     hf_model = load_model(tmp_path)

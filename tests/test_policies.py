@@ -136,6 +136,7 @@ def _shared(layer):
                          score=layer.score[:, 0])
 
 
+@pytest.mark.slow
 def test_policies_snapkv_keeps_the_needle_the_window_attends_to():
     """End to end through the cached attention: the last queries look at position 9; SnapKV keeps it."""
     from lcx.model.rope import rope_tables
@@ -160,6 +161,7 @@ def test_policies_snapkv_keeps_the_needle_the_window_attends_to():
     assert 9 in kept and set(range(t - 6, t)) <= set(kept) and len(kept) == 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl,heads", [("reference", "shared"), ("xla", "shared"), ("xla", "per_head")])
 def test_policies_attention_stats_equal_numpy_softmax(impl, heads):
     """The per-slot score is the attention mass the counted queries give each slot, summed over the query heads that
@@ -191,6 +193,7 @@ def test_policies_attention_stats_equal_numpy_softmax(impl, heads):
 
 
 # ------------------------------------------------------------------------------------------- with generation
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(POLICY_PARAMS))
 def test_policies_budget_above_length_reproduces_full(name, params):
     prompts = [np.random.default_rng(1).integers(0, 61, 20).tolist(), [5, 6, 7]]
@@ -206,6 +209,7 @@ def test_policies_budget_above_length_reproduces_full(name, params):
 
 # streaming (keys rotated by rank) and snapkv (per-head sets, accumulated attention); the ladder's and H2O's decode-time
 # evictions are exercised by tests/test_generate_score.py's chunked scoring, which compares them step by step
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["streaming", "snapkv"])
 def test_policies_decoding_16x_budget_keeps_cache_at_capacity(name, params):
     budget, interval, new = 16, 8, 16 * 16
@@ -224,6 +228,7 @@ def test_policies_decoding_16x_budget_keeps_cache_at_capacity(name, params):
     assert live.max() == 20 + new - 1  # the newest token is cached
 
 
+@pytest.mark.slow
 def test_policies_expected_attention_query_moments_run_over_chunks_and_decode(params):
     """The running query moments after a prefill in chunks of 8 and 16 decode steps, evicting to a budget of 10
     (the sinks kept), are those of one pass over the same 36 tokens: in layer 0, whose queries no eviction shapes,
@@ -268,6 +273,7 @@ def test_policies_kvzip_reconstruction_passes_lay_out_each_row():
     assert (lo2, hi2.tolist()) == (12, [13, 12])
 
 
+@pytest.mark.slow
 def test_policies_kvzip_scores_each_row_by_its_own_context(params):
     """Swapping the rows of a ragged batch swaps their kept sets (each row's passes score only its own chunk; the
     passes leave the cache holding the prompt), and a prompt the capacity cannot hold whole is refused before
@@ -296,6 +302,7 @@ def test_policies_kvzip_scores_each_row_by_its_own_context(params):
         Generator(CFG, params, max_new_tokens=4, cache=cache)
 
 
+@pytest.mark.slow
 def test_policies_duo_calibration_splits_heads_by_distant_attention(params):
     """DuoAttention's split: the calibration score of each (layer, KV head) is the attention mass the last 30
     queries of each calibration row give positions ``sinks .. t - recent`` (numpy softmax on the model's own queries
@@ -350,6 +357,7 @@ def test_policies_kvzip_and_duo_in_an_ablation_grid():
         AblateConfig.from_mapping({"policies": [{"policy": "kvzip"}], "compressions": [0.5]})
 
 
+@pytest.mark.slow
 def test_policies_long_prompt_is_compressed_between_chunks(params):
     prompt = np.random.default_rng(2).integers(0, 61, (1, 100))
     gen = Generator(CFG, params, max_new_tokens=4, unroll=False,
@@ -405,6 +413,7 @@ def test_policies_bad_config_fails_at_load(cache, message):
     assert message in str(err.value)
 
 
+@pytest.mark.slow
 def test_policies_kvzip_on_a_sliding_window_model_compresses_its_global_layers():
     """KVzip on a Gemma-3-shaped model (local, local, global): the reconstruction passes score the global layer's
     slots and read the local layers' windows without appending to them.

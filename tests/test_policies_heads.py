@@ -157,6 +157,7 @@ def test_adaptive_cache_holds_the_capped_head_budget():
     assert kind.nbytes(1, 20, role="meta") == 2 * shared.nbytes(1, 20, role="meta") - 4  # lengths [b]: once
 
 
+@pytest.mark.slow
 def test_per_head_cache_attends_exactly_what_each_head_keeps():
     """End to end through chunked prefill, evictions and decode: KV head 1 of every layer has zero keys and values
     (it outputs nothing; its keys tie, so per head it keeps the newest tokens), head 0 is untouched. K-norm per head

@@ -59,6 +59,7 @@ def test_policies_observes_seq_refusal_comes_from_the_kind():
         gen._check_prefill_across_seq()
 
 
+@pytest.mark.slow
 def test_policies_observes_buffers_and_view_derive_from_the_declaration():
     """Observing the query mean allocates its count and mean (not the covariance), feeds them every counted query,
     and the policy's view carries them: an eviction by the test policy runs through generation."""

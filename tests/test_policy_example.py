@@ -1,5 +1,5 @@
-"""The custom-policy example of docs/guides/caches.md, run exactly as written: registered, loaded from YAML, used to generate - on
-the float cache and on the 8-bit one, where it must read dequantized values, not the codes."""
+"""The custom-policy example of docs/guides/caches.md, run exactly as written: registered, loaded from YAML, used to
+generate - on the float cache and on the 8-bit one, where it must read dequantized values, not the codes."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ def params():
     return lcx.init_params(CFG, jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_int8_cache_bytes_rounding_and_decode_equal_to_prefill(params):
     """Keys and values take 1 byte per element plus a 2-byte scale per token and KV head: x (d + 2) / 2d of
     bfloat16. Layer 0's keys (which no earlier attention shapes) are the float cache's within half a step of their
@@ -45,6 +46,7 @@ def test_int8_cache_bytes_rounding_and_decode_equal_to_prefill(params):
     np.testing.assert_allclose(np.asarray(state.logits), np.asarray(gen.prefill(fed).logits), atol=2e-5)
 
 
+@pytest.mark.slow
 def test_eviction_moves_codes_and_scales_together(params):
     """After a compression and decode-time evictions, every kept slot of layer 0 holds the codes and scale the
     uncompressed 8-bit cache holds at that position (layer 0's keys depend on the token alone). SnapKV keeps its own

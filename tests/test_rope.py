@@ -16,6 +16,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("torch")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
+pytestmark = pytest.mark.parity
+
 HEAD_DIM = 64
 MAX_POS = 4096
 

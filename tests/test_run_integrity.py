@@ -60,6 +60,7 @@ def _config(tmp_path: Path, **train) -> Path:
 
 
 # ------------------------------------------------------------------------------------------ one writer per run dir
+@pytest.mark.slow
 def test_second_trainer_is_refused_and_a_stale_lock_is_taken_over(tmp_path, capfd):
     with RunLock(tmp_path):  # a live trainer holds the run directory
         owner = json.loads((tmp_path / "lock.json").read_text())
@@ -112,6 +113,7 @@ def test_a_save_that_fails_mid_run_stops_the_run_at_once(tmp_path):
     assert time.perf_counter() - t0 < 60 and max(seen) <= 5  # surfaced right after step 4, not at the next save
 
 
+@pytest.mark.slow
 def test_cli_save_failure_exits_2_in_seconds_with_one_line(tmp_path):
     cfg = _config(tmp_path)
     (tmp_path / "runs" / "r" / "train").mkdir(parents=True)
@@ -137,6 +139,7 @@ def test_ctrl_c_saves_the_current_step_and_resumes(full_run, tmp_path):
     assert _curve(resumed.metrics_path) == _curve(full_run.metrics_path)
 
 
+@pytest.mark.slow
 def test_cli_sigint_finishes_the_step_saves_and_exits_130(tmp_path):
     cfg = _config(tmp_path, steps=100000, save_every=100000)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -157,6 +160,7 @@ def test_cli_sigint_finishes_the_step_saves_and_exits_130(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ settings history
+@pytest.mark.slow
 def test_changed_settings_are_refused_or_recorded(full_run, tmp_path):
     run = tmp_path / "run"
     run_training(MODEL, TRAIN, DATA, run, progress=False, max_steps=4)

@@ -47,6 +47,7 @@ def test_filter_rows_applies_each_rows_own_setting():
     assert int(jnp.sum(jnp.isfinite(got[0]))) == 4 and bool(jnp.all(jnp.isfinite(got[2])))
 
 
+@pytest.mark.slow
 def test_a_seeded_request_gets_its_tokens_alone_or_in_any_row(params):
     prompts = _prompts([4, 6, 5], seed=7)
     gen = Generator(CFG, params, sampling=HOT, **SHARED)
@@ -109,6 +110,7 @@ def test_bad_per_row_settings_are_refused(params, kwargs, message):
     assert message in str(err.value)
 
 
+@pytest.mark.slow
 def test_server_samples_a_request_as_the_generator_does_alone(params):
     from lcx.engine.server import Server
 

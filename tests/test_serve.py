@@ -26,6 +26,7 @@ def params():
     return lcx.init_params(CFG, jax.random.key(3))
 
 
+@pytest.mark.slow
 def test_server_tokens_equal_generating_each_request_alone(params):
     plain = lcx.generate(CFG, params, PROMPTS, max_new_tokens=max(NEW))
     eos = int(plain.tokens[1, 2])  # a token request 1 emits third: requests end at EOS as well as at their limit
@@ -81,6 +82,7 @@ def _held_by_tables_and_prefixes(server: Server) -> np.ndarray:
     return np.bincount(table[table >= 0], minlength=server.pages) + np.bincount(kept, minlength=server.pages)
 
 
+@pytest.mark.slow
 def test_an_on_token_that_raises_cancels_its_request_and_returns_its_pages(params):
     """A client whose callback raises mid-stream: its request is cancelled (pages back at once, left out of the
     result, recorded with the exception), the request beside it streams the tokens of generating it alone, the pool
@@ -163,6 +165,7 @@ def test_cancel_drops_a_waiting_request_and_ends_a_running_one_at_once(params):
 
 
 # --------------------------------------------------------------------------------------------------- chunked prefill
+@pytest.mark.slow
 def test_a_long_prompt_arrives_a_chunk_per_step_while_the_others_decode(params):
     cache = lcx.CacheConfig(layout="paged", page_size=8)
     server = Server(CFG, params, max_num_seqs=2, max_len=160, segment=2, prefill_chunk=16, cache=cache)
@@ -187,6 +190,7 @@ def test_a_long_prompt_arrives_a_chunk_per_step_while_the_others_decode(params):
 
 
 # --------------------------------------------------------------------------------------------------- eviction
+@pytest.mark.slow
 def test_an_evicting_policy_serves_prompts_past_its_pages_as_generate_does(params):
     cache = lcx.CacheConfig(layout="paged", page_size=8, policy="streaming", budget=16, interval=8)
     server = Server(CFG, params, max_num_seqs=1, max_len=200, segment=4, prefill_chunk=8, cache=cache)
@@ -203,6 +207,7 @@ def test_an_evicting_policy_serves_prompts_past_its_pages_as_generate_does(param
 
 
 # --------------------------------------------------------------------------------------------------- the page store
+@pytest.mark.slow
 def test_stored_pages_serve_a_new_server_with_the_tokens_of_recomputing(params, tmp_path):
     from lcx.engine.kv_store import PageStore
 
@@ -245,6 +250,7 @@ def test_stored_pages_serve_a_new_server_with_the_tokens_of_recomputing(params, 
     assert out == want and cached == (len(turn) - 1) // 8 * 8 and store.corrupt == 0  # this turn's pages too
 
 
+@pytest.mark.slow
 def test_a_request_pins_only_the_kept_pages_it_shares(params):
     """A prompt that shares one page of a kept 3-page prefix reads (and pins) that page only: its own pages are
     counted once, and the longer prefix can still be released for pages."""

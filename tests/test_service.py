@@ -113,6 +113,7 @@ def _chat(user: str, system: str = SYSTEM) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------------- wire format
+@pytest.mark.slow
 def test_completions_and_chat_equal_offline_greedy_streamed_or_not(server, lm):
     client = server.client()
     assert [m.id for m in client.models.list().data] == ["tiny"]
@@ -162,6 +163,7 @@ def test_completions_and_chat_equal_offline_greedy_streamed_or_not(server, lm):
         assert m[name] > 0, name
 
 
+@pytest.mark.slow
 def test_a_seeded_request_gives_the_same_text_alone_and_in_a_crowd(server):
     client = server.client()
     body = dict(model="tiny", prompt="The grass is", max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
@@ -267,6 +269,7 @@ def test_an_idempotency_key_gives_the_same_completion_generated_once(server):
 
 
 # --------------------------------------------------------------------------------------------------- load and faults
+@pytest.mark.slow
 def test_64_concurrent_streams_finish_with_offline_tokens_and_return_every_page(server, lm):
     users = [f"Question {i}: " + NOISE[i * 7:i * 7 + 20 + i] for i in range(64)]
     limits = [4 + i % 9 for i in range(64)]
@@ -300,6 +303,7 @@ class _M:
         return self.content
 
 
+@pytest.mark.slow
 def test_clients_that_disconnect_cancel_their_requests_and_return_their_pages(server):
     before = server.settled()
     cancelled = lambda m: m.get('lcx_requests_finished_total{reason="cancelled"}', 0.0)  # noqa: E731
@@ -346,6 +350,7 @@ def test_the_api_key_is_required_when_set(model_dir, lm):
         running.stop()
 
 
+@pytest.mark.slow
 def test_a_prompt_the_budget_can_never_hold_is_refused_naming_a_policy_and_others_go_on(model_dir, lm):
     # the incident: a KV budget of 12 pages of 8 tokens (96 tokens), a long prompt arriving among short requests
     page = lcx.CacheConfig(layout="paged", page_size=8).kind(lm.config).page_nbytes()

@@ -271,6 +271,7 @@ def kill_drill(spawn, workdir, request) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_kill9_mid_stream_then_restart_serves_stored_pages(kill_drill):
     d = kill_drill
     first, restarted, recomputed = d["first"], d["restarted"], d["recomputed"]
@@ -319,6 +320,7 @@ def _store_keys(model_dir: Path, prompts: dict) -> dict[str, list[str]]:
     return {k: chain(namespace, np.asarray(p, np.int32), PAGE) for k, p in prompts.items()}
 
 
+@pytest.mark.slow
 def test_corrupt_store_files_are_recomputed_never_served(kill_drill, spawn, model_dir):
     store, b = kill_drill["store"], kill_drill["b"]
     rng = np.random.default_rng(7)
@@ -371,6 +373,7 @@ def test_corrupt_store_files_are_recomputed_never_served(kill_drill, spawn, mode
 
 
 # --------------------------------------------------------------------------------------------------- drill 4
+@pytest.mark.slow
 def test_pages_return_to_baseline_after_cancels_stops_and_crowds(reference):
     server = reference
     messages = [{"role": "user", "content": "There and back again, here we go."}]
@@ -427,6 +430,7 @@ def test_pages_return_to_baseline_after_cancels_stops_and_crowds(reference):
 
 
 # --------------------------------------------------------------------------------------------------- drill 3
+@pytest.mark.slow
 def test_sigterm_drains_running_stream_refuses_new_and_exits_zero(spawn):
     # one decode step per segment: the stream lasts long enough to watch the drain
     server = spawn("drain", "--segment", "1").wait_ready()

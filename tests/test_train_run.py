@@ -34,6 +34,7 @@ def full_run(tmp_path_factory):
     return run_training(MODEL, TRAIN, DATA, tmp_path_factory.mktemp("full"), progress=False)
 
 
+@pytest.mark.slow
 def test_train_run_writes_metrics_config_and_checkpoints(full_run):
     rows = read_metrics(full_run.metrics_path)
     assert [r["step"] for r in rows] == list(range(1, 9))
@@ -161,6 +162,7 @@ def test_train_empty_corpus_folder_error(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.parity
 def test_export_writes_a_directory_transformers_loads_with_the_same_logits(full_run, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

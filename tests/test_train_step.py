@@ -50,6 +50,7 @@ def _one_step(model, train, params, batch):
     return step(init_state(params, optimizer, 0), batch)
 
 
+@pytest.mark.slow
 def test_train_step_grad_accum_and_remat_match_full_batch():
     params = initial_params(MODEL, None, 0)
     batch = _batch(prompt_loss_weight=0.1)

@@ -15,6 +15,8 @@ import lcx
 from lcx import kernels
 from lcx.config import ConfigError
 
+pytestmark = pytest.mark.pallas
+
 
 def test_backends_impls_derive_from_the_table():
     assert kernels.IMPLS == ("auto", *kernels.BACKENDS)
@@ -43,6 +45,7 @@ def test_backends_default_generation_on_cpu_runs_no_pallas_kernel():
     assert "pallas_call" in forced  # the check can fail
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_backends_rows_agree_with_the_reference(impl):
     ks = jax.random.split(jax.random.key(1), 4)
@@ -71,6 +74,7 @@ def test_backends_rows_agree_with_the_reference(impl):
                                atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t, segments, max_blocks", [(300, False, 16), (300, True, 16), (300, False, 2)])
 def test_backends_xla_causal_on_cpu_runs_query_blocks_and_agrees_with_the_reference(t, segments, max_blocks,
                                                                                   monkeypatch):

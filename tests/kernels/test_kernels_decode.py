@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 
 from lcx.kernels import DecodeBlockSizes, decode_attention, decode_attention_reference
+from tests.conftest import tiered
+
+pytestmark = pytest.mark.pallas
 
 SMALL = DecodeBlockSizes(block_k=16, num_splits=3)
 
@@ -39,7 +42,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("b,s,h,kv,d,holes,lens,dtype,bs", CASES)
+@pytest.mark.parametrize("b,s,h,kv,d,holes,lens,dtype,bs", tiered(CASES, fast={1, 4}))
 def test_decode_matches_reference_with_weights(b, s, h, kv, d, holes, lens, dtype, bs):
     q, k, v, valid = _inputs(b, s, h, kv, d, dtype, holes=holes)
     lengths = None if lens is None else jnp.array(lens)

@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 
 from lcx.kernels import FlashBlockSizes, attention, attention_reference, flash_attention
+from tests.conftest import tiered
+
+pytestmark = pytest.mark.pallas
 
 # Small tiles so every length below spans several tiles and ragged tails (17, 333 are not multiples of 16/32).
 SMALL = FlashBlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_k_dkv=32, block_q_dq=32, block_k_dq=16)
@@ -46,7 +49,7 @@ FWD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("b,t,s,h,kv,d,causal,window,lens,dtype", FWD_CASES)
+@pytest.mark.parametrize("b,t,s,h,kv,d,causal,window,lens,dtype", tiered(FWD_CASES, fast={1, 4, 6, 11}))
 def test_flash_forward_matches_reference(b, t, s, h, kv, d, causal, window, lens, dtype):
     q, k, v, _ = _inputs(b, t, s, h, kv, d, dtype)
     kl = None if lens is None else jnp.array(lens)
@@ -70,7 +73,7 @@ GRAD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("b,t,s,h,kv,d,causal,window,lens,dtype", GRAD_CASES)
+@pytest.mark.parametrize("b,t,s,h,kv,d,causal,window,lens,dtype", tiered(GRAD_CASES, fast={0, 3}))
 def test_flash_gradients_match_reference(b, t, s, h, kv, d, causal, window, lens, dtype):
     q, k, v, ct = _inputs(b, t, s, h, kv, d, dtype, seed=1)
     kl = None if lens is None else jnp.array(lens)

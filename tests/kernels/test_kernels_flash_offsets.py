@@ -17,6 +17,9 @@ import pytest
 from lcx.kernels import FlashBlockSizes, attention_mask, attention_reference, flash_attention
 from lcx.kernels.flash import make_static
 from lcx.kernels.flash_masks import key_block_ranges, query_block_ranges, tile_mask
+from tests.conftest import tiered
+
+pytestmark = pytest.mark.pallas
 
 B16 = FlashBlockSizes(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=16, block_q_dq=16, block_k_dq=16)
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
@@ -46,7 +49,7 @@ CASES = [(True, None, 4, 4, 64, jnp.float32), (True, 8, 4, 1, 80, jnp.float32), 
          (True, None, 8, 2, 80, jnp.bfloat16)]
 
 
-@pytest.mark.parametrize("causal,window,h,kv,d,dtype", CASES)
+@pytest.mark.parametrize("causal,window,h,kv,d,dtype", tiered(CASES, fast={1}))
 def test_flash_offsets_forward_and_gradients_match_reference(causal, window, h, kv, d, dtype):
     q, k, v, ct = _inputs(h, kv, d, dtype)
     kw = dict(causal=causal, window=window, kv_lengths=LENGTHS, q_offsets=OFFSETS)

@@ -16,6 +16,8 @@ import pytest
 
 from lcx.kernels import FlashBlockSizes, attention_mask, attention_reference, flash_attention
 
+pytestmark = pytest.mark.pallas
+
 B16 = FlashBlockSizes(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=16, block_q_dq=16, block_k_dq=16)
 # Row 0: documents of 9, 20 and 14 tokens; row 1: one document of 40 tokens, then 3 padding tokens (segment 0).
 DOCS = [(9, 20, 14), (40,)]
@@ -46,6 +48,7 @@ def _err(x, y):
     return float(jnp.max(jnp.abs(x - y)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("h,kv,d", [(4, 2, 48)])  # GQA and a head_dim the kernel pads
 def test_flash_segments_match_reference_forward_and_gradients(h, kv, d):
     q, k, v, ct = _inputs(h, kv, d)
@@ -60,6 +63,7 @@ def test_flash_segments_match_reference_forward_and_gradients(h, kv, d):
     assert _err(plain, jax.jit(ref)(q, k, v)) > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["flash", "reference"])
 def test_packed_documents_equal_documents_alone(impl):
     """Each document of the packed row 0, attended with segment ids, equals the document attended on its own."""

@@ -13,6 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from lcx.kernels import attention_reference, flash_attention
+import pytest
+
+pytestmark = pytest.mark.pallas
 
 
 def _fwd_bwd_temp_bytes(attn, n: int) -> int:
@@ -25,6 +28,7 @@ def _fwd_bwd_temp_bytes(attn, n: int) -> int:
     return jax.jit(grads).lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_flash_temp_memory_is_linear_and_reference_quadratic():
     flash = [_fwd_bwd_temp_bytes(lambda q, k, v: flash_attention(q, k, v, causal=True), n) for n in (1024, 2048, 4096)]
     ref = [_fwd_bwd_temp_bytes(lambda q, k, v: attention_reference(q, k, v, causal=True), n)

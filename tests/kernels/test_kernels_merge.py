@@ -14,6 +14,8 @@ import pytest
 from lcx.kernels import (DecodeBlockSizes, backend, decode_attention, decode_attention_reference, flash_attention,
                          masked_attention_parts, merge_partials)
 
+pytestmark = pytest.mark.pallas
+
 HI = jax.lax.Precision.HIGHEST
 
 
@@ -71,6 +73,7 @@ def test_merge_with_both_parts_empty_is_zero_not_nan():
     assert float(l.max()) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
 def test_merge_chunk_parts_equals_whole(impl):
     """A prefill chunk: causal part (the working slots, with per-row offsets) merged with a non-causal part (e.g.

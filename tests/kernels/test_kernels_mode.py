@@ -14,6 +14,8 @@ import pytest
 from lcx.kernels import attention_column_sums, decode_attention, flash_attention, resolve_interpret
 from lcx.kernels.mode import pallas_call_kwargs, triton_compiler_params
 
+pytestmark = pytest.mark.pallas
+
 
 def test_interpret_is_chosen_from_the_backend():
     assert resolve_interpret(None) is (jax.default_backend() != "gpu")

@@ -11,6 +11,9 @@ import numpy as np
 from lcx.cache.kv_cache import init_cache
 from lcx.config import AttentionConfig, ModelConfig
 from lcx.model import Decoder, init_params
+import pytest
+
+pytestmark = pytest.mark.pallas
 
 
 def _config(impl: str) -> ModelConfig:
@@ -27,6 +30,7 @@ def _setup():
     return cfg, params, ids
 
 
+@pytest.mark.slow
 def test_model_logits_pallas_equal_reference():
     cfg, params, ids = _setup()
     run = lambda c: jax.jit(lambda p, x: Decoder(c).apply({"params": p}, x))(params, ids)  # noqa: E731
@@ -36,6 +40,7 @@ def test_model_logits_pallas_equal_reference():
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_model_gradients_pallas_equal_reference():
     cfg, params, ids = _setup()
 
@@ -54,6 +59,7 @@ def test_model_gradients_pallas_equal_reference():
         assert scale > 0 and float(jnp.max(jnp.abs(g - r))) <= 1e-4 * scale, (jax.tree_util.keystr(path), scale)
 
 
+@pytest.mark.slow
 def test_model_cached_decode_step_pallas_equals_reference():
     # Prefill 20 tokens into a cache with 2 evicted slots (holes), then one decode step: the pallas model uses
     # decode_attention for it.

@@ -12,6 +12,8 @@ import pytest
 from lcx.kernels.paged_decode import gather_pages, paged_decode_attention, paged_decode_reference
 from tests.kernels.test_kernels_mode import _lower_for_cuda
 
+pytestmark = pytest.mark.pallas
+
 B, H, KV, PAGE, D, POOL, ROW_PAGES = 3, 8, 2, 16, 32, 13, 5
 
 
@@ -26,6 +28,7 @@ def _case(seed=0):
     return q, k, v, jnp.asarray(table), jnp.asarray(lengths)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split, softcap", [(None, None), (1, 3.0), (2, None)])
 def test_paged_decode_equals_the_gather_reference(split, softcap):
     q, k, v, table, lengths = _case()

@@ -18,6 +18,8 @@ import pytest
 from lcx.kernels import (BACKENDS, DecodeBlockSizes, FlashBlockSizes, attention_column_sums, attention_reference,
                          decode_attention, decode_attention_reference, flash_attention)
 
+pytestmark = pytest.mark.pallas
+
 B16 = FlashBlockSizes(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=16, block_q_dq=16, block_k_dq=16)
 B, T, S, H, KV, D = 2, 17, 48, 4, 2, 32
 OFFSETS = jnp.array([[0, 9], [20, 3]], jnp.int32)  # [b, k]: each head's chunk starts at its own fill level
@@ -38,6 +40,7 @@ def _per_head(fn, q, k, *rest, heads_axis_out=2):
     return jnp.concatenate(outs, axis=heads_axis_out)
 
 
+@pytest.mark.slow
 def test_flash_per_head_offsets_forward_and_gradients():
     q, k, v = _qkv()
     per_head = functools.partial(flash_attention, causal=True, kv_lengths=LENGTHS, q_offsets=OFFSETS,

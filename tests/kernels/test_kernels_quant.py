@@ -11,6 +11,8 @@ import pytest
 from lcx.kernels import backends
 from lcx.kernels.quant import dequantize, quantize
 
+pytestmark = pytest.mark.pallas
+
 
 def test_quantize_round_trip_error_is_half_a_step_and_zero_vectors_stay_zero():
     x = jax.random.normal(jax.random.key(0), (3, 7, 2, 32)) * jnp.array([0.01, 1.0, 40.0])[:, None, None, None]
@@ -28,6 +30,7 @@ def test_quantize_round_trip_error_is_half_a_step_and_zero_vectors_stay_zero():
 
 
 # fp8 codes take the same path as int8 ones (widened to the query's dtype, then the same scaled products): one backend
+@pytest.mark.slow
 @pytest.mark.parametrize("impl, kv_dtype", [("reference", "int8"), ("xla", "int8"), ("pallas", "int8"), ("xla", "fp8")])
 def test_backend_ops_on_codes_equal_the_ops_on_dequantized_values(impl, kv_dtype):
     b, k, g, s, d, t = 2, 2, 3, 40, 16, 8

@@ -15,6 +15,8 @@ from lcx.kernels import (BACKENDS, FlashBlockSizes, attention_column_sums_refere
                          decode_attention, decode_attention_reference, flash_attention)
 from lcx.kernels.reference import capped
 
+pytestmark = pytest.mark.pallas
+
 SMALL = FlashBlockSizes(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=16, block_q_dq=16, block_k_dq=16)
 CAP = 2.0  # logits of the inputs below reach ~+-6: the cap bends them hard
 
@@ -32,6 +34,7 @@ def test_capped_is_the_identity_without_a_cap_and_bounded_with_one():
     np.testing.assert_allclose(capped(jnp.asarray([1e-3]), CAP), [1e-3], rtol=1e-6)  # ~identity near 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window, softcap, offsets", [(None, CAP, None), (20, CAP, [5, 30])])
 def test_flash_window_and_softcap_forward_and_gradients(window, softcap, offsets):
     b, t, h, kv, d = 2, 40, 4, 2, 16
@@ -52,6 +55,7 @@ def test_flash_window_and_softcap_forward_and_gradients(window, softcap, offsets
         assert float(jnp.max(jnp.abs(uncapped - ref(q, k, v)))) > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["xla", "pallas", "reference"])
 def test_backend_chunk_and_column_sums_take_the_spec(impl):
     """A prefill chunk written after 30 (row 0) / 50 (row 1) cached tokens, window 16, cap 2: the chunk output and
@@ -75,6 +79,7 @@ def test_backend_chunk_and_column_sums_take_the_spec(impl):
     assert np.all(hidden == 0) and np.all(np.asarray(sums)[0, :, :30 + 1 - 16] == 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t", [40, 256])  # dense and blocked (>= 4 query blocks) CPU paths
 def test_xla_causal_takes_window_and_softcap(t):
     q, k, v = _qkv(1, t, t, 4, 2, 16, seed=2)

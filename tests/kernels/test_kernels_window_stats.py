@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 
 from lcx.kernels import FlashBlockSizes, attention_column_sums, attention_column_sums_reference
+from tests.conftest import tiered
+
+pytestmark = pytest.mark.pallas
 
 SMALL = FlashBlockSizes(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=32)
 
@@ -23,7 +26,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("b,w,s,h,kv,d,causal,window,lens,dtype", CASES)
+@pytest.mark.parametrize("b,w,s,h,kv,d,causal,window,lens,dtype", tiered(CASES, fast={0, 1}))
 def test_column_sums_match_reference(b, w, s, h, kv, d, causal, window, lens, dtype):
     ks = jax.random.split(jax.random.key(0), 2)
     q = jax.random.normal(ks[0], (b, w, h, d), jnp.float32).astype(dtype)

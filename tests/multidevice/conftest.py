@@ -71,6 +71,10 @@ def run_worker(spawn):
 
 
 def pytest_collection_modifyitems(items):
+    # Each test here starts 8-device processes (jax and lcx imported, programs compiled for a mesh): all of them are
+    # outside the fast tier. tests/test_context_parallel.py and tests/test_sharding_rules.py cover the same code on one
+    # device there.
     for item in items:
         if Path(str(item.fspath)).parent == Path(__file__).parent:
             item.add_marker(pytest.mark.multidevice)
+            item.add_marker(pytest.mark.slow)
