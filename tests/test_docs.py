@@ -68,3 +68,23 @@ def test_readme_is_a_landing_page_whose_test_command_is_ci_s():
     assert main and tests, "README must hold the main-job and test set-up commands"
     ci = (ROOT / ".ci" / "run").read_text()
     assert tests.group(0).strip() in ci, "CI must run exactly the README's test command"
+
+
+def test_readme_ablation_config_loads_and_builds_its_prompts(tmp_path):
+    """The README's ablation grid, as written, on a tiny checkpoint in place of SmolLM2: a valid config whose every
+    cell's prompts build in the checkpoint's tokenizer (what `lcx ablate` checks before its first cell)."""
+    import yaml
+
+    from lcx.data import resolve_tokenizer
+    from lcx.eval import prompts
+    from lcx.experiment import load_experiment
+    from tests.tiny_chat_model import write_model
+
+    block = re.search(r"```yaml\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    assert yaml.safe_load(block)["checkpoint"] == "runs/models/SmolLM2-135M-Instruct"
+    (tmp_path / "grid.yaml").write_text(block)
+    model = write_model(tmp_path / "tiny")
+    cfg = load_experiment(tmp_path / "grid.yaml", [f"checkpoint={model}"])
+    assert [dict(p)["policy"] for p in cfg.ablate.policies] == ["full", "streaming", "snapkv", "tova", "kvzip"]
+    cells = prompts(cfg.eval, resolve_tokenizer("auto", init_from=model))
+    assert len(cells) == 11 and all(len(c.examples) == 2 for c in cells)
