@@ -455,9 +455,15 @@ def test_policies_kvzip_on_a_sliding_window_model_compresses_its_global_layers()
     narrow = dataclasses.replace(hybrid, sliding_window=8)
     gen, state = prefill(narrow, kvzip)
     _, plain = prefill(narrow, CacheConfig(interval=24, prefill_chunk=32))
-    for name in ("k", "v", "pos", "valid", "count"):
+    # The local layers' slots are the plain cache's: the same positions exactly, the same keys and values up to the
+    # rounding of two differently fused programs (layer 1's keys come from layer 0's output; ~5e-7 apart with XLA's
+    # older CPU emitters). A compressed or shifted local buffer would differ by O(1).
+    for name in ("pos", "valid", "count"):
         np.testing.assert_array_equal(np.asarray(getattr(state.cache.loc, name)),
                                       np.asarray(getattr(plain.cache.loc, name)), err_msg=name)
+    for name in ("k", "v"):
+        np.testing.assert_allclose(np.asarray(getattr(state.cache.loc, name)),
+                                   np.asarray(getattr(plain.cache.loc, name)), rtol=1e-5, atol=1e-6, err_msg=name)
     assert np.asarray(state.cache.glob.valid).sum(-1).tolist() == [[[12, 12]]]
     assert gen.result(gen.decode(state)).lengths.tolist() == [4]
     # KVzip stays refused on the paged layout, DuoAttention's calibrated head split on a sliding-window model
