@@ -32,6 +32,12 @@ PUBLIC = [
     ("lcx.eval", "Evaluation and ablation grids: prompts, grading, statistics, reports."),
     ("lcx.plan", "The planner: memory, topology and precision checks of a deployment."),
 ]
+# Types that public signatures name but no package exports: documented under their own modules' names, so a
+# signature's annotation links to them (and the nitpicky build finds every lcx type it mentions).
+SIGNATURE_TYPES = ["lcx.model.config.AttentionSpec", "lcx.model.families.Family", "lcx.cache.paged.PagedState",
+                   "lcx.cache.page_pool.PagePool",
+                   "lcx.cache.reconstruct.Reconstruction", "lcx.eval.config.Setting", "lcx.eval.config.PerplexityConfig",
+                   "lcx.eval.cells.Shard"]
 # Lower layers first: an object lives where its layer exports it (``lcx.CacheConfig`` is ``lcx.cache.CacheConfig``).
 LAYERS = ["lcx.kernels", "lcx.model", "lcx.parallel.sharding", "lcx.parallel.context", "lcx.cache", "lcx.engine",
           "lcx.engine.server", "lcx.hf", "lcx.lm", "lcx.data", "lcx.train", "lcx.eval", "lcx.plan", "lcx.service",
@@ -95,6 +101,11 @@ def api_page() -> str:
             lines += ["Also exported here: " + ", ".join(elsewhere) + ".", ""]
         if constants:
             lines += ["Constants (documented in the source): " + ", ".join(constants) + ".", ""]
+    lines += ["## Types in signatures", "", "Types the signatures above name that no package exports.", ""]
+    for path in SIGNATURE_TYPES:
+        module, name = path.rsplit(".", 1)
+        lines += ["```{eval-rst}", f".. currentmodule:: {module}", "", ".. autosummary::", "   :toctree: generated",
+                  "   :nosignatures:", "", f"   {name}", "```", ""]
     return "\n".join(lines)
 
 
@@ -132,4 +143,4 @@ def write_all(root: Path, docs: Path) -> None:
         _write(docs / "notebooks" / f"{name}.md", text)
 
 
-__all__ = ["PUBLIC", "LAYERS", "api_page", "documented", "homes", "notebook_pages", "version", "write_all"]
+__all__ = ["PUBLIC", "LAYERS", "SIGNATURE_TYPES", "api_page", "documented", "homes", "notebook_pages", "version", "write_all"]

@@ -54,6 +54,15 @@ autodoc_preserve_defaults = True
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
+# Every cross-reference must resolve (-W turns a broken one into a failure), except to the third-party types that
+# signatures name (jax, numpy, the standard library ...), which this site does not document.
+nitpicky = True
+nitpick_ignore_regex = [
+    (r"py:.*", r"(jax|jaxlib|numpy|np|flax|optax|orbax|pathlib|collections|typing|abc|enum|concurrent|threading|"
+               r"fastapi|pydantic|uvicorn|tokenizers|gguf)(\..*)?"),
+    (r"py:.*", r"(tuple|list|dict|int|float|str|bool|bytes|object|type|None)(\[.*)?"),
+]
+
 html_theme = "furo"
 html_title = f"lcx {release}"
 html_static_path: list[str] = []

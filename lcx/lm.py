@@ -160,7 +160,7 @@ class LM:
 
     @property
     def eos_id(self) -> int | None:
-        """Where generation stops: the tokenizer's EOS, else the model config's."""
+        """Where generation stops - the tokenizer's EOS, else the model config's."""
         eos = self.tokenizer.eos_id
         return eos if eos is not None and eos < self.config.vocab_size else self.config.eos_token_id
 

@@ -249,7 +249,7 @@ class HybridKind(CacheKind):
 
     @property
     def policy(self):
-        """The requested policy: the global layers' (the local ones keep their window)."""
+        """The requested policy - the global layers' (the local ones keep their window)."""
         return self.loc.policy if self.glob is None else self.glob.policy
 
     # ------------------------------------------------------------------------------------------- in the model

@@ -57,7 +57,7 @@ SCALE_FIELDS: Mapping[str, Field] = {
 
 @flax.struct.dataclass
 class KVCache(CacheState):
-    """The buffers of :data:`FIELDS` (whole cache: ``[L, ...]``; inside the model's layer scan one layer's)."""
+    """The buffers of ``FIELDS`` (whole cache: ``[L, ...]``; inside the model's layer scan one layer's)."""
 
     k: jax.Array  # [L, b, k, C, d]
     v: jax.Array  # [L, b, k, C, d]

@@ -73,7 +73,7 @@ class Observes:
     # ------------------------------------------------------------------------------------------- what it needs
     @property
     def prefill(self) -> bool:
-        """Whether the prompt's own attention is observed: a prefill that only writes keys and values (one attended
+        """Whether the prompt's own attention is observed - a prefill that only writes keys and values (one attended
         across a mesh's ``seq`` axis, ``write_prompt``) would lose it."""
         return self.attention is not None or self.moments > 0 or self.reconstructs
 
@@ -90,7 +90,7 @@ class Observes:
 
     @property
     def prefill_queries(self) -> str:
-        """The old name of which prompt queries count: ``"all"``, ``"last"`` (window 1) or ``"window"``."""
+        """The old name of which prompt queries count - ``"all"``, ``"last"`` (window 1) or ``"window"``."""
         return "all" if self.window is None else "last" if self.window == 1 else "window"
 
     # ------------------------------------------------------------------------------------------- derived buffers

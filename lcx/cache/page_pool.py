@@ -47,7 +47,7 @@ FIELDS: Mapping[str, Field] = {
 
 @flax.struct.dataclass
 class PagePool:
-    """The bookkeeping of one page pool (the buffers of :data:`FIELDS`)."""
+    """The bookkeeping of one page pool (the buffers of ``FIELDS``)."""
 
     table: jax.Array  # [b, T] int32
     refs: jax.Array  # [P] int32

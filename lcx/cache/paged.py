@@ -121,7 +121,7 @@ class PagedState(CacheState):
 
 @flax.struct.dataclass
 class PagedCache(PagedState):
-    """The buffers of :data:`FIELDS` (in the per-layer view ``k, v`` are one layer's pool; the table and lengths
+    """The buffers of ``FIELDS`` (in the per-layer view ``k, v`` are one layer's pool; the table and lengths
     stay, read-only, so each layer can write and gather its pages)."""
 
     lengths: jax.Array | None  # [b] int32

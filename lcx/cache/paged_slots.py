@@ -54,7 +54,7 @@ FIELDS: Mapping[str, Field] = {**paged.FIELDS, **{n: SLOT_FIELDS[n] for n in MET
 
 @flax.struct.dataclass
 class PagedSlotCache(paged.PagedState):
-    """The buffers of :data:`FIELDS`: the pages and pool of ``paged.PagedState`` and the slot cache's metadata."""
+    """The buffers of ``FIELDS``: the pages and pool of ``paged.PagedState`` and the slot cache's metadata."""
 
     pos: jax.Array  # [L, b, H, C] int32
     valid: jax.Array  # [L, b, H, C] bool

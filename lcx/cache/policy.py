@@ -194,7 +194,7 @@ class EvictionPolicy(CachePolicy):
 
     @property
     def prefill_queries(self) -> str:
-        """Which prompt queries feed the score: "all", "last" or "window" (``observes.window``)."""
+        """Which prompt queries feed the score - "all", "last" or "window" (``observes.window``)."""
         return self.observes.prefill_queries
 
     @property

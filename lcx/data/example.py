@@ -33,7 +33,7 @@ class Example:
 
     @property
     def prompt_len(self) -> int:
-        """Tokens before the first answer token (BOS included): ``ids[:prompt_len]`` is what a model is given."""
+        """Tokens before the first answer token (BOS included) - ``ids[:prompt_len]`` is what a model is given."""
         hits = np.flatnonzero(self.loss_mask)
         return int(hits[0]) if hits.size else len(self.ids)
 

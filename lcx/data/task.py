@@ -98,7 +98,7 @@ class Task(abc.ABC):
 
     @property
     def frame(self):
-        """How prompts are framed: plain, or in the chat template (``lcx.data.haystack.Frame``)."""
+        """How prompts are framed - plain, or in the chat template (``lcx.data.haystack.Frame``)."""
         from lcx.data.haystack import Frame
 
         return Frame(self.tokenizer, self.chat)

@@ -4,7 +4,7 @@ running kernels once per shard.
 Mesh axes: ``"data"`` splits the batch, ``"seq"`` the sequence of a training row's activations (context
 parallelism, ``lcx.parallel.context``; size 1 unless asked for), ``"model"`` is tensor parallelism (query heads, KV
 heads, MLP hidden).
-Model code names logical axes only; :data:`LOGICAL_RULES` maps them to mesh axes, and :func:`logical_to_mesh` turns
+Model code names logical axes only; ``LOGICAL_RULES`` maps them to mesh axes, and :func:`logical_to_mesh` turns
 a logical spec into a ``PartitionSpec``, raising when one mesh axis would split two dimensions of one array.
 
 The model learns the mesh at trace time from the context mesh (``with use_mesh(mesh): ...``, which is
@@ -248,7 +248,7 @@ def logical_to_mesh(spec: Sequence[str | None] | PartitionSpec, rules: Mapping[s
 
 
 def check_rules(rules: Mapping[str, Any]) -> None:
-    """Every rule maps to ``None`` or to mesh axes of :data:`MESH_AXES`."""
+    """Every rule maps to ``None`` or to mesh axes of ``MESH_AXES``."""
     for name, target in rules.items():
         targets = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
         bad = [t for t in targets if t not in MESH_AXES]
@@ -424,7 +424,7 @@ def _shaped_specs(layouts, values, mesh, what: str):
 def per_shard(fn: Callable, in_axes: Sequence[Any], out_axes: Any) -> Callable:
     """``fn`` run once per shard of the context mesh (``jax.shard_map``), with no communication.
 
-    ``in_axes``: one logical layout per positional argument (a tuple such as :data:`BTHD`, or a pytree of them,
+    ``in_axes``: one logical layout per positional argument (a tuple such as ``BTHD``, or a pytree of them,
     e.g. a cache state of tuples); ``out_axes`` likewise for the result. Each shard sees its rows ("batch" over
     "data") and its heads ("heads" / "kv_heads" over "model"); ``fn`` must not mix rows or KV groups - true of the
     attention kernels and the cache write. Specs are made from the arguments' shapes, so a dimension the rules
