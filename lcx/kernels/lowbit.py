@@ -111,6 +111,37 @@ def dequantize_channels(packed: jax.Array, scale: jax.Array, zero: jax.Array, kv
     return x.reshape(codes.shape).astype(dtype)
 
 
+def key_logits(q: jax.Array, packed: jax.Array, scale: jax.Array, zero: jax.Array, kv_dtype: str) -> jax.Array:
+    """``q [..., d] . k_j`` for the per-channel keys of :func:`quantize_channels` (``packed [n, d * bits // 8]``,
+    ``scale, zero [n // group, d]``) without forming a float key: per token group ``g``,
+    ``q . k_j = (q * scale_g) . codes_j + q . zero_g`` - the scales move onto the query (one multiply per group, not
+    per token), which is how a kernel reads the codes tile by tile. Returns ``[..., n]`` float32."""
+    codes = unpack(packed, kv_dtype).astype(jnp.float32)  # [n, d]
+    n, d = codes.shape
+    groups = scale.shape[0]
+    qf = q.astype(jnp.float32)
+    q_scaled = qf[..., None, :] * scale.astype(jnp.float32)  # [..., groups, d]
+    offset = qf @ zero.astype(jnp.float32).T  # [..., groups]
+    cg = codes.reshape(groups, n // groups, d)
+    logits = jnp.einsum("...gd,gtd->...gt", q_scaled, cg) + offset[..., None]
+    return logits.reshape(*q.shape[:-1], n)
+
+
+def value_mix(p: jax.Array, packed: jax.Array, scale: jax.Array, zero: jax.Array, kv_dtype: str) -> jax.Array:
+    """``sum_j p_j v_j`` for the per-token values of :func:`quantize_tokens` (``packed [n, d * bits // 8]``,
+    ``scale, zero [n, d // group]``) without forming a float value: per channel group ``g``,
+    ``sum_j p_j v_jc = sum_j (p_j scale_jg) codes_jc + sum_j p_j zero_jg``. ``p [..., n]``; returns ``[..., d]``
+    float32."""
+    codes = unpack(packed, kv_dtype).astype(jnp.float32)  # [n, d]
+    n, d = codes.shape
+    groups = scale.shape[-1]
+    pf = p.astype(jnp.float32)
+    weighted = pf[..., :, None] * scale.astype(jnp.float32)  # [..., n, groups]
+    cg = codes.reshape(n, groups, d // groups)
+    out = jnp.einsum("...ng,ngc->...gc", weighted, cg) + (pf @ zero.astype(jnp.float32))[..., None]
+    return out.reshape(*p.shape[:-1], d)
+
+
 def lowbit_bytes(tokens: int, head_dim: int, kv_dtype: str, group: int) -> int:
     """Bytes of ``tokens`` keys *and* values of one KV head in this storage: packed codes, plus a float16 scale and
     zero per group (keys: per ``group`` tokens and channel; values: per token and ``group`` channels)."""
@@ -123,5 +154,5 @@ def lowbit_bytes(tokens: int, head_dim: int, kv_dtype: str, group: int) -> int:
     return codes + 2 * 2 * (key_groups + value_groups)
 
 
-__all__ = ["LOWBIT", "SCALE_DTYPE", "dequantize_channels", "dequantize_tokens", "lowbit_bytes", "pack",
-           "quantize_channels", "quantize_tokens", "unpack"]
+__all__ = ["LOWBIT", "SCALE_DTYPE", "dequantize_channels", "dequantize_tokens", "key_logits", "lowbit_bytes", "pack",
+           "quantize_channels", "quantize_tokens", "unpack", "value_mix"]

@@ -79,3 +79,24 @@ def test_a_constant_group_is_exact_and_bytes_are_the_arrays():
 def test_bad_settings_name_the_value_and_what_is_allowed(call, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
         call()
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_attention_over_codes_equals_attention_over_the_dequantized_cache(kv_dtype):
+    """The scales folded into the query (keys) and the probabilities (values) give what attending to the
+    dequantized keys and values gives: the oracle the cache's attention paths are held to."""
+    rng = np.random.default_rng(3)
+    n, d, group = 48, 32, 16
+    k, v = (jnp.asarray(rng.standard_normal((n, d)).astype(np.float32)) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((2, 3, d)).astype(np.float32))  # e.g. [query heads of a group, t, d]
+    kq = lowbit.quantize_channels(k, kv_dtype, group)
+    vq = lowbit.quantize_tokens(v, kv_dtype, group)
+    k_hat = lowbit.dequantize_channels(*kq, kv_dtype)
+    v_hat = lowbit.dequantize_tokens(*vq, kv_dtype)
+    logits = jax.jit(lowbit.key_logits, static_argnums=4)(q, *kq, kv_dtype)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(q @ k_hat.T), rtol=1e-5, atol=1e-4)
+    p = jax.nn.softmax(logits / np.sqrt(d), axis=-1)
+    out = jax.jit(lowbit.value_mix, static_argnums=4)(p, *vq, kv_dtype)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(p @ v_hat), rtol=1e-5, atol=1e-5)
+    # and the quantization error stays visible against the float cache (the codes are not the floats)
+    assert float(jnp.max(jnp.abs(out - p @ v))) > 1e-4
