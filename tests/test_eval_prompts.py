@@ -182,7 +182,7 @@ def test_nested_task_params_are_validated_under_their_own_keys(documents):
 
 # --------------------------------------------------------------------------------------------------- documented forms
 def _readme_forms(documents: Path) -> dict[str, dict]:
-    """The eval / ablate forms README.md and docs/ describe inline, each as a config on the checkpoint."""
+    """The eval / ablate forms docs/guides/experiments.md describes inline, each as a config on the checkpoint."""
     return {
         "passkey at depths": {"eval": {"task": "passkey", "lengths": [512], "depths": [0.25, 0.75]}},
         "ruler suite, chat": {"eval": {"tasks": ["ruler"], "lengths": [2048], "chat": True}},
