@@ -35,9 +35,8 @@ PUBLIC = [
 # Types that public signatures name but no package exports: documented under their own modules' names, so a
 # signature's annotation links to them (and the nitpicky build finds every lcx type it mentions).
 SIGNATURE_TYPES = ["lcx.model.config.AttentionSpec", "lcx.model.families.Family", "lcx.cache.paged.PagedState",
-                   "lcx.cache.page_pool.PagePool",
-                   "lcx.cache.reconstruct.Reconstruction", "lcx.eval.config.Setting", "lcx.eval.config.PerplexityConfig",
-                   "lcx.eval.cells.Shard"]
+                   "lcx.cache.page_pool.PagePool", "lcx.cache.reconstruct.Reconstruction", "lcx.eval.config.Setting",
+                   "lcx.eval.config.PerplexityConfig", "lcx.eval.cells.Shard"]
 # Lower layers first: an object lives where its layer exports it (``lcx.CacheConfig`` is ``lcx.cache.CacheConfig``).
 LAYERS = ["lcx.kernels", "lcx.model", "lcx.parallel.sharding", "lcx.parallel.context", "lcx.cache", "lcx.engine",
           "lcx.engine.server", "lcx.hf", "lcx.lm", "lcx.data", "lcx.train", "lcx.eval", "lcx.plan", "lcx.service",
@@ -48,7 +47,7 @@ def version(root: Path) -> str:
     return tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
 
 
-def _public(module: str) -> list[tuple[str, object]]:
+def exports(module: str) -> list[tuple[str, object]]:
     mod = importlib.import_module(module)
     names = getattr(mod, "__all__", None)
     if names is None:
@@ -65,7 +64,7 @@ def homes() -> dict[int, str]:
     """id(object) -> the module whose page documents it (the lowest layer exporting it)."""
     home: dict[int, str] = {}
     for module in LAYERS:
-        for _, obj in _public(module):
+        for _, obj in exports(module):
             if documented(obj) and not isinstance(obj, types.ModuleType):
                 home.setdefault(id(obj), module)
     return home
@@ -80,7 +79,7 @@ def api_page() -> str:
              "others. Generated from each package's `__all__` at build time (`docs/build_pages.py`).", ""]
     for module, summary in PUBLIC:
         own, elsewhere, constants = [], [], []
-        for name, obj in _public(module):
+        for name, obj in exports(module):
             if not documented(obj):
                 # A constant's "docstring" would be its type's (dict's, tuple's): named with its type instead.
                 constants.append(f"`{name}` ({type(obj).__name__})")
@@ -143,4 +142,5 @@ def write_all(root: Path, docs: Path) -> None:
         _write(docs / "notebooks" / f"{name}.md", text)
 
 
-__all__ = ["PUBLIC", "LAYERS", "SIGNATURE_TYPES", "api_page", "documented", "homes", "notebook_pages", "version", "write_all"]
+__all__ = ["PUBLIC", "LAYERS", "SIGNATURE_TYPES", "api_page", "documented", "exports", "homes", "notebook_pages",
+           "version", "write_all"]

@@ -42,7 +42,7 @@ def test_site_builds_and_every_public_name_is_two_clicks_from_the_index(site):
     home = build_pages.homes()
     checked = 0
     for module, _ in build_pages.PUBLIC:
-        for name, obj in build_pages._public(module):
+        for name, obj in build_pages.exports(module):
             if isinstance(obj, types.ModuleType) or not build_pages.documented(obj):
                 continue
             page = f"generated/{home[id(obj)]}.{name}.html"
