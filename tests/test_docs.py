@@ -88,3 +88,24 @@ def test_readme_ablation_config_loads_and_builds_its_prompts(tmp_path):
     assert [dict(p)["policy"] for p in cfg.ablate.policies] == ["full", "streaming", "snapkv", "tova", "kvzip"]
     cells = prompts(cfg.eval, resolve_tokenizer("auto", init_from=model))
     assert len(cells) == 11 and all(len(c.examples) == 2 for c in cells)
+
+
+def test_every_yaml_block_of_the_guides_is_a_valid_config(tmp_path):
+    """Each ```yaml block in docs/guides/ loads with lcx.load_config as written (a tiny model added where the block
+    shows only a cache section); the custom-policy example is run whole by tests/test_policy_example.py."""
+    import yaml
+
+    import lcx
+
+    tiny = {"vocab_size": 260, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128}
+    checked = 0
+    for page in sorted((ROOT / "docs" / "guides").glob("*.md")):
+        text = re.sub(r"<!-- custom-policy:start -->.*?<!-- custom-policy:end -->", "", page.read_text(), flags=re.S)
+        for i, block in enumerate(re.findall(r"```yaml\n(.*?)```", text, re.S)):
+            data = yaml.safe_load(block)
+            data.setdefault("model", tiny)
+            path = tmp_path / f"{page.stem}_{i}.yaml"
+            path.write_text(yaml.safe_dump(data))
+            lcx.load_config(path)  # raises ConfigError naming the bad key
+            checked += 1
+    assert checked >= 1
