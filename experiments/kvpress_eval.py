@@ -14,12 +14,20 @@ Usage::
     python experiments/kvpress_eval.py experiments/configs/smollm2_ruler_grid.yaml --ratios 0.75 \
         --presses expected_attention tova snapkv kvzip --out runs/kvpress_ruler_075
     python experiments/kvpress_eval.py experiments/configs/smollm2_passkey_compression.yaml --ratios 0.5 0.75
+
+``--hf-caches dynamic quanto-int4 quanto-int2`` runs transformers' own KV caches instead of presses: the whole prompt
+through ``generate`` with its float cache or its ``QuantizedCache`` (optimum-quanto, ``pip install optimum-quanto``;
+transformers quantizes the prompt at prefill and keeps decoded tokens in a float residual), labelled ``hf:<cache>`` -
+the anchor for lcx's quantized caches on the same prompts. Every run also writes ``outputs.jsonl`` (each prompt's
+generation and grade, as lcx's grids do), so ``python -m lcx.eval.paired`` compares it with an lcx run prompt by
+prompt.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -38,6 +46,11 @@ PRESSES = {
     "kvzip": lambda kp, r: kp.KVzipPress(r, n_sink=4, chunk_size=2048),
     "kvzip_layerwise": lambda kp, r: kp.KVzipPress(r, n_sink=4, chunk_size=2048, layerwise=True),
 }
+
+
+# transformers' caches by name: None = its default float DynamicCache, else the cache_config of its QuantizedCache
+HF_CACHES = {"dynamic": None, "quanto-int4": {"backend": "quanto", "nbits": 4},
+             "quanto-int2": {"backend": "quanto", "nbits": 2}}
 
 
 def press(name: str, ratio: float):
@@ -70,12 +83,28 @@ def generate(model, ex, press_obj, max_new: int, eos_id: int | None) -> list[int
     return tokens
 
 
+def generate_hf_cache(model, ex, cache: str, max_new: int, eos_id: int | None) -> list[int]:
+    """The greedy tokens of transformers' ``generate`` on the whole prompt with the cache ``HF_CACHES[cache]``."""
+    import torch
+
+    ids = torch.tensor([ex.prompt_ids.tolist()])
+    kwargs = {} if HF_CACHES[cache] is None else {"cache_implementation": "quantized",
+                                                  "cache_config": dict(HF_CACHES[cache])}
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=eos_id, pad_token_id=eos_id, **kwargs)
+    tokens = out[0, ids.shape[1]:].tolist()
+    return tokens[:tokens.index(eos_id)] if eos_id in tokens else tokens
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config", type=Path, help="an lcx experiment YAML with a checkpoint and an eval section")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, as for lcx run (e.g. eval.samples=4)")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75])
     parser.add_argument("--presses", nargs="+", default=["expected_attention", "tova", "snapkv"])
+    parser.add_argument("--hf-caches", nargs="+", default=None, choices=sorted(HF_CACHES),
+                        help="run transformers' caches (float or quantized) on the whole prompt instead of presses")
     parser.add_argument("--out", type=Path, default=None, help="where the tables go (default runs/<name>_kvpress)")
     args = parser.parse_args(argv)
 
@@ -93,8 +122,9 @@ def main(argv=None) -> None:
     if cfg.checkpoint is None or cfg.eval is None:
         raise SystemExit(f"{args.config}: needs a 'checkpoint' (an HF directory) and an 'eval' section")
     ev = cfg.eval
-    for name in args.presses:
-        press(name, 0.5)  # an unknown name fails before the model loads
+    if args.hf_caches is None:
+        for name in args.presses:
+            press(name, 0.5)  # an unknown name fails before the model loads
     tok = run_tokenizer(cfg, cfg.model)
     tasks, _ = grid_tasks(ev, tok)
     max_new = _max_new(ev, tasks)
@@ -105,25 +135,37 @@ def main(argv=None) -> None:
     for cell in retrieval:
         check_fits(cell.task, cfg.model, cell.ids)
     model = transformers.AutoModelForCausalLM.from_pretrained(cfg.checkpoint, attn_implementation="sdpa").eval()
-    out = args.out or Path("runs") / f"{cfg.name}_kvpress"
-    cells = [(p, r, cell) for p in args.presses for r in args.ratios for cell in retrieval]
-    rows = []
-    for name, ratio, cell in tqdm(cells, desc="kvpress", unit="cell", dynamic_ncols=True):
+    out = args.out or Path("runs") / f"{cfg.name}_{'hf_caches' if args.hf_caches else 'kvpress'}"
+    if args.hf_caches:  # (setting, how one example generates, compression, protocol)
+        runs = [(f"hf:{c}", lambda ex, n, c=c: generate_hf_cache(model, ex, c, n, tok.eos_id), "", "")
+                for c in args.hf_caches]
+    else:
+        runs = [(f"kvpress:{p} @c={r:g} one-shot", lambda ex, n, p=p, r=r: generate(model, ex, press(p, r), n,
+                                                                                   tok.eos_id), r, "one_shot")
+                for p in args.presses for r in args.ratios]
+    cells = [(run, cell) for run in runs for cell in retrieval]
+    rows, generations = [], []
+    for (label, gen, ratio, protocol), cell in tqdm(cells, desc="reference", unit="cell", dynamic_ncols=True):
         examples, task_name = cell.examples, cell.name
         start = time.perf_counter()
-        scores = [cell.task.score(ex, tok.decode(np.array(generate(model, ex, press(name, ratio),
-                                                                     max_new[task_name], tok.eos_id), np.int64)))
-                  for ex in examples]
+        texts = [tok.decode(np.array(gen(ex, max_new[task_name]), np.int64)) for ex in examples]
+        scores = [cell.task.score(ex, text) for ex, text in zip(examples, texts)]
+        generations += [{"setting": label, "task": task_name, "length": cell.length, "depth": cell.depth, "sample": i,
+                         "answer": ex.answer, "output": text, "grade": float(g)}
+                        for i, (ex, text, g) in enumerate(zip(examples, texts, scores))]
         lo, hi = wilson_interval(float(np.sum(scores)), len(scores))
-        rows.append({"policy": f"kvpress:{name}", "budget": "", "rope": "trained", "length": cell.length,
+        context = sum(int(ex.context_len if protocol else len(ex.prompt_ids)) for ex in examples)
+        rows.append({"policy": label.split(" ")[0], "budget": "", "rope": "trained", "length": cell.length,
                      "depth": "" if cell.depth is None else cell.depth,
                      "metric": "accuracy", "value": float(np.mean(scores)), "lo": lo, "hi": hi,
-                     "setting": f"kvpress:{name} @c={ratio:g} one-shot", "samples": len(scores),
+                     "setting": label, "samples": len(scores),
                      "seconds": round(time.perf_counter() - start, 2), "task": task_name if len(tasks) > 1 else "",
-                     "compression": ratio, "protocol": "one_shot",
-                     "prompt_tokens": sum(int(ex.context_len) for ex in examples),
-                     "prefilled_tokens": sum(int(ex.context_len) for ex in examples)})  # no context shared
-    write_report(rows, out, f"kvpress {len(tasks)} tasks" if len(tasks) > 1 else f"kvpress {next(iter(tasks))}")
+                     "compression": ratio, "protocol": protocol,
+                     "prompt_tokens": context, "prefilled_tokens": context})  # no context shared
+    kind = "transformers caches" if args.hf_caches else "kvpress"
+    write_report(rows, out, f"{kind} {len(tasks)} tasks" if len(tasks) > 1 else f"{kind} {next(iter(tasks))}")
+    with open(out / "outputs.jsonl", "w") as f:
+        f.writelines(json.dumps(g) + "\n" for g in generations)
     print(f"tables: {out}")
 
 
