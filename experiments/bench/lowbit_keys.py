@@ -7,6 +7,12 @@ variation distance between the two softmax rows (0 = the same distribution, 1 = 
 heads and layers, and the share of rows whose argmax key changed. The keys are the rotated ones a cache stores.
 
     python experiments/bench/lowbit_keys.py runs/models/SmolLM2-135M-Instruct --length 2048
+
+A second table asks what eviction does to per-channel groups: ``--evictions`` rounds each keep a random 3/4 of the
+tokens (the same ones for every scheme; the newest ``queries`` always), then the survivors are either re-grouped and
+quantized again from their dequantized values (what compacting a cache of codes into new groups does) or keep the
+scales of the groups they were quantized in (the error of quantizing once), against the float keys of the same
+survivors.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ def main(argv=None) -> None:
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--queries", type=int, default=64)
     parser.add_argument("--groups", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--evictions", type=int, default=3, help="rounds of keeping 3/4 of the tokens (second table)")
     args = parser.parse_args(argv)
 
     config, params = hf.load_hf(args.checkpoint)
@@ -77,6 +84,45 @@ def main(argv=None) -> None:
                             flips.append(np.mean(p.argmax(-1) != p_hat.argmax(-1)))
                 cells += [f"{np.mean(tvs):.4f}", f"{100 * np.mean(flips):.1f}%"]
             print(f"| per {scheme} | {group} | " + " | ".join(cells) + " |")
+    evictions(q_all, k_all, g, scale, args)
+
+
+def _survivors(t: int, queries: int, rounds: int, group: int, seed: int = 0) -> list[np.ndarray]:
+    """The kept token indices after each round: a random 3/4 (a multiple of ``group``), the newest ``queries`` kept."""
+    rng, kept, out = np.random.default_rng(seed), np.arange(t), []
+    for _ in range(rounds):
+        n = (len(kept) * 3 // 4) // group * group
+        old, new = kept[:-queries], kept[-queries:]
+        kept = np.concatenate([np.sort(rng.choice(old, n - queries, replace=False)), new])
+        out.append(kept)
+    return out
+
+
+def evictions(q_all: np.ndarray, k_all: np.ndarray, g: int, scale: float, args) -> None:
+    L, _, t, _, _ = q_all.shape
+    group = min(args.groups)
+    rounds = _survivors(t, args.queries, args.evictions, group)
+    print(f"\nper-channel keys (groups of {group}) after {args.evictions} evictions of 1/4 "
+          f"({t} -> {len(rounds[-1])} tokens): TV of the last {args.queries} queries' rows to float's")
+    print("| kv_dtype | quantized once, original groups | re-quantized at each eviction |")
+    print("|---|---|---|")
+    for kv_dtype in ("int4", "int2"):
+        once, again = [], []
+        for layer in range(L):
+            for head in range(k_all.shape[3]):
+                k = k_all[layer, 0, :, head]
+                k_once = quantized_keys(k, "channel", kv_dtype, group)[rounds[-1]]
+                k_again = quantized_keys(k, "channel", kv_dtype, group)
+                for kept, prev in zip(rounds, [np.arange(t)] + rounds[:-1]):
+                    index = np.searchsorted(prev, kept)  # kept tokens' rows in the previous round's array
+                    k_again = quantized_keys(k_again[index], "channel", kv_dtype, group)
+                k_kept = k[rounds[-1]]
+                for qh in range(head * g, (head + 1) * g):
+                    q = q_all[layer, 0, -args.queries:, qh]
+                    p = attention_rows(q, k_kept, scale)
+                    once.append(0.5 * np.abs(p - attention_rows(q, k_once, scale)).sum(-1).mean())
+                    again.append(0.5 * np.abs(p - attention_rows(q, k_again, scale)).sum(-1).mean())
+        print(f"| {kv_dtype} | {np.mean(once):.4f} | {np.mean(again):.4f} |")
 
 
 if __name__ == "__main__":
