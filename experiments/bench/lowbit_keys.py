@@ -111,8 +111,8 @@ def evictions(q_all: np.ndarray, k_all: np.ndarray, g: int, scale: float, args) 
         for layer in range(L):
             for head in range(k_all.shape[3]):
                 k = k_all[layer, 0, :, head]
-                k_once = quantized_keys(k, "channel", kv_dtype, group)[rounds[-1]]
-                k_again = quantized_keys(k, "channel", kv_dtype, group)
+                k_again = quantized_keys(k, "channel", kv_dtype, group)  # the first quantization, all tokens
+                k_once = k_again[rounds[-1]]
                 for kept, prev in zip(rounds, [np.arange(t)] + rounds[:-1]):
                     index = np.searchsorted(prev, kept)  # kept tokens' rows in the previous round's array
                     k_again = quantized_keys(k_again[index], "channel", kv_dtype, group)
