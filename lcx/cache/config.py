@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from lcx.cache.base import CacheKind, kind_class
 from lcx.cache.policy import CachePolicy, make_policy
 from lcx.config_base import ConfigError, canonical_dtype, check, coerce
-from lcx.kernels.names import QUANT_DTYPES
+from lcx.kernels.names import KV_DTYPES, LOWBIT_DTYPES
 
 # The cache types that serve the global layers of a model with sliding-window layers (lcx.cache.hybrid); any other
 # type is built as it is and must handle every layer's spec itself.
@@ -40,8 +40,11 @@ class CacheConfig:
     by ``policy`` and are validated by it. ``layout``: ``contiguous`` (each sequence its own slots) or ``paged`` (a
     pool of ``page_size``-token pages; sequences that share a prefix share its pages, ``lcx.cache.paged``).
     ``kv_dtype``: ``int8`` or ``fp8`` stores keys and values as 8-bit codes with one float16 scale per token and KV
-    head (``lcx.kernels.quant``; composes with every eviction policy, both layouts, and the memory tier); None
-    stores them in ``dtype``.
+    head (``lcx.kernels.quant``; composes with every eviction policy, both layouts, and the memory tier); ``int4`` or
+    ``int2`` as bit-packed codes with a float16 scale and zero per group (KIVI: keys per channel over ``kv_group``
+    tokens, values per token over ``kv_group`` channels, ``lcx.cache.lowbit_slots``), the ``kv_residual`` most recent
+    tokens (and the key group still filling) kept in ``dtype`` - the contiguous slot cache with every eviction policy;
+    None stores them in ``dtype``.
     """
 
     policy: str = "full"
@@ -55,18 +58,21 @@ class CacheConfig:
     layout: str = "contiguous"
     page_size: int = 16
     kv_dtype: str | None = None
+    kv_group: int = 64
+    kv_residual: int = 0
     policy_params: tuple[tuple[str, Any], ...] = ()
 
     def __init__(self, policy: str = "full", budget: int | Sequence[int] | None = None,
                  budget_schedule: str = "uniform", pyramid_beta: float = 2.0, dtype: str | None = None,
                  prefill_chunk: int | None = None, interval: int = 64, max_bytes: int | None = None,
-                 layout: str = "contiguous", page_size: int = 16, kv_dtype: str | None = None, **policy_params):
+                 layout: str = "contiguous", page_size: int = 16, kv_dtype: str | None = None, kv_group: int = 64,
+                 kv_residual: int = 0, **policy_params):
         if isinstance(budget, Sequence) and not isinstance(budget, str):
             budget = tuple(budget)
         values = dict(policy=policy, budget=budget, budget_schedule=budget_schedule, pyramid_beta=pyramid_beta,
                       dtype=dtype, prefill_chunk=prefill_chunk, interval=interval, max_bytes=max_bytes,
-                      layout=layout, page_size=page_size, kv_dtype=kv_dtype,
-                      policy_params=tuple(sorted(policy_params.items())))
+                      layout=layout, page_size=page_size, kv_dtype=kv_dtype, kv_group=kv_group,
+                      kv_residual=kv_residual, policy_params=tuple(sorted(policy_params.items())))
         for key, value in values.items():
             object.__setattr__(self, key, value)
         self.__post_init__()
@@ -92,9 +98,25 @@ class CacheConfig:
               "cache.page_size", self.page_size, "must be a positive integer (tokens per page)")
         if self.dtype is not None:
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "cache.dtype"))
-        check(self.kv_dtype is None or self.kv_dtype in QUANT_DTYPES, "cache.kv_dtype", self.kv_dtype,
-              f"must be one of {list(QUANT_DTYPES)} or null (keys and values in cache.dtype)")
+        check(self.kv_dtype is None or self.kv_dtype in KV_DTYPES, "cache.kv_dtype", self.kv_dtype,
+              f"must be one of {list(KV_DTYPES)} or null (keys and values in cache.dtype)")
+        _positive = lambda x: isinstance(x, int) and not isinstance(x, bool) and x > 0  # noqa: E731
+        check(_positive(self.kv_group) and self.kv_group & (self.kv_group - 1) == 0, "cache.kv_group",
+              self.kv_group, "must be a power of two (tokens per key scale, channels per value scale)")
+        check(isinstance(self.kv_residual, int) and not isinstance(self.kv_residual, bool) and self.kv_residual >= 0,
+              "cache.kv_residual", self.kv_residual, "must be a non-negative integer (recent tokens kept unquantized)")
+        lowbit = self.kv_dtype in LOWBIT_DTYPES
+        for key, default in (("kv_group", 64), ("kv_residual", 0)):
+            if getattr(self, key) != default and not lowbit:
+                raise ConfigError(f"cache.{key}={getattr(self, key)} applies to the bit-packed caches only: set "
+                                  f"cache.kv_dtype to one of {list(LOWBIT_DTYPES)} (it is {self.kv_dtype!r}), or "
+                                  f"leave cache.{key} at {default}")
         policy = self.make_policy()  # validates the name and the policy's parameters
+        if lowbit and (policy.cache_type != "slots" or self.layout != "contiguous"):
+            raise ConfigError(f"cache.kv_dtype={self.kv_dtype!r} with cache.policy={self.policy!r} and "
+                              f"cache.layout={self.layout!r}: the bit-packed cache is built for the contiguous slot "
+                              "cache (full and every eviction policy, layout 'contiguous'); allowed here: kv_dtype "
+                              f"{[d for d in KV_DTYPES if d not in LOWBIT_DTYPES]} or null")
         if self.kv_dtype is not None and (policy.cache_type not in ("slots", "memory")
                                           or (self.layout != "contiguous" and policy.cache_type != "slots")):
             raise ConfigError(f"cache.kv_dtype={self.kv_dtype!r} with cache.policy={self.policy!r} and "
@@ -130,6 +152,10 @@ class CacheConfig:
             name = "paged_slots" if policy.evicts else "paged"
         elif name in HYBRID_GLOBAL and any(s.window is not None for s in model.attention_specs()):
             name = "hybrid"  # sliding-window layers keep only their window (lcx.cache.hybrid)
+            if self.kv_dtype in LOWBIT_DTYPES:
+                raise ConfigError(f"cache.kv_dtype={self.kv_dtype!r}: the bit-packed cache is built for models whose "
+                                  "layers are all global; this model has sliding-window layers (a hybrid cache); "
+                                  f"allowed here: kv_dtype {[d for d in KV_DTYPES if d not in LOWBIT_DTYPES]} or null")
         return kind_class(name).from_config(model, self, policy)
 
     @classmethod
@@ -139,7 +165,7 @@ class CacheConfig:
         data.pop("policy_params", None)
         hints = {"dtype": str | None, "prefill_chunk": int | None, "interval": int, "max_bytes": int | None,
                  "policy": str, "budget_schedule": str, "layout": str, "page_size": int, "pyramid_beta": float,
-                 "kv_dtype": str | None}
+                 "kv_dtype": str | None, "kv_group": int, "kv_residual": int}
         kwargs = {k: coerce(v, hints[k], f"{prefix}.{k}") if k in hints else v for k, v in data.items()}
         return cls(**kwargs)
 
@@ -153,6 +179,9 @@ class CacheConfig:
             del out["pyramid_beta"]
         if self.kv_dtype is None:
             del out["kv_dtype"]
+        for key, default in (("kv_group", 64), ("kv_residual", 0)):  # configs written before them stay equal
+            if out[key] == default:
+                del out[key]
         out.update(self.params)
         return out
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lcx.cache import reconstruct, slot_attention
+from lcx.cache import lowbit_slots, reconstruct, slot_attention
 from lcx.cache.base import (AUTO_PREFILL_CHUNK, CacheCapacityError, CacheKind, CacheState, register_kind,
                             round_chunk)
 from lcx.cache.observes import QUERY_FIELDS  # noqa: F401 - re-exported: the buffers of the query moments
@@ -36,6 +36,7 @@ from lcx.cache.policy import EvictionPolicy, make_policy
 from lcx.cache.schedule import evict_cache, layer_budgets
 from lcx.cache.schema import Field
 from lcx.config_base import ConfigError, canonical_dtype, format_bytes
+from lcx.kernels.names import LOWBIT_DTYPES
 from lcx.kernels.quant import QUANT_DTYPES, SCALE_DTYPE, storage_dtype
 from lcx.model.config import ModelConfig
 from lcx.parallel.sharding import BSKD, ROWS, per_shard
@@ -68,6 +69,12 @@ class KVCache(CacheState):
     lengths: jax.Array | None  # [b] int32 (None in the per-layer view)
     k_scale: jax.Array | None = None  # [L, b, k, C] float16 (SCALE_FIELDS; None unless cache.kv_dtype is set)
     v_scale: jax.Array | None = None  # [L, b, k, C] float16
+    # int4 / int2 (lcx.cache.lowbit_slots): k, v hold packed codes [L, b, k, C, d * bits / 8] uint8, k_scale the key
+    # scales [L, b, k, C / G, d], v_scale the value scales [L, b, k, C, d / G]; their zeros and the float window
+    k_zero: jax.Array | None = None
+    v_zero: jax.Array | None = None
+    k_res: jax.Array | None = None  # [L, b, k, R + G, d] in cache.dtype
+    v_res: jax.Array | None = None
     q_count: jax.Array | None = None  # [L, b] float32 (QUERY_FIELDS; None unless the policy observes them)
     q_mean: jax.Array | None = None  # [L, b, h, d] float32
     q_m2: jax.Array | None = None  # [L, b, h, d, d] float32
@@ -88,7 +95,9 @@ class SlotCacheKind(CacheKind):
     """Slots with an eviction policy. ``model``: the config whose KV heads the cache stores; ``budgets``: one per
     layer (None: the policy keeps everything, at most ``limit`` tokens when set); ``interval``: decode steps between
     compactions; ``dtype``: the float dtype of keys and values; ``quant``: ``cache.kv_dtype`` (``int8`` / ``fp8``:
-    8-bit codes with per-slot scales, ``lcx.kernels.quant``; None: stored in ``dtype``)."""
+    8-bit codes with per-slot scales, ``lcx.kernels.quant``; ``int4`` / ``int2``: bit-packed codes with group
+    scales and a float window, ``lcx.cache.lowbit_slots``, with ``group`` = ``cache.kv_group`` and ``residual`` =
+    ``cache.kv_residual``; None: stored in ``dtype``)."""
 
     name: ClassVar[str] = "slots"
     state_type: ClassVar[type] = KVCache
@@ -100,6 +109,17 @@ class SlotCacheKind(CacheKind):
     interval: int = 64
     limit: int | None = None
     quant: str | None = None
+    group: int = 64
+    residual: int = 0
+
+    def __post_init__(self):
+        if self.lowbit:
+            lowbit_slots.check(self.quant, self.group, self.model.head_dim)
+
+    @property
+    def lowbit(self) -> bool:
+        """Whether keys and values are bit-packed codes (``int4`` / ``int2``)."""
+        return self.quant in LOWBIT_DTYPES
 
     @classmethod
     def from_config(cls, model, cache, policy) -> "SlotCacheKind":
@@ -114,7 +134,8 @@ class SlotCacheKind(CacheKind):
             budgets = layer_budgets(cache, model.n_layers)
             policy.check(model.n_layers, budgets)
         return cls(model=model, policy=policy, budgets=budgets, dtype=cache.dtype or model.dtype,
-                   interval=cache.interval, limit=None if policy.evicts else cache.max_budget, quant=cache.kv_dtype)
+                   interval=cache.interval, limit=None if policy.evicts else cache.max_budget, quant=cache.kv_dtype,
+                   group=cache.kv_group, residual=cache.kv_residual)
 
     # ------------------------------------------------------------------------------------------- declaration
     def fields(self) -> Mapping[str, Field]:
@@ -122,7 +143,8 @@ class SlotCacheKind(CacheKind):
         observed = self.policy.observes.fields()
         if not observed and self.quant is None:
             return FIELDS
-        return {**FIELDS, **(SCALE_FIELDS if self.quant else {}), **observed}
+        stored = lowbit_slots.FIELDS if self.lowbit else SCALE_FIELDS if self.quant else {}
+        return {**FIELDS, **stored, **observed}
 
     @property
     def keep_heads(self) -> int:
@@ -139,8 +161,11 @@ class SlotCacheKind(CacheKind):
 
     def sizes(self, batch: int, capacity: int) -> dict[str, int]:
         m = self.model
-        return {"layers": m.n_layers, "batch": batch, "length": capacity, "kv_heads": m.n_kv_heads,
-                "head_dim": m.head_dim, "keep_heads": self.keep_heads, "heads": m.n_heads}
+        out = {"layers": m.n_layers, "batch": batch, "length": capacity, "kv_heads": m.n_kv_heads,
+               "head_dim": m.head_dim, "keep_heads": self.keep_heads, "heads": m.n_heads}
+        if self.lowbit:
+            out |= lowbit_slots.sizes(self.quant, self.group, self.residual, m.head_dim, capacity)
+        return out
 
     # Capabilities (``CacheKind.check_runs``). Reconstruction passes (``attend`` with ``probe=``), ``write_prompt``
     # and a calibrated head split (the kind rebuilt with the measured policy) are written against this class's
@@ -167,7 +192,8 @@ class SlotCacheKind(CacheKind):
 
     @property
     def kv_dtype(self) -> str:
-        return self.dtype if self.quant is None else storage_dtype(self.quant)
+        # the bit-packed cache declares its codes uint8 itself; "kv" buffers there are its float window
+        return self.dtype if self.quant is None or self.lowbit else storage_dtype(self.quant)
 
     # ------------------------------------------------------------------------------------------- planning
     def plan(self, batch: int, max_prompt: int, max_new_tokens: int) -> int:
@@ -218,6 +244,11 @@ class SlotCacheKind(CacheKind):
         """Append and attend (``slot_attention.attend``); with a ``probe`` (a reconstruction pass of a policy that
         observes ``reconstructs``, ``lcx.cache.reconstruct``) attend without appending and score the probed slots."""
         if probe is not None:
+            if self.lowbit:  # the pass scores the dequantized slots; only the scores change
+                out, scored = reconstruct.attend(self, self.float_layer(layer, q.dtype), q, key, val, cos=cos,
+                                                 sin=sin, ok=ok, spec=spec or self.model.attention_specs()[0],
+                                                 probe=probe)
+                return out, layer.replace(score=scored.score)
             return reconstruct.attend(self, layer, q, key, val, cos=cos, sin=sin, ok=ok,
                                       spec=spec or self.model.attention_specs()[0], probe=probe)
         return slot_attention.attend(self, layer, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
@@ -233,11 +264,26 @@ class SlotCacheKind(CacheKind):
         return per_shard(slot_attention.write, (layout, BSKD, BSKD, ROWS, ROWS), layout)(layer, keys, val, positions,
                                                                                          ok)
 
+    def float_layer(self, layer: KVCache, dtype) -> KVCache:
+        """A bit-packed ``layer`` with float keys and values ``[b, k, C, d]`` in ``dtype`` (dequantized, the window
+        overlaid) and no scales: what attention, reconstruction passes and eviction read."""
+        k, v = lowbit_slots.float_kv(layer, self.quant, self.group, self.residual, dtype)
+        return layer.replace(k=k, v=v, **{n: None for n in lowbit_slots.STORED[2:]})
+
     # ------------------------------------------------------------------------------------------- eviction
     def evict(self, state: KVCache):
         if self.budgets is None:
             return state, None
-        return evict_cache(self.policy, state, jnp.asarray(self.budgets, jnp.int32))
+        budgets = jnp.asarray(self.budgets, jnp.int32)
+        if not self.lowbit:
+            return evict_cache(self.policy, state, budgets)
+        # Policies score and compact the dequantized slots; the survivors are quantized again. ``left`` holds the
+        # removed slots' float keys and values.
+        k, v = lowbit_slots.float_layers(state, self.quant, self.group, self.residual, self.dtype)
+        floats = state.replace(k=k, v=v, **{n: None for n in lowbit_slots.STORED[2:]})
+        out, left = evict_cache(self.policy, floats, budgets)
+        stored = state.replace(**{n: getattr(out, n) for n in ("pos", "valid", "count", "score")})
+        return lowbit_slots.requantize_layers(stored, out.k, out.v, self.quant, self.group, self.residual), left
 
     def make_room(self, state: KVCache, n) -> KVCache:
         if self.budgets is None:
@@ -277,8 +323,9 @@ def init_cache(config: ModelConfig, batch: int, capacity: int, dtype: str | None
 
 def kv_bytes(config: ModelConfig, capacity: int, batch: int, dtype: str) -> int:
     """Bytes of K and V for ``capacity`` slots: 2 x layers x kv_heads x head_dim x capacity x bytes x batch (from the
-    cache's own declaration); ``dtype`` ``int8`` / ``fp8``: 8-bit codes plus their float16 scales."""
-    if dtype in QUANT_DTYPES:
+    cache's own declaration); ``dtype`` ``int8`` / ``fp8``: 8-bit codes plus their float16 scales; ``int4`` /
+    ``int2``: packed codes, group scales and zeros (``kv_group`` 64) and the float window (``kv_residual`` 0)."""
+    if dtype in QUANT_DTYPES or dtype in LOWBIT_DTYPES:
         return dataclasses.replace(full_kind(config), quant=dtype).nbytes(batch, capacity)
     return full_kind(config, dtype).nbytes(batch, capacity)
 

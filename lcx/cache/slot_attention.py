@@ -34,6 +34,7 @@ import einops
 import jax
 import jax.numpy as jnp
 
+from lcx.cache import lowbit_slots
 from lcx.cache.kv_view import KVView, attend_view
 from lcx.cache.observes import observe_queries
 from lcx.kernels import Attended
@@ -65,7 +66,11 @@ def write(layer, k: jax.Array, v: jax.Array, positions: jax.Array, ok: jax.Array
     put = lambda buf, x: buf.at[rows, head, slot_kv].set(  # noqa: E731
         einops.rearrange(x, "b t k ... -> b k t ...").astype(buf.dtype), mode="drop")
     quant = getattr(layer.kind, "quant", None)
-    if quant is not None:  # 8-bit codes and one scale per token and KV head (lcx.kernels.quant)
+    if getattr(layer.kind, "lowbit", False):  # bit-packed codes, group scales and a float window (lowbit_slots)
+        stored = lowbit_slots.write(layer, k, v, ok, quant, layer.kind.group, layer.kind.residual)
+        layer = layer.replace(**{n: getattr(stored, n) for n in lowbit_slots.STORED})
+        put = lambda buf, x: buf  # noqa: E731  - written above
+    elif quant is not None:  # 8-bit codes and one scale per token and KV head (lcx.kernels.quant)
         (k, k_scale), (v, v_scale) = quantize(k, quant), quantize(v, quant)
         layer = layer.replace(k_scale=put(layer.k_scale, k_scale), v_scale=put(layer.v_scale, v_scale))
     return layer.replace(
@@ -122,9 +127,14 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     mask = layer.valid[:, :, None, :] & (layer.pos[:, :, None, :] <= positions[:, None, :, None])  # [b, H, t, C]
     if spec.window is not None:
         mask &= layer.pos[:, :, None, :] > positions[:, None, :, None] - spec.window
-    k_att, k_scale = layer.k, getattr(layer, "k_scale", None)
+    if getattr(kind, "lowbit", False):  # one layer dequantized (codes x scale + zero, the float window overlaid)
+        k_att, v_att = lowbit_slots.float_kv(layer, kind.quant, kind.group, kind.residual, q.dtype)
+        k_scale = v_scale = None
+    else:
+        k_att, v_att = layer.k, layer.v
+        k_scale, v_scale = getattr(layer, "k_scale", None), getattr(layer, "v_scale", None)
     if mode == "cache":  # keys rotated here, whole: an 8-bit cache's are dequantized first (in the query's dtype)
-        keys = layer.k if k_scale is None else dequantize(layer.k, k_scale, q.dtype)
+        keys = k_att if k_scale is None else dequantize(k_att, k_scale, q.dtype)
         k_att = rotate_by_rank(config, keys, jnp.maximum(jnp.cumsum(layer.valid, axis=-1, dtype=jnp.int32) - 1, 0),
                                cache_layout=True, rope=spec.rope)
         k_scale = None
@@ -133,9 +143,8 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     # The view's row ints and live masks: per row with one shared keep set, else per row and KV head.
     per_kv = (lambda x: x[:, 0]) if heads == 1 else (  # noqa: E731
         lambda x: einops.repeat(x, "b H ... -> b (H j) ...", j=kv_heads // heads))
-    view = KVView(k=k_att, v=layer.v, lengths=per_kv(layer.count), offsets=per_kv(q_offsets),
-                  valid=per_kv(mask[:, :, 0]) if q.shape[1] == 1 else None, k_scale=k_scale,
-                  v_scale=getattr(layer, "v_scale", None))
+    view = KVView(k=k_att, v=v_att, lengths=per_kv(layer.count), offsets=per_kv(q_offsets),
+                  valid=per_kv(mask[:, :, 0]) if q.shape[1] == 1 else None, k_scale=k_scale, v_scale=v_scale)
     counted = stat_weights is not None and observes.attention is not None
     core = functools.partial(attend_view, config.attention.impl, spec=spec)
     if counted:

@@ -50,7 +50,8 @@ def setting_label(cache: CacheConfig, rope: str = "trained", setting: Setting | 
     defaults = {f.name: f.default for f in dataclasses.fields(policy) if f.default is not dataclasses.MISSING}
     extras = [f"{k}={v}" for k, v in sorted(cache.params.items()) if defaults.get(k, object()) != v]
     base = CacheConfig()
-    extras += [f"{f}={getattr(cache, f)}" for f in ("budget_schedule", "dtype", "kv_dtype", "max_bytes")
+    extras += [f"{f}={getattr(cache, f)}" for f in ("budget_schedule", "dtype", "kv_dtype", "kv_group", "kv_residual",
+                                                    "max_bytes")
                if getattr(cache, f) != getattr(base, f)]
     budget = f" @{cache.budget}" if policy.evicts and cache.budget is not None else ""
     if setting is not None and setting.compression is not None and policy.evicts:

@@ -19,8 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# cache.kv_dtype -> bits per stored element
-LOWBIT = {"int4": 4, "int2": 2}
+from lcx.kernels.names import LOWBIT_DTYPES as LOWBIT  # cache.kv_dtype -> bits per stored element
 SCALE_DTYPE = jnp.float16
 
 

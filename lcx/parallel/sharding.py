@@ -81,6 +81,11 @@ LOGICAL_RULES: Mapping[str, str | None] = types.MappingProxyType({
     "route_queries": None,
     "stats": None,
     "router_rank": None,
+    # the bit-packed cache's code bytes, key-scale rows, value-scale groups and float window (lcx.cache.lowbit_slots)
+    "packed_dim": None,
+    "key_groups": None,
+    "value_groups": None,
+    "residual": None,
 })
 # Dimensions of these logical axes are replicated when their size does not divide the mesh axis (a shared keep set).
 REPLICATE_IF_INDIVISIBLE = frozenset({"keep_heads"})

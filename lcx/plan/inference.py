@@ -33,6 +33,7 @@ from lcx.cache.kv_cache import kv_bytes
 from lcx.config import ConfigError, ModelConfig
 from lcx.config_base import canonical_dtype, dtype_bytes, format_bytes
 from lcx.parallel.device_memory import UTILIZATION, usable_bytes
+from lcx.kernels.names import KV_DTYPES, LOWBIT_DTYPES
 from lcx.kernels.quant import QUANT_DTYPES
 from lcx.model.placement import param_bytes_per_device
 
@@ -46,8 +47,22 @@ STATUSES = ("pass", "warn", "fail")
 
 # --------------------------------------------------------------------------------------------------- arithmetic
 def kv_bytes_per_token(model: ModelConfig, kv_dtype: str) -> int:
-    """Bytes of K and V for one token of one sequence, all layers and all KV heads (no sharding, no replication)."""
+    """Bytes of K and V for one token of one sequence, all layers and all KV heads (no sharding, no replication);
+    for the bit-packed caches the bytes one more key group adds, per token (codes and scales; the float window of
+    ``kv_window_bytes`` is per sequence)."""
+    if kv_dtype in LOWBIT_DTYPES:
+        group = CacheConfig.kv_group
+        return (kv_bytes(model, 2 * group, 1, kv_dtype) - kv_bytes(model, group, 1, kv_dtype)) // group
     return kv_bytes(model, 1, 1, kv_dtype if kv_dtype in QUANT_DTYPES else canonical_dtype(kv_dtype))
+
+
+def kv_window_bytes(model: ModelConfig, kv_dtype: str) -> int:
+    """Bytes per sequence that do not grow with its length: the float window of a bit-packed cache (the key group
+    still filling, ``kv_residual`` 0), 0 for the others."""
+    if kv_dtype not in LOWBIT_DTYPES:
+        return 0
+    group = CacheConfig.kv_group
+    return kv_bytes(model, group, 1, kv_dtype) - group * kv_bytes_per_token(model, kv_dtype)
 
 
 def local_slots(model: ModelConfig, tokens: int, interval: int, prefill_chunk: int | None = None) -> int:
@@ -66,7 +81,8 @@ def kv_bytes_for_context(model: ModelConfig, kv_dtype: str, tokens: int, interva
     per_layer = kv_bytes_per_token(model, kv_dtype) // model.n_layers
     n_local = model.types.count("sliding_attention")
     return per_layer * ((model.n_layers - n_local) * tokens
-                        + n_local * local_slots(model, tokens, interval, prefill_chunk))
+                        + n_local * local_slots(model, tokens, interval, prefill_chunk)) \
+        + kv_window_bytes(model, kv_dtype)
 
 
 def weight_bytes(model: ModelConfig, dtype: str) -> int:
@@ -172,11 +188,11 @@ class PlanInputs:
         if self.shared_prefix and getattr(self.cache, "layout", None) != "paged":
             raise ConfigError(f"shared_prefix={self.shared_prefix} needs a paged cache to share pages: pass "
                               "--page-size N (or --cache-param layout=paged)")
-        if self.kv_dtype not in QUANT_DTYPES:  # int8 / fp8: 8-bit codes with float16 scales (lcx.kernels.quant)
+        if self.kv_dtype not in KV_DTYPES:  # int8 / fp8 / int4 / int2: codes with float16 scales
             try:
                 object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype or self.model.dtype, "--kv-dtype"))
             except ConfigError as err:
-                raise ConfigError(f"{err}, or 8-bit codes {list(QUANT_DTYPES)}") from None
+                raise ConfigError(f"{err}, or quantized codes {list(KV_DTYPES)}") from None
         object.__setattr__(self, "weight_dtype",
                            canonical_dtype(self.weight_dtype or self.model.param_dtype, "--weight-dtype"))
 
@@ -372,7 +388,7 @@ def _precision_checkpoint(inputs: PlanInputs) -> Checkpoint:
     # fp32 and bf16 share an 8-bit exponent; fp16 has 5. Crossing that line either overflows (8 -> 5 bits) or
     # loses mantissa (fp16's 11 significant bits -> bf16's 8).
     for what, dtype in (("KV cache", inputs.kv_dtype), ("weights", inputs.weight_dtype)):
-        if dtype in QUANT_DTYPES:  # scaled per token: no exponent range to cross
+        if dtype in KV_DTYPES:  # scaled per token or group: no exponent range to cross
             continue
         if _is_fp16(dtype) != _is_fp16(trained):
             if _is_fp16(dtype):
@@ -462,7 +478,7 @@ def _tier_numbers(inputs: PlanInputs) -> dict[str, Any]:
     """Bytes the cache type of ``inputs.cache`` holds for the context, from its own buffer declaration."""
     if inputs.cache is None:
         return {}
-    if inputs.kv_dtype in QUANT_DTYPES:  # the 8-bit cache of the run's policy: codes and scales
+    if inputs.kv_dtype in KV_DTYPES:  # the quantized cache of the run's policy: codes and scales
         cache = CacheConfig.from_mapping({**inputs.cache.to_dict(), "kv_dtype": inputs.kv_dtype})
         kind = cache.kind(inputs.model)
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 
 from lcx.config_base import dtype_bytes, format_bytes
+from lcx.kernels.names import LOWBIT_DTYPES
 from lcx.kernels.quant import QUANT_DTYPES
 
 # fp16 keeps finite values up to 65504; past a few thousand tokens attention logits and residual activations of
@@ -32,6 +33,8 @@ def render(plan: Plan) -> str:
         f"{fb(plan.weight_bytes_per_device)} per device",
         f"KV cache     {fb(plan.kv_bytes_per_token)} per token (2 x {plan.n_layers} layers x {plan.n_kv_heads} KV "
         f"heads x " + (f"({plan.head_dim} x 1 B + a 2 B scale), {plan.kv_dtype})" if plan.kv_dtype in QUANT_DTYPES
+                       else f"({plan.head_dim} x {LOWBIT_DTYPES[plan.kv_dtype]} bits + group scales and zeros), "
+                       f"{plan.kv_dtype})" if plan.kv_dtype in LOWBIT_DTYPES
                        else f"{plan.head_dim} x {dtype_bytes(plan.kv_dtype)} B, {plan.kv_dtype})"),
         f"             {fb(plan.kv_bytes_total)} total for {plan.context} tokens x batch {plan.batch}; "
         f"{fb(plan.kv_bytes_per_device)} per device ({plan.kv_heads_per_device} KV head(s) per device"

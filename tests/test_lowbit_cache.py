@@ -1,0 +1,188 @@
+"""The bit-packed working cache (``cache.kv_dtype: int4 | int2``, ``lcx.cache.lowbit_slots``) against a float
+reference: its codes and scales are the float cache's keys and values quantized in KIVI's groups, its bytes are the
+declared ones, decode over the codes equals a prefill over the same tokens, eviction keeps keys within the
+re-quantization error and values exact, every policy runs on it, and bad settings fail at config load."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import lcx
+from lcx.cache import lowbit_slots
+from lcx.config import CacheConfig, ConfigError, ModelConfig
+from lcx.engine import Generator
+from lcx.kernels import lowbit
+
+CFG = ModelConfig(vocab_size=61, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48, init_std=0.1)
+PROMPT = np.random.default_rng(5).integers(0, 61, 45).tolist()
+G = 8  # tokens per key group (so the 45-token prompt fills several and leaves one open)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return lcx.init_params(CFG, jax.random.key(0))
+
+
+def _layer0_floats(gen_cache, n):
+    """Layer 0's float keys and values of the first ``n`` slots, ``[b, k, n, d]``."""
+    return np.asarray(gen_cache.k[0, :, :, :n]), np.asarray(gen_cache.v[0, :, :, :n])
+
+
+@pytest.mark.parametrize("kv_dtype, residual", [("int4", 0), ("int2", 16)])
+def test_lowbit_codes_are_the_float_cache_quantized_in_groups(params, kv_dtype, residual):
+    """Prefilled in chunks of 16 (a key group completes inside a later chunk than its first token), layer 0's store
+    holds exactly the float cache's keys quantized per channel over groups of G slots and its values per token
+    (layer 0's keys depend on the token alone); the window holds the slots after the last whole group that is older
+    than ``residual`` tokens, in float."""
+    fl = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(prefill_chunk=16), capacity=64)
+    lb = Generator(CFG, params, max_new_tokens=1, capacity=64,
+                   cache=CacheConfig(prefill_chunk=16, kv_dtype=kv_dtype, kv_group=G, kv_residual=residual))
+    n = len(PROMPT)
+    ref, got = fl.prefill([PROMPT]).cache, lb.prefill([PROMPT]).cache
+    k, v = _layer0_floats(ref, n)
+    q = (n - residual) // G * G
+    kc, ks, kz = lowbit.quantize_channels(k[:, :, :q], kv_dtype, G)
+    vc, vs, vz = lowbit.quantize_tokens(v[:, :, :q], kv_dtype, G)
+    for name, want in (("k", kc), ("k_scale", ks), ("k_zero", kz)):
+        stored = np.asarray(getattr(got, name)[0])
+        stored = stored[:, :, :q] if name == "k" else stored[:, :, :q // G]
+        np.testing.assert_array_equal(stored, np.asarray(want), err_msg=name)
+    for name, want in (("v", vc), ("v_scale", vs), ("v_zero", vz)):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)[0, :, :, :q]), np.asarray(want), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(got.k_res[0, :, :, :n - q]), k[:, :, q:])
+    np.testing.assert_array_equal(np.asarray(got.v_res[0, :, :, :n - q]), v[:, :, q:])
+    assert got.k.dtype == np.uint8 and got.k.shape[-1] == CFG.head_dim * lowbit.LOWBIT[kv_dtype] // 8
+
+
+def test_lowbit_bytes_are_the_declared_ones_and_meet_the_ratios(params):
+    """``GenerateResult.cache_bytes`` is the arrays' bytes, which follow the declaration: packed codes, a float16
+    scale and zero per key group (per channel) and per value group (per token), and the float window; for a real
+    model's shape (SmolLM2-135M: 30 layers, 3 KV heads, head dim 64) at 8,192 tokens, int4 with groups of 64 takes
+    <= 0.30 of bfloat16's bytes and int2 <= 0.18 (the window in bfloat16)."""
+    cache = CacheConfig(kv_dtype="int4", kv_group=G)
+    res = lcx.generate(CFG, params, [PROMPT], max_new_tokens=2, cache=cache)
+    L, k, d, W = CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, G
+    C = cache.kind(CFG).plan(1, len(PROMPT), 2)  # 47 slots: the last key group is partial
+    codes = 2 * L * k * C * d // 2
+    scales = 2 * 2 * L * k * -(-C // G) * d + 2 * 2 * L * k * C * (d // G)
+    window = 2 * L * k * W * d * 4  # float32, the model's dtype
+    assert res.cache_bytes == codes + scales + window
+    smol = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536)
+    bf16 = CacheConfig(dtype="bfloat16").kind(smol).nbytes(1, 8192)
+    ratios = {q: CacheConfig(kv_dtype=q, dtype="bfloat16").kind(smol).nbytes(1, 8192) / bf16 for q in ("int4", "int2")}
+    assert ratios["int4"] <= 0.30 and ratios["int2"] <= 0.18, ratios
+
+
+def test_lowbit_decode_flushes_groups_as_a_prefill_and_sees_what_one_token_calls_see(params):
+    """Decode steps quantize each key group when it leaves the window: after 12 steps layer 0 stores the codes and
+    scales a prefill over the same tokens stores (same groups, same tokens). Fed one token per call, a prefill gives
+    the logits of decode steps over the same tokens - a query sees the recent tokens in float and the older ones as
+    codes, in both (a whole-prompt prefill differs: its early queries see as codes tokens a decode step would still
+    hold in the window) - and they stay close to the float cache's."""
+    cache = CacheConfig(kv_dtype="int4", kv_group=G, kv_residual=4)
+    gen = Generator(CFG, params, max_new_tokens=12, cache=cache, capacity=80)
+    state = gen.decode(gen.prefill([PROMPT]))
+    fed = [PROMPT + [int(t) for t in state.tokens[0]]]
+    whole = gen.prefill(fed).cache
+    for name in lowbit_slots.STORED[:6]:
+        np.testing.assert_array_equal(np.asarray(getattr(state.cache, name)[0]), np.asarray(getattr(whole, name)[0]),
+                                      err_msg=name)
+    n = len(fed[0]) - 1  # the last token is sampled, not yet written
+    r = n - int(lowbit_slots.quantized_slots(n, G, 4))
+    for name in ("k_res", "v_res"):  # float, computed by a decode step vs a prefill: equal up to rounding
+        np.testing.assert_allclose(np.asarray(getattr(state.cache, name)[0, :, :, :r]),
+                                   np.asarray(getattr(whole, name)[0, :, :, :r]), atol=1e-5, err_msg=name)
+    one = Generator(CFG, params, max_new_tokens=12, cache=CacheConfig(kv_dtype="int4", kv_group=G, kv_residual=4,
+                                                                      prefill_chunk=1), capacity=80)
+    stepped = one.decode(one.prefill([PROMPT]))
+    fed = [PROMPT + [int(t) for t in stepped.tokens[0]]]
+    np.testing.assert_allclose(np.asarray(stepped.logits), np.asarray(one.prefill(fed).logits), atol=2e-5)
+    fl = Generator(CFG, params, max_new_tokens=1, capacity=80)
+    diff = np.abs(np.asarray(fl.prefill(fed).logits) - np.asarray(stepped.logits))
+    assert 0 < diff.max() < 0.1 * np.abs(np.asarray(stepped.logits)).max()  # int4: steps of 1/15 of a range
+
+
+@pytest.mark.slow
+def test_lowbit_eviction_keeps_values_exact_and_keys_within_requantization(params):
+    """SnapKV (its own positions per KV head) compresses and evicts while decoding: every kept slot of layer 0
+    holds the value codes and scales the uncompressed int4 cache holds at that position (values are quantized per
+    token, so re-quantizing survivors is exact), and dequantized keys within one quantization step of the float
+    keys (the first rounding plus the regrouped one, each at most half a step of its group's range)."""
+    kw = dict(kv_dtype="int4", kv_group=G, positions="cache")
+    gen = Generator(CFG, params, max_new_tokens=12, cache=CacheConfig(budget=16, interval=8, policy="snapkv",
+                                                                      window=4, **kw))
+    state = gen.decode(gen.prefill([PROMPT]))
+    fed = [PROMPT + [int(t) for t in state.tokens[0]]]
+    ref = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(**kw)).prefill(fed).cache
+    flt = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(positions="cache")).prefill(fed).cache
+    c = state.cache
+    keys, values = (np.asarray(x[0]) for x in lowbit_slots.float_kv(
+        jax.tree.map(lambda x: x[0] if hasattr(x, "ndim") and x.ndim > 1 else x, c), "int4", G, 0, np.float32))
+    n = len(fed[0])
+    fk = np.asarray(flt.k[0, 0])[:, :n]  # [k, n, d]
+    step = (fk.max(axis=1) - fk.min(axis=1)) / 15  # [k, d]: a step over a channel's whole range bounds any group's
+    q = lowbit_slots.quantized_slots(np.asarray(c.count[0, 0]), G, 0)  # [H] slots held as codes per keep head
+    for kv_head in range(CFG.n_kv_heads):
+        live = np.asarray(c.valid[0, 0, kv_head])
+        pos = np.asarray(c.pos[0, 0, kv_head])[live]
+        assert 0 < len(pos) < n  # something was evicted
+        coded = np.arange(len(pos)) < q[kv_head]
+        for name in ("v", "v_scale", "v_zero"):
+            np.testing.assert_array_equal(np.asarray(getattr(c, name)[0, 0, kv_head])[:len(pos)][coded],
+                                          np.asarray(getattr(ref, name)[0, 0, kv_head])[pos][coded], err_msg=name)
+        err = np.abs(keys[kv_head, :len(pos)] - fk[kv_head, pos])
+        assert np.all(err <= step[kv_head] * 1.01 + 1e-6)
+        np.testing.assert_allclose(values[kv_head, :len(pos)], np.asarray(flt.v[0, 0, kv_head])[pos],
+                                   atol=float(np.abs(flt.v[0]).max()) / 7.5 * 0.51 + 1e-6)
+
+
+POLICIES = {"streaming": dict(sinks=2), "h2o": {}, "tova": {}, "snapkv": dict(window=4), "knorm": {},
+            "ladder": dict(sinks=2, span=2, overlap=0, recent=4),
+            "adakv": dict(policy="snapkv", window=4, head_budget="adaptive"),
+            "pyramid": dict(policy="snapkv", window=4, budget_schedule="pyramid"),
+            "chunkkv": dict(window=4, chunk=4), "expected_attention": dict(sinks=2, horizon=16),
+            "kvzip": dict(sinks=2, chunk=64), "keydiff": {}, "capkv": {}}
+
+
+@pytest.mark.slow
+def test_lowbit_every_eviction_policy_runs_and_keeps_its_budget(params):
+    """Every eviction policy runs on int2 codes with a window (scores on the dequantized slots, survivors
+    re-quantized): finite logits, the cache within budget + interval, fewer bytes than the float cache."""
+    for name, kw in POLICIES.items():
+        kw = {"policy": name, **kw}
+        cache = CacheConfig(budget=16, interval=8, kv_dtype="int2", kv_group=G, kv_residual=8, **kw)
+        gen = Generator(CFG, params, max_new_tokens=10, cache=cache)
+        state = gen.decode(gen.prefill([PROMPT]))
+        assert np.isfinite(np.asarray(state.logits)).all(), name
+        assert int(state.cache.count.max()) <= 16 + 8, name
+        full = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(**{**kw, "budget": 16, "interval": 8}))
+        assert state.cache.kv_bytes() < full.prefill([PROMPT]).cache.kv_bytes(), name  # a 16-slot float window
+
+
+@pytest.mark.parametrize("cache, message", [
+    (dict(kv_dtype="int3"), "cache.kv_dtype='int3' is invalid: must be one of ['int8', 'fp8', 'int4', 'int2']"),
+    (dict(kv_dtype="int4", kv_group=48), "cache.kv_group=48 is invalid: must be a power of two"),
+    (dict(kv_dtype="int4", kv_residual=-1), "cache.kv_residual=-1 is invalid: must be a non-negative integer"),
+    (dict(kv_dtype="int8", kv_residual=128), "cache.kv_residual=128 applies to the bit-packed caches only"),
+    (dict(kv_group=32), "cache.kv_group=32 applies to the bit-packed caches only"),
+    (dict(kv_dtype="int4", layout="paged"), "cache.kv_dtype='int4' with cache.policy='full' and "
+                                            "cache.layout='paged': the bit-packed cache is built for the contiguous"),
+    (dict(kv_dtype="int2", policy="memory", budget=64), "allowed here: kv_dtype ['int8', 'fp8'] or null"),
+])
+def test_lowbit_errors_name_the_field_and_what_is_allowed(cache, message):
+    with pytest.raises(ConfigError) as err:
+        CacheConfig(**cache)
+    assert message in str(err.value)
+
+
+def test_lowbit_model_errors_name_the_setting():
+    """A head dim the groups cannot split, and a model with sliding-window layers, fail when the cache is built."""
+    with pytest.raises(ValueError, match=r"cache.kv_group=128 must divide the model's head_dim=48"):
+        CacheConfig(kv_dtype="int4", kv_group=128).kind(ModelConfig(vocab_size=61, d_model=96, n_layers=1,
+                                                                    n_heads=2, n_kv_heads=1, d_ff=48))
+    gemma = ModelConfig(vocab_size=61, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, sliding_window=8,
+                        layer_types=("sliding_attention", "full_attention"))
+    with pytest.raises(ConfigError, match="this model has sliding-window layers"):
+        CacheConfig(kv_dtype="int4").kind(gemma)
