@@ -13,7 +13,7 @@ from lcx import cli
 from lcx.config import CacheConfig, ConfigError, ModelConfig, load_dict, load_model_config
 from lcx.cli.plan import load_model
 from lcx.config import apply_model_overrides as apply_overrides
-from lcx.config_base import format_bytes, parse_bytes
+from lcx.config_base import dtype_bytes, format_bytes, parse_bytes
 from lcx.plan import (
     Checkpoint,
     PlanInputs,
@@ -440,9 +440,9 @@ BAD = [
     (["--context", "4096", "--gpu-mem", "80GiB", "--devices", "0"],
      "devices=0 is invalid: must be a positive integer number of devices (--devices)"),
     (["--context", "4096", "--gpu-mem", "80GiB", "--budget", "0"], "budget=0 is invalid"),
-    (["--context", "4096", "--gpu-mem", "80GiB", "--kv-dtype", "int4"],
-     "--kv-dtype='int4' is not a dtype lcx supports; allowed: ['bf16', 'bfloat16', 'f16', 'f32', 'float16', "
-     "'float32', 'fp16', 'fp32'], or 8-bit codes ['int8', 'fp8']"),
+    (["--context", "4096", "--gpu-mem", "80GiB", "--kv-dtype", "int3"],
+     "--kv-dtype='int3' is not a dtype lcx supports; allowed: ['bf16', 'bfloat16', 'f16', 'f32', 'float16', "
+     "'float32', 'fp16', 'fp32'], or quantized codes ['int8', 'fp8', 'int4', 'int2']"),
     (["--context", "4096", "--gpu-mem", "80GiB", "--weight-dtype", "fp8"],
      "--weight-dtype='fp8' is not a dtype lcx supports"),
     (["--context", "4096", "--gpu-mem", "80GiB", "--utilization", "1.5"],
@@ -607,3 +607,25 @@ def test_plan_serve_prints_the_pool_lcx_serve_sizes(capsys):
     # 8 sequences of 68 pages are all the pool can ever use: 544 pages of the 1024 the budget buys
     assert "KV pool: 544 pages" in out and "capped at every sequence at its largest" in out
     assert "sequences at max length (32,768 tokens) at once: 8 (serving 8 of --max-num-seqs 8)" in out
+
+
+def test_cli_kv_dtype_int4_and_int2_count_codes_scales_and_the_window(capsys):
+    """``lcx plan --kv-dtype int4 | int2``: per token, the packed codes plus the key group's and the token's scales
+    and zeros (groups of 64: Llama-2-7B's head dim 128 -> 64 + 4 + 4 bytes per head and K or V at int4, x 0.281
+    of float16); per sequence, the float window of one key group (64 tokens in the model's dtype)."""
+    from lcx.plan.inference import kv_bytes_for_context, kv_bytes_per_token
+
+    model = load_model_config(MODELS / "llama2-7b.yaml")
+    # per head and K or V: the codes, plus half of (the key group's 128 channel scales and zeros over 64 tokens
+    # + the token's value scale and zero for each of 2 groups of 64 channels), 4 bytes per scale and zero pair
+    scales = (128 * 4 // 64 + 2 * 4) // 2
+    per_head = {"int4": 128 // 2 + scales, "int2": 128 // 4 + scales}
+    for kv_dtype, head_bytes in per_head.items():
+        want = 2 * model.n_layers * model.n_kv_heads * head_bytes
+        assert kv_bytes_per_token(model, kv_dtype) == want
+        window = 2 * model.n_layers * model.n_kv_heads * 64 * 128 * dtype_bytes(model.dtype)
+        assert kv_bytes_for_context(model, kv_dtype, 4096) == 4096 * want + window
+        rc, out, err = run_cli(capsys, MODELS / "llama2-7b.yaml", "--context", "4096", "--gpu-mem", "80GiB",
+                               "--kv-dtype", kv_dtype)
+        assert rc == 0 and f"{kv_dtype})" in out and "group scales and zeros" in out
+    assert kv_bytes_per_token(model, "int4") / kv_bytes_per_token(model, "float16") == 72 / 256

@@ -33,7 +33,7 @@ from lcx.cache.base import (AUTO_PREFILL_CHUNK, CacheCapacityError, CacheKind, C
                             round_chunk)
 from lcx.cache.observes import QUERY_FIELDS  # noqa: F401 - re-exported: the buffers of the query moments
 from lcx.cache.policy import EvictionPolicy, make_policy
-from lcx.cache.schedule import evict_cache, layer_budgets
+from lcx.cache.schedule import Left, evict_cache, layer_budgets
 from lcx.cache.schema import Field
 from lcx.config_base import ConfigError, canonical_dtype, format_bytes
 from lcx.kernels.names import LOWBIT_DTYPES
@@ -277,8 +277,25 @@ class SlotCacheKind(CacheKind):
         budgets = jnp.asarray(self.budgets, jnp.int32)
         if not self.lowbit:
             return evict_cache(self.policy, state, budgets)
-        # Policies score and compact the dequantized slots; the survivors are quantized again. ``left`` holds the
-        # removed slots' float keys and values.
+        # Policies score and compact the dequantized slots; the survivors are quantized again. A policy that picks
+        # per layer does it one layer at a time, so only one layer is ever in float; a policy that pools budgets
+        # across layers (cross_layer) dequantizes them all. ``left`` holds the removed slots' codes as stored.
+        if self.policy.cross_layer:
+            out, left = self._evict_lowbit(state, budgets)
+            return out, left.replace(k=state.k, v=state.v)
+        names = [n for n, f in self.fields().items() if f.per_layer]
+
+        def one(xs):
+            layer = state.replace(**{n: x[None] for n, x in xs["buffers"].items()})
+            out, left = self._evict_lowbit(layer, xs["budget"][None])
+            return {n: getattr(out, n)[0] for n in names}, (left.mask[0], left.pos[0])
+
+        buffers, (mask, pos) = jax.lax.map(one, {"buffers": {n: getattr(state, n) for n in names},
+                                                 "budget": budgets})
+        return state.replace(**buffers), Left(mask=mask, pos=pos, k=state.k, v=state.v)
+
+    def _evict_lowbit(self, state: KVCache, budgets: jax.Array):
+        """``evict_cache`` over the dequantized slots of ``state`` (stacked), the survivors re-quantized."""
         k, v = lowbit_slots.float_layers(state, self.quant, self.group, self.residual, self.dtype)
         floats = state.replace(k=k, v=v, **{n: None for n in lowbit_slots.STORED[2:]})
         out, left = evict_cache(self.policy, floats, budgets)
