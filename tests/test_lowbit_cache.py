@@ -185,8 +185,8 @@ def test_lowbit_errors_name_the_field_and_what_is_allowed(cache, message):
 
 def test_lowbit_model_errors_name_the_setting():
     """A head dim the groups cannot split, and a model with sliding-window layers, fail when the cache is built."""
-    with pytest.raises(ValueError, match=r"cache.kv_group=128 must divide the model's head_dim=48"):
-        CacheConfig(kv_dtype="int4", kv_group=128).kind(ModelConfig(vocab_size=61, d_model=96, n_layers=1,
+    with pytest.raises(ValueError, match=r"cache.kv_group=32 must divide the model.s head_dim=48"):
+        CacheConfig(kv_dtype="int4", kv_group=32).kind(ModelConfig(vocab_size=61, d_model=96, n_layers=1,
                                                                     n_heads=2, n_kv_heads=1, d_ff=48))
     gemma = ModelConfig(vocab_size=61, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, sliding_window=8,
                         layer_types=("sliding_attention", "full_attention"))
