@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from lcx.cache.base import CacheKind, kind_class
 from lcx.cache.policy import CachePolicy, make_policy
-from lcx.config_base import ConfigError, canonical_dtype, check, coerce
+from lcx.config_base import ConfigError, canonical_dtype, check, coerce, positive_int
 from lcx.kernels.names import KV_DTYPES, LOWBIT_DTYPES
 
 # The cache types that serve the global layers of a model with sliding-window layers (lcx.cache.hybrid); any other
@@ -100,8 +100,7 @@ class CacheConfig:
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "cache.dtype"))
         check(self.kv_dtype is None or self.kv_dtype in KV_DTYPES, "cache.kv_dtype", self.kv_dtype,
               f"must be one of {list(KV_DTYPES)} or null (keys and values in cache.dtype)")
-        _positive = lambda x: isinstance(x, int) and not isinstance(x, bool) and x > 0  # noqa: E731
-        check(_positive(self.kv_group) and self.kv_group & (self.kv_group - 1) == 0, "cache.kv_group",
+        check(positive_int(self.kv_group) and self.kv_group & (self.kv_group - 1) == 0, "cache.kv_group",
               self.kv_group, "must be a power of two (tokens per key scale, channels per value scale)")
         check(isinstance(self.kv_residual, int) and not isinstance(self.kv_residual, bool) and self.kv_residual >= 0,
               "cache.kv_residual", self.kv_residual, "must be a non-negative integer (recent tokens kept unquantized)")

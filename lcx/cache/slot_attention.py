@@ -67,14 +67,13 @@ def write(layer, k: jax.Array, v: jax.Array, positions: jax.Array, ok: jax.Array
         einops.rearrange(x, "b t k ... -> b k t ...").astype(buf.dtype), mode="drop")
     quant = getattr(layer.kind, "quant", None)
     if getattr(layer.kind, "lowbit", False):  # bit-packed codes, group scales and a float window (lowbit_slots)
-        stored = lowbit_slots.write(layer, k, v, ok, quant, layer.kind.group, layer.kind.residual)
-        layer = layer.replace(**{n: getattr(stored, n) for n in lowbit_slots.STORED})
-        put = lambda buf, x: buf  # noqa: E731  - written above
-    elif quant is not None:  # 8-bit codes and one scale per token and KV head (lcx.kernels.quant)
-        (k, k_scale), (v, v_scale) = quantize(k, quant), quantize(v, quant)
-        layer = layer.replace(k_scale=put(layer.k_scale, k_scale), v_scale=put(layer.v_scale, v_scale))
+        layer = lowbit_slots.write(layer, k, v, ok, quant, layer.kind.group, layer.kind.residual)
+    else:
+        if quant is not None:  # 8-bit codes and one scale per token and KV head (lcx.kernels.quant)
+            (k, k_scale), (v, v_scale) = quantize(k, quant), quantize(v, quant)
+            layer = layer.replace(k_scale=put(layer.k_scale, k_scale), v_scale=put(layer.v_scale, v_scale))
+        layer = layer.replace(k=put(layer.k, k), v=put(layer.v, v))
     return layer.replace(
-        k=put(layer.k, k), v=put(layer.v, v),
         pos=layer.pos.at[rows, keep, slot].set(positions[:, None, :].astype(jnp.int32), mode="drop"),
         valid=layer.valid.at[rows, keep, slot].set(True, mode="drop"),
         count=layer.count + jnp.sum(ok, axis=1, dtype=jnp.int32)[:, None],
