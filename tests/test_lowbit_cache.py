@@ -39,21 +39,23 @@ def test_lowbit_codes_are_the_float_cache_quantized_in_groups(params, kv_dtype, 
     fl = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(prefill_chunk=16), capacity=64)
     lb = Generator(CFG, params, max_new_tokens=1, capacity=64,
                    cache=CacheConfig(prefill_chunk=16, kv_dtype=kv_dtype, kv_group=G, kv_residual=residual))
-    n = len(PROMPT)
+    n, bits = len(PROMPT), lowbit.LOWBIT[kv_dtype]
     ref, got = fl.prefill([PROMPT]).cache, lb.prefill([PROMPT]).cache
     k, v = _layer0_floats(ref, n)
     q = (n - residual) // G * G
-    kc, ks, kz = lowbit.quantize_channels(k[:, :, :q], kv_dtype, G)
+    kc, ks, kz = lowbit.quantize_channels(k[:, :, :q], kv_dtype, G, channel_major=True)
     vc, vs, vz = lowbit.quantize_tokens(v[:, :, :q], kv_dtype, G)
     for name, want in (("k", kc), ("k_scale", ks), ("k_zero", kz)):
         stored = np.asarray(getattr(got, name)[0])
-        stored = stored[:, :, :q] if name == "k" else stored[:, :, :q // G]
+        stored = stored[..., :q * bits // 8] if name == "k" else stored[:, :, :q // G]
         np.testing.assert_array_equal(stored, np.asarray(want), err_msg=name)
     for name, want in (("v", vc), ("v_scale", vs), ("v_zero", vz)):
         np.testing.assert_array_equal(np.asarray(getattr(got, name)[0, :, :, :q]), np.asarray(want), err_msg=name)
     np.testing.assert_array_equal(np.asarray(got.k_res[0, :, :, :n - q]), k[:, :, q:])
     np.testing.assert_array_equal(np.asarray(got.v_res[0, :, :, :n - q]), v[:, :, q:])
-    assert got.k.dtype == np.uint8 and got.k.shape[-1] == CFG.head_dim * lowbit.LOWBIT[kv_dtype] // 8
+    # keys channel-major, packed along the slots (whole key groups); values packed along head_dim
+    assert got.k.dtype == np.uint8 and got.k.shape[-2:] == (CFG.head_dim, 64 * bits // 8)
+    assert got.v.shape[-1] == CFG.head_dim * bits // 8
 
 
 def test_lowbit_bytes_are_the_declared_ones_and_meet_the_ratios(params):
@@ -65,7 +67,7 @@ def test_lowbit_bytes_are_the_declared_ones_and_meet_the_ratios(params):
     res = lcx.generate(CFG, params, [PROMPT], max_new_tokens=2, cache=cache)
     L, k, d, W = CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, G
     C = cache.kind(CFG).plan(1, len(PROMPT), 2)  # 47 slots: the last key group is partial
-    codes = 2 * L * k * C * d // 2
+    codes = L * k * -(-C // G) * G * d // 2 + L * k * C * d // 2  # keys in whole groups of slots, values per slot
     scales = 2 * 2 * L * k * -(-C // G) * d + 2 * 2 * L * k * C * (d // G)
     window = 2 * L * k * W * d * 4  # float32, the model's dtype
     assert res.cache_bytes == codes + scales + window
@@ -170,6 +172,7 @@ def test_lowbit_every_eviction_policy_runs_and_keeps_its_budget(params):
 @pytest.mark.parametrize("cache, message", [
     (dict(kv_dtype="int3"), "cache.kv_dtype='int3' is invalid: must be one of ['int8', 'fp8', 'int4', 'int2']"),
     (dict(kv_dtype="int4", kv_group=48), "cache.kv_group=48 is invalid: must be a power of two"),
+    (dict(kv_dtype="int2", kv_group=2), "cache.kv_group=2 is invalid: must be >= 4 with cache.kv_dtype='int2'"),
     (dict(kv_dtype="int4", kv_residual=-1), "cache.kv_residual=-1 is invalid: must be a non-negative integer"),
     (dict(kv_dtype="int8", kv_residual=128), "cache.kv_residual=128 applies to the bit-packed caches only"),
     (dict(kv_group=32), "cache.kv_group=32 applies to the bit-packed caches only"),

@@ -110,6 +110,11 @@ class CacheConfig:
                 raise ConfigError(f"cache.{key}={getattr(self, key)} applies to the bit-packed caches only: set "
                                   f"cache.kv_dtype to one of {list(LOWBIT_DTYPES)} (it is {self.kv_dtype!r}), or "
                                   f"leave cache.{key} at {default}")
+        if lowbit:  # keys are packed along the slots: a key group fills whole bytes
+            per_byte = 8 // LOWBIT_DTYPES[self.kv_dtype]
+            check(self.kv_group >= per_byte, "cache.kv_group", self.kv_group,
+                  f"must be >= {per_byte} with cache.kv_dtype={self.kv_dtype!r} (a key group fills whole bytes of "
+                  f"{per_byte} codes)")
         policy = self.make_policy()  # validates the name and the policy's parameters
         if lowbit and (policy.cache_type != "slots" or self.layout != "contiguous"):
             raise ConfigError(f"cache.kv_dtype={self.kv_dtype!r} with cache.policy={self.policy!r} and "

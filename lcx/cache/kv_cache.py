@@ -69,7 +69,8 @@ class KVCache(CacheState):
     lengths: jax.Array | None  # [b] int32 (None in the per-layer view)
     k_scale: jax.Array | None = None  # [L, b, k, C] float16 (SCALE_FIELDS; None unless cache.kv_dtype is set)
     v_scale: jax.Array | None = None  # [L, b, k, C] float16
-    # int4 / int2 (lcx.cache.lowbit_slots): k, v hold packed codes [L, b, k, C, d * bits / 8] uint8, k_scale the key
+    # int4 / int2 (lcx.cache.lowbit_slots): k holds the keys' codes channel-major [L, b, k, d, C' * bits / 8] uint8
+    # (C' = C in whole key groups), v the values' [L, b, k, C, d * bits / 8]; k_scale the key
     # scales [L, b, k, C / G, d], v_scale the value scales [L, b, k, C, d / G]; their zeros and the float window
     k_zero: jax.Array | None = None
     v_zero: jax.Array | None = None
@@ -82,11 +83,11 @@ class KVCache(CacheState):
 
     @property
     def capacity(self) -> int:
-        return self.shape_of("k")[-2]
+        return self.shape_of("pos")[-1]  # (a bit-packed cache's keys are channel-major)
 
     @property
     def batch(self) -> int:
-        return self.shape_of("k")[-4]
+        return self.shape_of("pos")[-3]
 
 
 @register_kind

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from lcx import kernels
 from lcx.kernels import Attended
+from lcx.kernels.lowbit_decode import LowbitKV, decode_lowbit
 from lcx.model.config import AttentionSpec
 from lcx.parallel.sharding import BK, BKS, BKSD, ROWS
 
@@ -35,7 +36,9 @@ class KVView:
     (``causal``: query i sees slots ``<= offsets + i``; not causal: every live slot, e.g. recalled blocks older
     than every query). ``valid [b, S] | [b, k, S]``: the slots a single decode query sees (holes allowed; a window
     or the causal limit folded in) - needed only for one-query calls. ``k_scale, v_scale [b, k, S]``: ``k, v`` are
-    8-bit codes with these per-slot scales (``lcx.kernels.quant``; None: ``k, v`` are values)."""
+    8-bit codes with these per-slot scales (``lcx.kernels.quant``; None: ``k, v`` are values). ``lowbit``: ``k, v``
+    are 4- or 2-bit packed codes with these group scales, zeros and float window (``lcx.kernels.lowbit_decode``;
+    one-query calls only - a chunk reads the layer dequantized)."""
 
     k: jax.Array
     v: jax.Array
@@ -44,6 +47,7 @@ class KVView:
     valid: jax.Array | None = None
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
+    lowbit: LowbitKV | None = None
     causal: bool = flax.struct.field(pytree_node=False, default=True)
 
     def axes(self) -> "KVView":
@@ -51,8 +55,10 @@ class KVView:
         ints = ROWS if self.lengths.ndim == 1 else BK
         live = None if self.valid is None else (ROWS if self.valid.ndim == 2 else BKS)
         scales = lambda x: None if x is None else BKS  # noqa: E731
+        lowbit = None if self.lowbit is None else self.lowbit.replace(
+            k_scale=BKSD, k_zero=BKSD, v_scale=BKSD, v_zero=BKSD, k_win=BKSD, v_win=BKSD, win_start=BK)
         return self.replace(k=BKSD, v=BKSD, lengths=ints, offsets=ints, valid=live, k_scale=scales(self.k_scale),
-                            v_scale=scales(self.v_scale))
+                            v_scale=scales(self.v_scale), lowbit=lowbit)
 
     def scales(self, layout: str) -> dict:
         """The backend keywords of an 8-bit view: its scales in the op's layout (``decode``: ``[b, k, S]``;
@@ -77,12 +83,19 @@ def attend_view(impl: str, q: jax.Array, view: KVView, spec: AttentionSpec, *,
     backend = kernels.backend(impl)
     extra = kernels.spec_kwargs(spec)
     counted = stat_weights is not None
+    if view.lowbit is not None and q.shape[1] != 1:
+        raise ValueError("a bit-packed KVView (lowbit) is read by one-query calls only; a chunk of "
+                         f"{q.shape[1]} queries reads the layer dequantized (lcx.cache.lowbit_slots.float_kv)")
     if q.shape[1] == 1:
         if view.valid is None:
             raise ValueError("a one-query attend needs KVView.valid (the slots the query sees)")
-        res = backend.decode(q[:, 0], view.k, view.v, valid=view.valid, sm_scale=spec.sm_scale, weights=counted,
-                             residuals=residuals, **{n: x for n, x in extra.items() if n != "window"},
-                             **view.scales("decode"))
+        if view.lowbit is not None:  # every backend: the fused jnp formulation (lcx.kernels.lowbit_decode)
+            res = decode_lowbit(q[:, 0], view.k, view.v, view.lowbit, valid=view.valid, sm_scale=spec.sm_scale,
+                                softcap=spec.softcap, weights=counted, residuals=residuals)
+        else:
+            res = backend.decode(q[:, 0], view.k, view.v, valid=view.valid, sm_scale=spec.sm_scale,
+                                 weights=counted, residuals=residuals,
+                                 **{n: x for n, x in extra.items() if n != "window"}, **view.scales("decode"))
         weights = res.weights * (stat_weights[:, :1, None] > 0) if counted else None
         expand = lambda x: None if x is None else x[:, None]  # noqa: E731
         return Attended(out=res.out[:, None], weights=weights, m=expand(res.m), l=expand(res.l))

@@ -2,8 +2,10 @@
 
 Storage per layer, row and KV head (``lcx.kernels.lowbit`` for the code layout and the grouping):
 
-- ``k, v [b, k, C, d * bits / 8]`` uint8: the codes of slots ``0 .. q`` (the *quantized* slots), packed along
-  ``head_dim``;
+- ``k [b, k, d, C' * bits / 8]`` uint8 (``C'``: the slots rounded up to whole key groups): the keys' codes of slots
+  ``0 .. q`` (the *quantized* slots), channel-major, packed along the slots - a key group fills whole bytes of each
+  channel, and a decode query reads each channel's codes contiguously (``lcx.kernels.lowbit_decode``);
+- ``v [b, k, C, d * bits / 8]`` uint8: the values' codes, packed along ``head_dim``;
 - ``k_scale, k_zero [b, k, ceil(C / G), d]`` float16: keys **per channel**, one scale and zero per ``G = kv_group``
   consecutive slots of a channel;
 - ``v_scale, v_zero [b, k, C, d / Gv]`` float16: values **per token**, one per ``Gv = min(G, d)`` channels of a slot;
@@ -37,11 +39,12 @@ import jax.numpy as jnp
 from lcx.cache.schema import Field
 from lcx.kernels import lowbit
 from lcx.kernels.lowbit import LOWBIT
+from lcx.kernels.lowbit_decode import LowbitKV
 
 _SCALE = "float16"
 _KV = ("layers", "batch", "kv_heads")
 FIELDS: Mapping[str, Field] = {
-    "k": Field((*_KV, "length", "packed_dim"), "uint8", 0, role="kv"),
+    "k": Field((*_KV, "head_dim", "packed_length"), "uint8", 0, role="kv"),
     "v": Field((*_KV, "length", "packed_dim"), "uint8", 0, role="kv"),
     "k_scale": Field((*_KV, "key_groups", "head_dim"), _SCALE, 0.0, role="kv"),
     "k_zero": Field((*_KV, "key_groups", "head_dim"), _SCALE, 0.0, role="kv"),
@@ -60,6 +63,7 @@ def value_group(group: int, head_dim: int) -> int:
 def sizes(quant: str, group: int, residual: int, head_dim: int, capacity: int) -> dict[str, int]:
     """The logical axes of :data:`FIELDS` beyond the slot cache's own."""
     return {"packed_dim": head_dim * LOWBIT[quant] // 8, "key_groups": -(-capacity // group),
+            "packed_length": -(-capacity // group) * group * LOWBIT[quant] // 8,
             "value_groups": head_dim // value_group(group, head_dim), "residual": residual + group}
 
 
@@ -92,8 +96,8 @@ def _expand_groups(x: jax.Array, group: int, slots: int) -> jax.Array:
 
 def dequantize_store(layer, quant: str, group: int, dtype) -> tuple[jax.Array, jax.Array]:
     """Every slot's codes as values ``[b, k, C, d]`` (slots past the quantized ones are meaningless)."""
-    slots = layer.k.shape[-2]
-    codes = lowbit.unpack(layer.k, quant).astype(jnp.float32)
+    slots = layer.v.shape[-2]
+    codes = jnp.swapaxes(lowbit.unpack(layer.k, quant, jnp.float32), -1, -2)[..., :slots, :]
     k = codes * _expand_groups(layer.k_scale, group, slots).astype(jnp.float32) \
         + _expand_groups(layer.k_zero, group, slots).astype(jnp.float32)
     v = lowbit.dequantize_tokens(layer.v, layer.v_scale, layer.v_zero, quant)
@@ -103,7 +107,7 @@ def dequantize_store(layer, quant: str, group: int, dtype) -> tuple[jax.Array, j
 def float_kv(layer, quant: str, group: int, residual: int, dtype) -> tuple[jax.Array, jax.Array]:
     """One layer's keys and values as attention reads them, ``[b, k, C, d]`` in ``dtype``: the codes dequantized,
     the float window's slots (``q .. q + R + G``) taken from it."""
-    kv_heads, slots = layer.k.shape[1], layer.k.shape[2]
+    kv_heads, slots = layer.v.shape[1], layer.v.shape[2]
     k, v = dequantize_store(layer, quant, group, dtype)
     start = quantized_slots(per_kv(layer.count, kv_heads), group, residual)  # [b, k]
     width = layer.k_res.shape[-2]
@@ -114,9 +118,17 @@ def float_kv(layer, quant: str, group: int, residual: int, dtype) -> tuple[jax.A
             jnp.where(in_window[..., None], take(layer.v_res).astype(dtype), v))
 
 
+def decode_view(layer, quant: str, group: int, residual: int) -> LowbitKV:
+    """The scales, zeros and float window a one-query attend reads beside the codes ``layer.k, layer.v``
+    (:func:`lcx.kernels.lowbit_decode.decode_lowbit`: no float copy of the layer)."""
+    start = quantized_slots(per_kv(layer.count, layer.k.shape[1]), group, residual)
+    return LowbitKV(k_scale=layer.k_scale, k_zero=layer.k_zero, v_scale=layer.v_scale, v_zero=layer.v_zero,
+                    k_win=layer.k_res, v_win=layer.v_res, win_start=start, quant=quant, group=group)
+
+
 def _quantize_slots(k: jax.Array, v: jax.Array, quant: str, group: int):
     """Float slots ``[b, k, S, d]`` (``S`` a multiple of ``group``) -> codes, key and value scales and zeros."""
-    kc, ks, kz = lowbit.quantize_channels(k, quant, group)
+    kc, ks, kz = lowbit.quantize_channels(k, quant, group, channel_major=True)  # [b, k, d, S * bits / 8]
     vc, vs, vz = lowbit.quantize_tokens(v, quant, value_group(group, v.shape[-1]))
     return kc, ks, kz, vc, vs, vz
 
@@ -131,7 +143,7 @@ def write(layer, k: jax.Array, v: jax.Array, ok: jax.Array, quant: str, group: i
     """Append ``k, v [b, t, k, d]`` (where ``ok [b, t]``) behind the window; whole key groups that leave it are
     quantized into the store. ``layer.count`` is the count *before* this call (the caller updates it)."""
     b, t, kv_heads, d = k.shape
-    slots, groups = layer.k.shape[2], layer.k_scale.shape[2]
+    slots, groups, per_byte = layer.v.shape[2], layer.k_scale.shape[2], 8 // LOWBIT[quant]
     width = layer.k_res.shape[2]
     count = per_kv(layer.count, kv_heads)  # [b, k]
     start = quantized_slots(count, group, residual)
@@ -152,9 +164,13 @@ def write(layer, k: jax.Array, v: jax.Array, ok: jax.Array, quant: str, group: i
     slot = jnp.where(i < flush[..., None], start[..., None] + i, slots)  # [b, k, S]; past the flush: dropped
     g = jnp.arange(stage_len // group)
     grp = jnp.where(g * group < flush[..., None], start[..., None] // group + g, groups)
+    byte = jnp.arange(stage_len // per_byte)  # the keys' code bytes of the flushed groups, along the slots
+    at_byte = jnp.where(byte < flush[..., None] // per_byte, start[..., None] // per_byte + byte, layer.k.shape[-1])
     put = lambda buf, x, at: buf.at[rows, heads, at].set(x.astype(buf.dtype), mode="drop")  # noqa: E731
+    # rows, heads and at_byte index around the channel axis, so the update is [b, k, bytes, d]
+    keys = layer.k.at[rows, heads, :, at_byte].set(jnp.swapaxes(kc, -1, -2), mode="drop")
     return layer.replace(
-        k=put(layer.k, kc, slot), v=put(layer.v, vc, slot), v_scale=put(layer.v_scale, vs, slot),
+        k=keys, v=put(layer.v, vc, slot), v_scale=put(layer.v_scale, vs, slot),
         v_zero=put(layer.v_zero, vz, slot), k_scale=put(layer.k_scale, ks, grp), k_zero=put(layer.k_zero, kz, grp),
         k_res=_window(sk, flush, width).astype(layer.k_res.dtype),
         v_res=_window(sv, flush, width).astype(layer.v_res.dtype))
@@ -170,7 +186,7 @@ def requantize(count: jax.Array, k: jax.Array, v: jax.Array, quant: str, group: 
     kc, ks, kz, vc, vs, vz = _quantize_slots(pad(k), pad(v), quant, group)
     start = quantized_slots(per_kv(count, kv_heads), group, residual)
     width = residual + group
-    return dict(k=kc[:, :, :slots], v=vc[:, :, :slots], k_scale=ks, k_zero=kz, v_scale=vs[:, :, :slots],
+    return dict(k=kc, v=vc[:, :, :slots], k_scale=ks, k_zero=kz, v_scale=vs[:, :, :slots],
                 v_zero=vz[:, :, :slots], k_res=_window(k, start, width).astype(dtype),
                 v_res=_window(v, start, width).astype(dtype))
 
@@ -195,5 +211,5 @@ def requantize_layers(state, k: jax.Array, v: jax.Array, quant: str, group: int,
     return state.replace(**out)
 
 
-__all__ = ["FIELDS", "STORED", "check", "dequantize_store", "float_kv", "float_layers", "per_kv", "quantized_slots",
-           "requantize", "requantize_layers", "sizes", "value_group", "write"]
+__all__ = ["FIELDS", "STORED", "check", "decode_view", "dequantize_store", "float_kv", "float_layers", "per_kv",
+           "quantized_slots", "requantize", "requantize_layers", "sizes", "value_group", "write"]

@@ -57,8 +57,8 @@ def write(layer, k: jax.Array, v: jax.Array, positions: jax.Array, ok: jax.Array
     Tokens go after the occupied slots of each keep head; the caller guarantees room (capacity planned on the host,
     eviction compacts before it would overflow). Slots past the capacity are dropped by the scatter, never wrapped.
     """
-    b, kv_heads, capacity = layer.k.shape[:3]
-    heads = layer.pos.shape[1]
+    b, kv_heads = layer.k.shape[:2]
+    heads, capacity = layer.pos.shape[1:]  # (a bit-packed cache's keys are channel-major: not [b, k, C, ...])
     slot = new_slots(layer.count, ok, capacity)  # [b, H, t]
     rows, keep = jnp.arange(b)[:, None, None], jnp.arange(heads)[None, :, None]
     slot_kv = einops.repeat(slot, "b H t -> b (H j) t", j=kv_heads // heads)  # [b, k, t]: each KV head its keep set's
@@ -126,7 +126,11 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     mask = layer.valid[:, :, None, :] & (layer.pos[:, :, None, :] <= positions[:, None, :, None])  # [b, H, t, C]
     if spec.window is not None:
         mask &= layer.pos[:, :, None, :] > positions[:, None, :, None] - spec.window
-    if getattr(kind, "lowbit", False):  # one layer dequantized (codes x scale + zero, the float window overlaid)
+    lowbit = None
+    if getattr(kind, "lowbit", False) and q.shape[1] == 1 and mode == "original":  # on the codes, no float copy
+        k_att, v_att, k_scale, v_scale = layer.k, layer.v, None, None
+        lowbit = lowbit_slots.decode_view(layer, kind.quant, kind.group, kind.residual)
+    elif getattr(kind, "lowbit", False):  # a chunk, or keys rotated by rank: one layer dequantized
         k_att, v_att = lowbit_slots.float_kv(layer, kind.quant, kind.group, kind.residual, q.dtype)
         k_scale = v_scale = None
     else:
@@ -143,7 +147,8 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     per_kv = (lambda x: x[:, 0]) if heads == 1 else (  # noqa: E731
         lambda x: einops.repeat(x, "b H ... -> b (H j) ...", j=kv_heads // heads))
     view = KVView(k=k_att, v=v_att, lengths=per_kv(layer.count), offsets=per_kv(q_offsets),
-                  valid=per_kv(mask[:, :, 0]) if q.shape[1] == 1 else None, k_scale=k_scale, v_scale=v_scale)
+                  valid=per_kv(mask[:, :, 0]) if q.shape[1] == 1 else None, k_scale=k_scale, v_scale=v_scale,
+                  lowbit=lowbit)
     counted = stat_weights is not None and observes.attention is not None
     core = functools.partial(attend_view, config.attention.impl, spec=spec)
     if counted:

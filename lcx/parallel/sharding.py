@@ -83,6 +83,7 @@ LOGICAL_RULES: Mapping[str, str | None] = types.MappingProxyType({
     "router_rank": None,
     # the bit-packed cache's code bytes, key-scale rows, value-scale groups and float window (lcx.cache.lowbit_slots)
     "packed_dim": None,
+    "packed_length": None,
     "key_groups": None,
     "value_groups": None,
     "residual": None,

@@ -14,12 +14,14 @@ DTYPES = ["int4", "int2"]
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES)
-def test_pack_round_trips_and_puts_the_first_code_in_the_low_bits(kv_dtype):
+@pytest.mark.parametrize("d", [64, 12])  # 64: unpacked as 32-bit words; 12 (3 or 6 bytes): byte by byte
+def test_pack_round_trips_and_puts_the_first_code_in_the_low_bits(kv_dtype, d):
     bits = lowbit.LOWBIT[kv_dtype]
-    codes = np.random.default_rng(0).integers(0, 2**bits, (3, 5, 64)).astype(np.uint8)
+    codes = np.random.default_rng(0).integers(0, 2**bits, (3, 5, d)).astype(np.uint8)
     packed = lowbit.pack(jnp.asarray(codes), kv_dtype)
-    assert packed.dtype == jnp.uint8 and packed.shape == (3, 5, 64 * bits // 8)
+    assert packed.dtype == jnp.uint8 and packed.shape == (3, 5, d * bits // 8)
     np.testing.assert_array_equal(np.asarray(lowbit.unpack(packed, kv_dtype)), codes)
+    np.testing.assert_array_equal(np.asarray(lowbit.unpack(packed, kv_dtype, jnp.float32)), codes.astype(np.float32))
     per = 8 // bits
     first = sum(int(codes[0, 0, i]) << (i * bits) for i in range(per))  # the first byte, built by hand
     assert int(packed[0, 0, 0]) == first

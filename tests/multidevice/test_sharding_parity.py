@@ -27,6 +27,15 @@ def kv8_per_head(run_worker):
     return run_worker("parity", impl="pallas", n_kv_heads=8, meshes=[[2, 4]], new_tokens=8, cache=cache)[0]
 
 
+@pytest.fixture(scope="module")
+def kv8_lowbit(run_worker):
+    """The bit-packed int4 cache (keys channel-major, a float window) under SnapKV eviction: decode on the codes and
+    eviction's re-quantization per shard."""
+    cache = {"policy": "snapkv", "budget": 8, "window": 2, "interval": 4, "kv_dtype": "int4", "kv_group": 8,
+             "kv_residual": 4}
+    return run_worker("parity", impl="xla", n_kv_heads=8, meshes=[[2, 4]], new_tokens=8, cache=cache)[0]
+
+
 @pytest.mark.parametrize("mesh", NAMES)
 def test_sharding_forward_equals_single_device(kv8, mesh):
     assert kv8["meshes"][mesh]["forward_max_abs_diff"] <= 1e-5
@@ -57,6 +66,13 @@ def test_sharding_per_head_keep_sets_split_with_their_kv_heads(kv8_per_head):
     assert got["tokens"] == kv8_per_head["ref_tokens"]
     layers, batch, heads, capacity = got["cache_pos_shape"]
     assert heads == 8 and got["cache_pos_shard_shape"] == [layers, batch // 2, heads // 4, capacity]
+
+
+def test_sharding_lowbit_cache_splits_codes_with_their_kv_heads(kv8_lowbit):
+    got = kv8_lowbit["meshes"]["2x4"]
+    assert got["tokens"] == kv8_lowbit["ref_tokens"]
+    layers, batch, heads, head_dim, packed = got["cache_k_shape"]  # channel-major codes [L, b, k, d, C' / 2]
+    assert heads == 8 and got["cache_k_shard_shape"] == [layers, batch // 2, heads // 4, head_dim, packed]
 
 
 def test_sharding_replicated_kv_heads_forward_and_tokens(kv4_on_model8):

@@ -1,0 +1,75 @@
+"""A decode query on the bit-packed codes (lcx.kernels.lowbit_decode) against the float reference: the same output,
+slot weights and residuals as ``decode_attention_reference`` over the layer dequantized (lowbit_slots.float_kv), with
+a float window, a partial last key group, holes, per-KV-head slot counts and a soft-cap."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lcx.cache import lowbit_slots
+from lcx.kernels import decode_attention_reference
+from lcx.kernels.lowbit_decode import decode_lowbit
+
+B, KV, HEADS, C, D, G = 2, 2, 6, 45, 16, 8  # 45 slots: the last key group (of 8) is partial
+
+
+def _layer(quant, residual, count):
+    """A stored layer (codes, scales, window) holding random float keys and values in its first ``count [b, H]``
+    slots, and the float keys / values attention should see."""
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((B, KV, C, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, KV, C, D)), jnp.float32)
+    k = k.at[..., 3].multiply(8.0)  # an outlier key channel
+    stored = lowbit_slots.requantize(count, k, v, quant, G, residual, -(-C // G), jnp.float32)
+    layer = types.SimpleNamespace(count=count, **stored)
+    return layer, lowbit_slots.float_kv(layer, quant, G, residual, jnp.float32)
+
+
+@pytest.mark.parametrize("quant, residual, softcap, per_head", [
+    ("int4", 0, None, False), ("int4", 5, 20.0, True), ("int2", 16, None, True)])
+def test_decode_on_codes_equals_the_reference_over_the_dequantized_layer(quant, residual, softcap, per_head):
+    count = jnp.asarray([[45, 38], [29, 12]] if per_head else [[45], [29]], jnp.int32)
+    layer, (k, v) = _layer(quant, residual, count)
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((B, HEADS, D)), jnp.float32)
+    live = jnp.arange(C)[None, None, :] < lowbit_slots.per_kv(count, KV)[..., None]  # [b, k, C]
+    valid = live & jnp.asarray(rng.random((B, KV, C)) > 0.2)  # holes, as eviction leaves them
+    if not per_head:
+        valid = valid[:, 0]
+    want = decode_attention_reference(q, k, v, valid=valid, sm_scale=0.3, softcap=softcap, return_weights=True,
+                                      return_residuals=True)
+    got = jax.jit(lambda q, layer_k, layer_v, kv, valid: decode_lowbit(
+        q, layer_k, layer_v, kv, valid=valid, sm_scale=0.3, softcap=softcap, weights=True, residuals=True))(
+        q, layer.k, layer.v, lowbit_slots.decode_view(layer, quant, G, residual), valid)
+    for name, w, g in zip(("out", "weights", "m", "l"), want, (got.out, got.weights, got.m, got.l)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5, err_msg=name)
+    # the window really is read in float: the quantized slots differ from the float keys by a quantization step
+    start = int(lowbit_slots.quantized_slots(count[0, 0], G, residual))
+    assert start < int(count[0, 0]) and np.abs(np.asarray(layer.k_res[0, 0, 0]) - np.asarray(k[0, 0, start])).max() == 0
+
+
+def test_a_row_that_sees_no_slot_gives_zeros_not_nan():
+    count = jnp.asarray([[20], [0]], jnp.int32)
+    layer, _ = _layer("int4", 0, count)
+    valid = jnp.arange(C)[None, :] < count
+    got = decode_lowbit(jnp.ones((B, HEADS, D)), layer.k, layer.v, lowbit_slots.decode_view(layer, "int4", G, 0),
+                        valid=valid, sm_scale=0.25, residuals=True)
+    assert np.all(np.isfinite(np.asarray(got.out))) and np.all(np.asarray(got.out[1]) == 0)
+    assert np.all(np.asarray(got.l[1]) == 0)
+
+
+def test_a_chunk_cannot_read_a_bit_packed_view():
+    from lcx.cache.kv_view import KVView, attend_view
+    from lcx.model.config import AttentionSpec
+
+    count = jnp.asarray([[20], [9]], jnp.int32)
+    layer, _ = _layer("int4", 0, count)
+    view = KVView(k=layer.k, v=layer.v, lengths=count[:, 0], offsets=count[:, 0],
+                  lowbit=lowbit_slots.decode_view(layer, "int4", G, 0))
+    with pytest.raises(ValueError, match="read by one-query calls only; a chunk of 2 queries"):
+        attend_view("xla", jnp.zeros((B, 2, HEADS, D)), view, AttentionSpec(sm_scale=0.25))
