@@ -18,23 +18,24 @@ from lcx.kernels.lowbit_decode import decode_lowbit
 B, KV, HEADS, C, D, G = 2, 2, 6, 45, 16, 8  # 45 slots: the last key group (of 8) is partial
 
 
-def _layer(quant, residual, count):
+def _layer(quant, residual, count, group=G):
     """A stored layer (codes, scales, window) holding random float keys and values in its first ``count [b, H]``
     slots, and the float keys / values attention should see."""
     rng = np.random.default_rng(0)
     k = jnp.asarray(rng.standard_normal((B, KV, C, D)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((B, KV, C, D)), jnp.float32)
     k = k.at[..., 3].multiply(8.0)  # an outlier key channel
-    stored = lowbit_slots.requantize(count, k, v, quant, G, residual, -(-C // G), jnp.float32)
+    stored = lowbit_slots.requantize(count, k, v, quant, group, residual, -(-C // group), jnp.float32)
     layer = types.SimpleNamespace(count=count, **stored)
-    return layer, lowbit_slots.float_kv(layer, quant, G, residual, jnp.float32)
+    return layer, lowbit_slots.float_kv(layer, quant, group, residual, jnp.float32)
 
 
-@pytest.mark.parametrize("quant, residual, softcap, per_head", [
-    ("int4", 0, None, False), ("int4", 5, 20.0, True), ("int2", 16, None, True)])
-def test_decode_on_codes_equals_the_reference_over_the_dequantized_layer(quant, residual, softcap, per_head):
+@pytest.mark.parametrize("quant, residual, softcap, per_head, group", [
+    ("int4", 0, None, False, G), ("int4", 5, 20.0, True, G),
+    ("int2", 16, None, True, 4)])  # int2's smallest group: one byte of codes per channel and group
+def test_decode_on_codes_equals_the_reference_over_the_dequantized_layer(quant, residual, softcap, per_head, group):
     count = jnp.asarray([[45, 38], [29, 12]] if per_head else [[45], [29]], jnp.int32)
-    layer, (k, v) = _layer(quant, residual, count)
+    layer, (k, v) = _layer(quant, residual, count, group)
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.standard_normal((B, HEADS, D)), jnp.float32)
     live = jnp.arange(C)[None, None, :] < lowbit_slots.per_kv(count, KV)[..., None]  # [b, k, C]
@@ -45,11 +46,11 @@ def test_decode_on_codes_equals_the_reference_over_the_dequantized_layer(quant, 
                                       return_residuals=True)
     got = jax.jit(lambda q, layer_k, layer_v, kv, valid: decode_lowbit(
         q, layer_k, layer_v, kv, valid=valid, sm_scale=0.3, softcap=softcap, weights=True, residuals=True))(
-        q, layer.k, layer.v, lowbit_slots.decode_view(layer, quant, G, residual), valid)
+        q, layer.k, layer.v, lowbit_slots.decode_view(layer, quant, group, residual), valid)
     for name, w, g in zip(("out", "weights", "m", "l"), want, (got.out, got.weights, got.m, got.l)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5, err_msg=name)
     # the window really is read in float: the quantized slots differ from the float keys by a quantization step
-    start = int(lowbit_slots.quantized_slots(count[0, 0], G, residual))
+    start = int(lowbit_slots.quantized_slots(count[0, 0], group, residual))
     assert start < int(count[0, 0]) and np.abs(np.asarray(layer.k_res[0, 0, 0]) - np.asarray(k[0, 0, start])).max() == 0
 
 
