@@ -176,8 +176,10 @@ def test_lowbit_every_eviction_policy_runs_and_keeps_its_budget(params):
     (dict(kv_dtype="int4", kv_residual=-1), "cache.kv_residual=-1 is invalid: must be a non-negative integer"),
     (dict(kv_dtype="int8", kv_residual=128), "cache.kv_residual=128 applies to the bit-packed caches only"),
     (dict(kv_group=32), "cache.kv_group=32 applies to the bit-packed caches only"),
-    (dict(kv_dtype="int4", layout="paged"), "cache.kv_dtype='int4' with cache.policy='full' and "
-                                            "cache.layout='paged': the bit-packed cache is built for the contiguous"),
+    (dict(kv_dtype="int4", layout="paged"), "cache.page_size=16 is invalid: must be a multiple of "
+                                            "cache.kv_group=64 with cache.kv_dtype='int4' and layout 'paged'"),
+    (dict(kv_dtype="int2", layout="paged", page_size=8, kv_group=16), "raise page_size (e.g. 16) or lower kv_group "
+                                                                      "to a divisor of 8 (>= 4)"),
     (dict(kv_dtype="int2", policy="memory", budget=64), "allowed here: kv_dtype ['int8', 'fp8'] or null"),
 ])
 def test_lowbit_errors_name_the_field_and_what_is_allowed(cache, message):
@@ -195,3 +197,63 @@ def test_lowbit_model_errors_name_the_setting():
                         layer_types=("sliding_attention", "full_attention"))
     with pytest.raises(ConfigError, match="this model has sliding-window layers"):
         CacheConfig(kv_dtype="int4").kind(gemma)
+
+
+# --------------------------------------------------------------------------------------------------- in pages
+PAGE = 16  # two key groups of G per page
+
+
+@pytest.mark.slow
+def test_paged_lowbit_cache_generates_the_contiguous_tokens_and_shares_pages_of_codes(params):
+    """``layout: paged`` (``lcx.cache.lowbit_pages``): the same store cut into pages of whole key groups, the float
+    window per row. Full int4 with a residual window and SnapKV int2 (evicting while the prompt streams in and while
+    decoding, forked after the context: copy-on-write of the code pages it rewrites) give the contiguous cache's
+    tokens; a fork shares the pages of codes (not the window's slots); ``cache_bytes`` is the peak pages plus the
+    rows' windows."""
+    questions = [np.random.default_rng(i).integers(0, 61, n).tolist() for i, n in ((1, 5), (2, 11), (3, 3))]
+    for kw in (dict(kv_dtype="int4", kv_residual=4), dict(kv_dtype="int2", policy="snapkv", budget=16, window=4,
+                                                           interval=8)):
+        tokens, results = {}, {}
+        for layout in ("contiguous", "paged"):
+            cache = CacheConfig(layout=layout, page_size=PAGE, kv_group=G, prefill_chunk=16, **kw)
+            gen = Generator(CFG, params, max_new_tokens=9, cache=cache, capacity=80)
+            state = gen.fork(gen.prefill([PROMPT]), len(questions))
+            if layout == "paged" and "policy" not in kw:
+                # 45 tokens, 4 in the window: slots 0..39 are codes, so pages 0 and 1 (32 slots) are shared
+                table, refs = np.asarray(state.cache.table), np.asarray(state.cache.refs)
+                np.testing.assert_array_equal(table[:, :2], np.broadcast_to(table[0, :2], (3, 2)))
+                assert np.all(refs[table[0, :2]] == 3) and len(set(table[:, 2].tolist())) == 3
+                np.testing.assert_array_equal(state.cache.k_res[:, 1], state.cache.k_res[:, 0])  # the window copied
+            state = gen.decode(gen.prefill(questions, state=state))
+            tokens[layout], results[layout] = gen.result(state).tokens, gen.result(state)
+        np.testing.assert_array_equal(tokens["paged"], tokens["contiguous"], err_msg=str(kw))
+        kind = CacheConfig(layout="paged", page_size=PAGE, kv_group=G, **kw).kind(CFG)
+        assert kind.name == "paged_slots" and state.cache.k.dtype == np.uint8
+        bits, d, kv_heads = lowbit.LOWBIT[kw["kv_dtype"]], CFG.head_dim, CFG.n_kv_heads
+        # one page: key codes, a scale and zero per key group and channel, value codes, a scale and zero per token
+        # and value group - per KV head and layer
+        per_head = 2 * PAGE * d * bits // 8 + 2 * 2 * (PAGE // G) * d + 2 * 2 * PAGE * (d // min(G, d))
+        assert kind.page_nbytes() == CFG.n_layers * kv_heads * per_head
+        window = state.cache.k_res.size * state.cache.k_res.dtype.itemsize * 2
+        assert results["paged"].cache_bytes == int(state.cache.peak) * kind.page_nbytes() + window
+
+
+def test_paged_lowbit_server_serves_each_request_as_generate_does(params):
+    """``lcx serve --kv-dtype int4`` underneath: the continuous-batching server over bit-packed pages (its table
+    cut to the pages the rows hold) gives each request the contiguous int4 cache's tokens, keeps no prefix (the
+    window is not in the pages) and returns every page; a page store is refused."""
+    from lcx.engine.server import Server
+
+    prompts = [np.random.default_rng(i).integers(0, 61, n).tolist() for i, n in enumerate((40, 23, 57), 1)]
+    new = (10, 6, 12)
+    kw = dict(kv_dtype="int4", kv_group=G, kv_residual=8)
+    alone = lcx.generate(CFG, params, prompts, max_new_tokens=max(new), cache=CacheConfig(**kw))
+    server = Server(CFG, params, max_num_seqs=2, max_len=80, segment=4, prefill_chunk=16,
+                    cache=CacheConfig(layout="paged", page_size=G, **kw))
+    ids = [server.submit(p, max_new_tokens=n) for p, n in zip(prompts, new)]
+    out = server.run()
+    for i, n, row in zip(ids, new, alone.tokens):
+        assert out[i] == row[:n].tolist(), f"request {i}"
+    assert server.prefix_entries == 0 and int(np.asarray(server.state.refs).sum()) == 0
+    with pytest.raises(ConfigError, match=r"Server store= with cache.kv_dtype='int4'"):
+        Server(CFG, params, cache=CacheConfig(layout="paged", page_size=G, **kw), store=object())

@@ -43,8 +43,9 @@ class CacheConfig:
     head (``lcx.kernels.quant``; composes with every eviction policy, both layouts, and the memory tier); ``int4`` or
     ``int2`` as bit-packed codes with a float16 scale and zero per group (KIVI: keys per channel over ``kv_group``
     tokens, values per token over ``kv_group`` channels, ``lcx.cache.lowbit_slots``), the ``kv_residual`` most recent
-    tokens (and the key group still filling) kept in ``dtype`` - the contiguous slot cache with every eviction policy;
-    None stores them in ``dtype``.
+    tokens (and the key group still filling) kept in ``dtype`` - the slot cache with every eviction policy, both
+    layouts (paged: ``page_size`` a multiple of ``kv_group``, ``lcx.cache.lowbit_pages``); None stores them in
+    ``dtype``.
     """
 
     policy: str = "full"
@@ -116,11 +117,17 @@ class CacheConfig:
                   f"must be >= {per_byte} with cache.kv_dtype={self.kv_dtype!r} (a key group fills whole bytes of "
                   f"{per_byte} codes)")
         policy = self.make_policy()  # validates the name and the policy's parameters
-        if lowbit and (policy.cache_type != "slots" or self.layout != "contiguous"):
-            raise ConfigError(f"cache.kv_dtype={self.kv_dtype!r} with cache.policy={self.policy!r} and "
-                              f"cache.layout={self.layout!r}: the bit-packed cache is built for the contiguous slot "
-                              "cache (full and every eviction policy, layout 'contiguous'); allowed here: kv_dtype "
+        if lowbit and policy.cache_type != "slots":
+            raise ConfigError(f"cache.kv_dtype={self.kv_dtype!r} with cache.policy={self.policy!r}: the bit-packed "
+                              "cache is built for the slot cache (full and every eviction policy, layout "
+                              "'contiguous' or 'paged'); allowed here: kv_dtype "
                               f"{[d for d in KV_DTYPES if d not in LOWBIT_DTYPES]} or null")
+        if lowbit and self.layout == "paged":  # a page holds whole key groups (lcx.cache.lowbit_pages)
+            check(self.page_size % self.kv_group == 0, "cache.page_size", self.page_size,
+                  f"must be a multiple of cache.kv_group={self.kv_group} with cache.kv_dtype={self.kv_dtype!r} and "
+                  "layout 'paged' (a page holds whole key groups): raise page_size (e.g. "
+                  f"{max(self.kv_group, self.page_size) // self.kv_group * self.kv_group}) or lower kv_group to a "
+                  f"divisor of {self.page_size} (>= {8 // LOWBIT_DTYPES[self.kv_dtype]})")
         if self.kv_dtype is not None and (policy.cache_type not in ("slots", "memory")
                                           or (self.layout != "contiguous" and policy.cache_type != "slots")):
             raise ConfigError(f"cache.kv_dtype={self.kv_dtype!r} with cache.policy={self.policy!r} and "
@@ -153,7 +160,8 @@ class CacheConfig:
         name = policy.cache_type
         if self.layout == "paged":
             # every token: lcx.cache.paged; an evicting policy: the slot cache's eviction over pages (paged_slots)
-            name = "paged_slots" if policy.evicts else "paged"
+            # (bit-packed codes: always the slot cache's pages, whose rows keep the float window)
+            name = "paged_slots" if policy.evicts or self.kv_dtype in LOWBIT_DTYPES else "paged"
         elif name in HYBRID_GLOBAL and any(s.window is not None for s in model.attention_specs()):
             name = "hybrid"  # sliding-window layers keep only their window (lcx.cache.hybrid)
             if self.kv_dtype in LOWBIT_DTYPES:

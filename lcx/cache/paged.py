@@ -111,8 +111,12 @@ class PagedState(CacheState):
         return super().layers().replace(table=self.table, lengths=self.lengths)
 
     def kv_bytes(self) -> int:
-        """Peak bytes of the pages in use (the contract of ``GenerateResult.cache_bytes`` for a paged cache)."""
-        return int(self.peak) * self.kind.page_nbytes()
+        """Peak bytes of the pages in use (the contract of ``GenerateResult.cache_bytes`` for a paged cache), and
+        the key / value buffers each row holds outside the pool (a bit-packed cache's float window)."""
+        fields = self.kind.fields()
+        rows = sum(x.size * x.dtype.itemsize for n, x in self.buffers().items()
+                   if fields[n].role == "kv" and "pages" not in fields[n].axes)
+        return int(self.peak) * self.kind.page_nbytes() + int(rows)
 
     def pool_bytes(self) -> int:
         """Bytes of the whole pool (what the device holds, in use or free)."""
@@ -150,14 +154,15 @@ def create(kind: CacheKind, batch: int, capacity: int, pages: int) -> PagedState
 def fork_pages(state: PagedState, n, full: np.ndarray, reserve: np.ndarray):
     """``state`` (stacked) with each row ``r`` as ``n[r]`` consecutive rows (``page_pool.fork``: its first
     ``full[r]`` pages shared, the others copied per copy, ``reserve[r]`` pages per copy planned) and the pages moved
-    to the new pool. Returns the state with ``k, v`` (and scales), the pool and ``lengths`` replaced."""
+    to the new pool. Returns the state with every pool buffer (``k, v``, scales), the pool and ``lengths``
+    replaced."""
     pool, source = page_pool.fork(state.pool, n, full, reserve)
     stacked = state.stack_layers()
     move = lambda x: page_pool.take_pages(x, source, pool.n_pages)  # noqa: E731
     counts = np.broadcast_to(np.asarray(n, np.int64), (state.table.shape[0],))
     lengths = np.repeat(np.asarray(state.lengths), counts).astype(np.int32)
-    scales = {n: move(x) for n, x in scales_of(stacked).items()}
-    return stacked.replace(k=move(stacked.k), v=move(stacked.v), **scales,
+    pooled = [n for n, f in state.kind.fields().items() if f.axes[:2] == ("layers", "pages")]  # k, v, scales
+    return stacked.replace(**{n: move(getattr(stacked, n)) for n in pooled},
                            lengths=jnp.asarray(lengths)).with_pool(pool)
 
 

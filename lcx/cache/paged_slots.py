@@ -40,15 +40,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lcx.cache import page_pool, paged, slot_attention
+from lcx.cache import lowbit_pages, lowbit_slots, page_pool, paged, slot_attention
 from lcx.cache.base import register_kind
 from lcx.cache.kv_cache import FIELDS as SLOT_FIELDS, QUERY_FIELDS, KVCache, SlotCacheKind
 from lcx.cache.schedule import Left, evict_cache
+from lcx.cache import schema
 from lcx.cache.schema import Field
 from lcx.config_base import ConfigError
 from lcx.kernels.paged_decode import gather_pages
 
 METADATA = ("pos", "valid", "count", "score")  # the slot cache's per-row buffers, kept as they are
+PER_SLOT = ("pos", "valid", "score")  # those with a slot axis (the last)
 FIELDS: Mapping[str, Field] = {**paged.FIELDS, **{n: SLOT_FIELDS[n] for n in METADATA}}
 
 
@@ -66,6 +68,12 @@ class PagedSlotCache(paged.PagedState):
     q_m2: jax.Array | None = None
     k_scale: jax.Array | None = None  # [L, P, k, g] float16 (paged.SCALE_FIELDS; with cache.kv_dtype)
     v_scale: jax.Array | None = None
+    # int4 / int2 (lcx.cache.lowbit_pages): k, v, k_scale, v_scale hold a page's codes and group scales in the
+    # bit-packed layout; their zeros beside them, and each row's float window [L, b, k, R + G, d]
+    k_zero: jax.Array | None = None
+    v_zero: jax.Array | None = None
+    k_res: jax.Array | None = None
+    v_res: jax.Array | None = None
     kind: "PagedSlotKind" = flax.struct.field(pytree_node=False, default=None)
 
     @property
@@ -105,17 +113,22 @@ class PagedSlotKind(SlotCacheKind):
 
     # ------------------------------------------------------------------------------------------- declaration
     def fields(self) -> Mapping[str, Field]:
-        return {**FIELDS, **{n: f for n, f in self.slots.fields().items() if n in QUERY_FIELDS},
-                **(paged.SCALE_FIELDS if self.quant else {})}
+        stored = lowbit_pages.FIELDS if self.lowbit else paged.SCALE_FIELDS if self.quant else {}
+        return {**FIELDS, **{n: f for n, f in self.slots.fields().items() if n in QUERY_FIELDS}, **stored}
 
     def _metadata(self) -> tuple[str, ...]:
-        """The slot cache's buffers this kind keeps as they are: positions, masks, scores (and query moments)."""
-        return METADATA + tuple(n for n in self.slots.fields() if n in QUERY_FIELDS)
+        """The slot cache's buffers this kind keeps as they are, per row: positions, masks, scores (and query
+        moments; a bit-packed cache's float window)."""
+        return METADATA + tuple(n for n in self.slots.fields() if n in QUERY_FIELDS) + \
+            (lowbit_pages.WINDOW if self.lowbit else ())
 
     def sizes(self, batch: int, capacity: int) -> dict[str, int]:
         row_pages = -(-capacity // self.page)
-        return {**super().sizes(batch, capacity), "pages": batch * row_pages, "page": self.page,
-                "row_pages": row_pages}
+        out = {**super().sizes(batch, capacity), "pages": batch * row_pages, "page": self.page,
+               "row_pages": row_pages}
+        if self.lowbit:
+            out |= lowbit_pages.sizes(self.quant, self.group, self.page)
+        return out
 
     def pages_for(self, batch: int, tokens: int, shared: int = 0) -> int:
         """Pages ``batch`` sequences of ``tokens`` tokens hold at most: the slots the policy plans for them, in whole
@@ -123,11 +136,15 @@ class PagedSlotKind(SlotCacheKind):
         return batch * -(-self.plan(batch, tokens, 0) // self.page)
 
     def page_nbytes(self) -> int:
-        """Bytes of one page in every layer, keys and values."""
-        return self.nbytes(1, self.page)
+        """Bytes of one page in every layer, keys and values (and their scales; not a row's float window)."""
+        pooled = {n: f for n, f in self.fields().items() if "pages" in f.axes}
+        return schema.nbytes(pooled, self.sizes(1, self.page), self.kv_dtype, "kv")
 
     # ------------------------------------------------------------------------------------------- attention
     def attend(self, layer: PagedSlotCache, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None):
+        if self.lowbit:
+            return self._attend_lowbit(layer, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
+                                       stat_weights=stat_weights, spec=spec)
         capacity, page = layer.pos.shape[-1], self.page
         view = lambda pool: _slot_view(pool, layer.table, capacity)  # noqa: E731
         scales = paged.scales_of(layer)
@@ -153,17 +170,55 @@ class PagedSlotKind(SlotCacheKind):
                                   **{n: put(x, getattr(slots, n)) for n, x in scales.items()},
                                   **{n: getattr(slots, n) for n in self._metadata()})
 
+    def _lowbit_view(self, pools: Mapping[str, jax.Array], table, capacity: int) -> dict[str, jax.Array]:
+        """One layer's bit-packed pool buffers as the contiguous store's arrays for ``capacity`` slots
+        (``lcx.cache.lowbit_pages``)."""
+        lengths = lowbit_pages.view_lengths(self.quant, self.group, self.residual, self.model.head_dim, capacity)
+        return {n: lowbit_pages.view(pools[n], table, n, lengths[n]) for n in lowbit_pages.POOL_FIELDS}
+
+    def _pools(self, state) -> dict[str, jax.Array]:
+        return {n: getattr(state, n) for n in lowbit_pages.POOL_FIELDS}
+
+    def _attend_lowbit(self, layer: PagedSlotCache, q, key, val, **kw):
+        """The bit-packed store gathered from its pages, the slot cache's attention on it (which appends, flushes
+        whole key groups out of the float window into codes and attends on the codes), and the pages the flush may
+        have written put back."""
+        # A table cut short (the server reads only the pages its rows can hold, lcx.engine.server) is the slot
+        # cache of that many slots: the per-slot metadata is cut with it and put back after.
+        width = min(layer.pos.shape[-1], layer.table.shape[1] * self.page)
+        metadata = {n: getattr(layer, n)[..., :width] if n in PER_SLOT else getattr(layer, n)
+                    for n in self._metadata()}
+        slots = KVCache(**self._lowbit_view(self._pools(layer), layer.table, width), lengths=None, kind=self.slots,
+                        **metadata)
+        out, slots = slot_attention.attend(self.slots, slots, q, key, val, **kw)
+        index = lowbit_pages.flushed_pages(layer.count, layer.k.shape[1], q.shape[1], self.quant, self.group,
+                                           self.residual, self.page)
+        units = lowbit_pages.per_page(self.quant, self.group, self.page)
+        pools = {n: lowbit_pages.put_pages(getattr(layer, n), getattr(slots, n), n, units[n], layer.table, index)
+                 for n in lowbit_pages.POOL_FIELDS}
+        return out, layer.replace(**pools, **{
+            n: getattr(layer, n).at[..., :width].set(getattr(slots, n)) if n in PER_SLOT else getattr(slots, n)
+            for n in self._metadata()})
+
     # ------------------------------------------------------------------------------------------- between calls
     def evict(self, state: PagedSlotCache) -> tuple[PagedSlotCache, Left]:
         """The slot cache's eviction on the gathered view, then the pages: those past each row's last occupied slot
         freed, shared ones the compaction rewrites copied for the row, and every page a row holds written from the
         compacted view (unchanged shared pages with the values they hold)."""
+        if self.budgets is None:  # the full policy (a bit-packed paged cache keeps every token here)
+            return state, None
         capacity, page, pages = state.capacity, self.page, state.n_pages
         row_pages = state.table.shape[1]
         view = jax.vmap(lambda pool: _slot_view(pool, state.table, capacity))  # [L, b, k, C, d]
+        metadata = {n: getattr(state, n) for n in self._metadata()}
+        if self.lowbit:  # the slot cache's bit-packed eviction (dequantize, evict, quantize the survivors again)
+            stored = jax.vmap(lambda pools: self._lowbit_view(pools, state.table, capacity))(self._pools(state))
+            before = KVCache(**stored, lengths=state.lengths, kind=self.slots, **metadata)
+            after, left = self.slots.evict(before)
+            return self._write_evicted(state, before, after), left
         scales = paged.scales_of(state)
         before = KVCache(k=view(state.k), v=view(state.v), lengths=state.lengths, kind=self.slots,
-                         **{n: view(x) for n, x in scales.items()}, **{n: getattr(state, n) for n in self._metadata()})
+                         **{n: view(x) for n, x in scales.items()}, **metadata)
         after, left = evict_cache(self.policy, before, jnp.asarray(self.budgets, jnp.int32))
         need = -(-jnp.max(after.count, axis=(0, 2)) // page)  # [b] pages each row still holds
         pad = ((0, 0), (0, 0), (0, 0), (0, row_pages * page - capacity))
@@ -182,6 +237,26 @@ class PagedSlotKind(SlotCacheKind):
                              count=after.count, score=after.score,
                              **{n: write(x, getattr(after, n)) for n, x in scales.items()}), left
 
+    def _write_evicted(self, state: PagedSlotCache, before: KVCache, after: KVCache) -> PagedSlotCache:
+        """A bit-packed ``state`` after the eviction ``before -> after`` (stacked views): pages past each row's
+        last occupied slot freed, shared pages the compaction rewrites copied for the row, and every page the row
+        alone holds written from the re-quantized view. (A shared page the compaction leaves alone keeps its bytes:
+        re-quantizing unchanged groups may round differently, and the rows sharing it must read one page.)"""
+        page, row_pages = self.page, state.table.shape[1]
+        need = -(-jnp.max(after.count, axis=(0, 2)) // page)  # [b] pages each row still holds
+        pad = ((0, 0), (0, 0), (0, 0), (0, row_pages * page - state.capacity))
+        moved = jnp.pad((after.pos != before.pos) | (after.valid != before.valid), pad)
+        changed = jnp.any(moved.reshape(*moved.shape[:3], row_pages, page), axis=(0, 2, 4))  # [b, T]
+        pool = page_pool.copy_on_write(page_pool.trim(state.pool, need), changed)
+        state = state.with_pool(pool)
+        own = jnp.where((pool.table >= 0) & (pool.refs[jnp.maximum(pool.table, 0)] == 1), pool.table, -1)
+        index = jnp.broadcast_to(jnp.arange(row_pages), (own.shape[0], state.k.shape[2], row_pages))
+        units = lowbit_pages.per_page(self.quant, self.group, page)
+        pools = {n: jax.vmap(lambda p, x, n=n: lowbit_pages.put_pages(p, x, n, units[n], own, index))(
+            getattr(state, n), getattr(after, n)) for n in lowbit_pages.POOL_FIELDS}
+        return state.replace(**pools, pos=after.pos, valid=after.valid, count=after.count, score=after.score,
+                             **{n: getattr(after, n) for n in lowbit_pages.WINDOW})
+
     def make_room(self, state: PagedSlotCache, n) -> PagedSlotCache:
         """Evict when some row would overflow (the slot cache's rule), then give every row the pages for its next
         ``n`` slots in every layer and keep head."""
@@ -198,7 +273,10 @@ class PagedSlotKind(SlotCacheKind):
         the others copied, the metadata repeated. The pool holds the shared pages and, per row, its whole table's
         worth (an eviction may copy every shared page it rewrites)."""
         stacked = state.stack_layers()
-        full = np.asarray(jnp.min(stacked.count, axis=(0, 2))) // self.page
+        filled = stacked.count  # [L, b, H]: a bit-packed cache shares only pages of codes (not the window's slots)
+        if self.lowbit:
+            filled = lowbit_slots.quantized_slots(filled, self.group, self.residual)
+        full = np.asarray(jnp.min(filled, axis=(0, 2))) // self.page
         out = paged.fork_pages(stacked, n, full, np.full(full.shape, stacked.table.shape[1]))
         counts = np.broadcast_to(np.asarray(n), full.shape)
         return out.replace(**{name: jnp.repeat(getattr(stacked, name), counts, axis=1) for name in self._metadata()})

@@ -31,7 +31,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cache-policy", default="full", metavar="NAME", help="eviction policy on pages (default full)")
     p.add_argument("--cache-param", action="append", default=[], metavar="KEY=VALUE",
                    help="a cache setting or policy parameter (repeatable), e.g. budget=1024")
-    p.add_argument("--kv-dtype", default=None, help="int8 / fp8: 8-bit KV codes (default: the model's dtype)")
+    p.add_argument("--kv-dtype", default=None, help="int8 / fp8: 8-bit KV codes; int4 / int2: bit-packed codes "
+                   "in groups (--page-size a multiple of --cache-param kv_group=, default 64; kv_residual= keeps the "
+                   "most recent tokens in float) (default: the model's dtype)")
     p.add_argument("--kv-store", default=None, metavar="DIR", help="keep prompt pages on disk here: they survive "
                    "restarts (full policy)")
     p.add_argument("--kv-store-size", default="16GiB", metavar="SIZE", help="disk bound of --kv-store "

@@ -58,6 +58,7 @@ from lcx.config_base import ConfigError
 from lcx.engine import rows
 from lcx.engine.generator import Generator
 from lcx.engine.sampling import RowSampling, SamplingConfig, request_key, sample_rows
+from lcx.kernels.names import LOWBIT_DTYPES
 from lcx.model.config import ModelConfig
 
 SUGGESTED_POLICY = "streaming"  # what a refusal proposes: bounded pages for any prompt, no statistics to gather
@@ -134,7 +135,14 @@ class Server:
                               f"than a request of max_len={max_len} refuses the requests it cannot hold)")
         self.rows, self.segment = max_num_seqs, segment
         self.chunk = self.kind.prefill_chunk(prefill_chunk, max_len, self.row_pages * self.page)
-        self.prefix_entries = 0 if self.evicts else prefix_entries
+        # A bit-packed cache (int4 / int2) keeps a row's most recent tokens in its float window, beside its pages:
+        # its pages alone are no prefix to keep or store.
+        lowbit = cache.kv_dtype in LOWBIT_DTYPES
+        if lowbit and store is not None:
+            raise ConfigError(f"Server store= with cache.kv_dtype={cache.kv_dtype!r}: a bit-packed cache's pages "
+                              "are not a prefix without the row's float window; allowed: store=None, or kv_dtype "
+                              "'int8', 'fp8' or None")
+        self.prefix_entries = 0 if self.evicts or lowbit else prefix_entries
         self.store = None if self.evicts else store
         self.state = paged.create(self.kind, self.rows, self.row_pages * self.page, self.pages)
         self._queue: collections.deque[_Request] = collections.deque()

@@ -6,6 +6,7 @@ perplexity on a log scale - and, for retrieval over depths, a depth x length hea
 from __future__ import annotations
 
 import csv
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -216,37 +217,49 @@ def plot(rows: list[dict], out_dir: Path, title: str) -> list[Path]:
     return paths
 
 
+def _without_compression(setting: str) -> str:
+    """The setting's label with its ``@c=…`` removed: the cells one line of a compression plot joins."""
+    return re.sub(r"\s*@c=[0-9.]+", "", setting).strip()
+
+
 def plot_compression(rows: list[dict], out_dir: Path, title: str, plt) -> Path:
-    """Accuracy (the macro average over tasks when there are several) vs compression ratio: a line per policy and
-    protocol, a panel per length; ``full`` as a dashed horizontal line."""
-    tasks = {r.get("task") for r in rows if r["metric"] == "accuracy"}
-    acc = macro_rows(rows) if len(tasks - {""}) > 1 else [r for r in rows if r["metric"] == "accuracy"]
-    lengths = sorted({r["length"] for r in acc})
+    """The grid's metric vs compression ratio: accuracy (the macro average over tasks when there are several), or
+    for a perplexity grid the perplexity of the last position bucket; a line per setting without its ratio (policy,
+    cache dtype, protocol), a panel per length; ``full`` as a dotted horizontal line."""
+    metric = "accuracy" if any(r["metric"] == "accuracy" for r in rows) else "perplexity"
+    tasks = {r.get("task") for r in rows if r["metric"] == metric}
+    macro = metric == "accuracy" and len(tasks - {""}) > 1
+    cells = macro_rows(rows) if macro else [r for r in rows if r["metric"] == metric]
+    if metric == "perplexity":
+        # Perplexity rows are position buckets of one window length: the last bucket is the whole window.
+        last = max(int(r["length"]) for r in cells)
+        cells = [r for r in cells if int(r["length"]) == last]
+    lengths = sorted({r["length"] for r in cells})
     fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
     colors = plt.get_cmap("tab10").colors
-    policies = list(dict.fromkeys(r["policy"] for r in acc))
+    lines = list(dict.fromkeys(_without_compression(label(r)) for r in cells if r.get("compression") != ""))
     for ax, length in zip(axes.flat, lengths):
-        cell = [r for r in acc if r["length"] == length]
-        lines = dict.fromkeys((r["policy"], r.get("protocol", "")) for r in cell if r.get("compression") != "")
-        for policy, protocol in lines:
-            pts = sorted((float(r["compression"]), r["value"], r["lo"], r["hi"]) for r in cell
-                         if r["policy"] == policy and r.get("protocol", "") == protocol and r["compression"] != "")
-            xs = [p[0] for p in pts]
-            color = colors[policies.index(policy) % len(colors)]
-            ax.plot(xs, [p[1] for p in pts], marker="o", color=color, linestyle="-" if protocol != "one_shot" else "--",
-                    label=f"{policy} {protocol.replace('_', '-')}".strip())
+        cell = [r for r in cells if r["length"] == length]
+        for i, line in enumerate(lines):
+            pts = sorted((float(r["compression"]), r["value"]) for r in cell
+                         if r.get("compression") != "" and _without_compression(label(r)) == line)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[i % len(colors)],
+                    linestyle="--" if "one-shot" in line or "one_shot" in line else "-", label=line)
         for r in cell:
             if r.get("compression") == "":
-                ax.axhline(r["value"], color="black", linestyle=":", label=f"{r['policy']} (no compression)")
+                ax.axhline(r["value"], color="black", linestyle=":", label=f"{label(r)} (no compression)")
         ax.set_xlabel("compression ratio (share of the context evicted)")
-        ax.set_ylabel("accuracy" + (" (macro average)" if len(tasks - {""}) > 1 else ""))
-        ax.set_ylim(-0.02, 1.02)
+        ax.set_ylabel(metric + (" (macro average)" if macro else ""))
+        if metric == "accuracy":
+            ax.set_ylim(-0.02, 1.02)
+        else:
+            ax.set_yscale("log")
         ax.set_title(f"{length} tokens", fontsize=9)
-        ax.grid(alpha=0.3)
+        ax.grid(alpha=0.3, which="both")
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"{title}: accuracy vs compression", fontsize=10)
+    fig.suptitle(f"{title}: {metric} vs compression", fontsize=10)
     fig.tight_layout()
-    path = out_dir / "accuracy_vs_compression.png"
+    path = out_dir / f"{metric}_vs_compression.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -4,13 +4,16 @@ One function for the server (it sizes its pool with it at start) and ``lcx plan 
 ``--kv-memory`` bytes, or ``--gpu-memory-utilization`` of the device's free memory after the weights (the planner's
 rule: a margin left to the runtime), in whole pages of ``page_size`` tokens over every layer, keys and values; it is
 never larger than every row at its largest (``max_num_seqs`` rows of ``max_model_len`` tokens under the full policy,
-of the policy's planned slots under an evicting one), since more pages could never be used.
+of the policy's planned slots under an evicting one), since more pages could never be used. Key / value buffers a
+row holds outside the pool (a bit-packed cache's float window, ``lcx.cache.lowbit_pages``) come off the budget first,
+for every one of the ``max_num_seqs`` rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from lcx.cache import schema
 from lcx.cache.config import CacheConfig
 from lcx.config_base import ConfigError
 from lcx.model.config import ModelConfig
@@ -31,6 +34,7 @@ class ServePlan:
     max_model_len: int
     policy: str
     source: str
+    row_bytes: int = 0  # bytes every row holds outside the pool (a bit-packed cache's float window), all rows
 
     @property
     def pool_bytes(self) -> int:
@@ -54,7 +58,9 @@ class ServePlan:
                 f"{'' if self.policy == 'full' else f', policy {self.policy!r} evicting past them'})",
                 f"sequences at max length ({self.max_model_len:,} tokens) at once: {self.at_max_length:,} "
                 f"(serving {capped} of --max-num-seqs {self.max_num_seqs}"
-                f"{'' if self.at_max_length >= self.max_num_seqs else '; more wait for pages'})"]
+                f"{'' if self.at_max_length >= self.max_num_seqs else '; more wait for pages'})"] + (
+                [f"beside the pool: {format_bytes(self.row_bytes)} of float windows "
+                 f"({format_bytes(self.row_bytes // self.max_num_seqs)} per sequence)"] if self.row_bytes else [])
 
 
 def serve_plan(model: ModelConfig, cache: CacheConfig, *, max_num_seqs: int, max_model_len: int,
@@ -71,15 +77,18 @@ def serve_plan(model: ModelConfig, cache: CacheConfig, *, max_num_seqs: int, max
     slots = kind.plan(1, max_model_len, 0) if cache.make_policy().evicts else max_model_len
     row_pages = -(-slots // cache.page_size)
     most = max_num_seqs * row_pages
+    outside = {n: f for n, f in kind.fields().items() if "pages" not in f.axes}
+    row_bytes = schema.nbytes(outside, kind.sizes(max_num_seqs, slots), kind.kv_dtype, "kv")
     if kv_memory is not None:
-        pages, source = kv_memory // page_bytes, "--kv-memory"
+        pages, source = (kv_memory - row_bytes) // page_bytes, "--kv-memory"
         if pages < 1:
             raise ConfigError(f"--kv-memory={kv_memory} bytes is invalid: one page of {cache.page_size} tokens takes "
-                              f"{page_bytes:,} bytes")
+                              f"{page_bytes:,} bytes" + (f", after {row_bytes:,} bytes of the {max_num_seqs} rows' "
+                                                         "float windows" if row_bytes else ""))
     elif utilization is not None and free_bytes is not None:
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise ConfigError(f"--gpu-memory-utilization={utilization!r} is invalid: must be a fraction in (0, 1]")
-        budget = usable_bytes(free_bytes, utilization) - weight_bytes
+        budget = usable_bytes(free_bytes, utilization) - weight_bytes - row_bytes
         pages, source = budget // page_bytes, f"{utilization:.0%} of free device memory less the weights"
         if pages < 1:
             raise ConfigError(f"--gpu-memory-utilization={utilization} leaves {budget:,} bytes for the KV cache: "
@@ -89,7 +98,8 @@ def serve_plan(model: ModelConfig, cache: CacheConfig, *, max_num_seqs: int, max
     if pages > most:
         pages, source = most, f"{source}, capped at every sequence at its largest"
     return ServePlan(page_size=cache.page_size, page_bytes=page_bytes, row_pages=row_pages, pages=int(pages),
-                     max_num_seqs=max_num_seqs, max_model_len=max_model_len, policy=cache.policy, source=source)
+                     max_num_seqs=max_num_seqs, max_model_len=max_model_len, policy=cache.policy, source=source,
+                     row_bytes=row_bytes)
 
 
 __all__ = ["ServePlan", "serve_plan"]

@@ -57,6 +57,7 @@ def build_service(config: ServeConfig, lm=None) -> Service:
     import lcx
     from lcx.engine.kv_store import PageStore
     from lcx.engine.server import Server
+    from lcx.kernels.names import LOWBIT_DTYPES
     from lcx.parallel.device_memory import free_bytes
     from lcx.plan.inference import weight_bytes
     from lcx.plan.serving import serve_plan
@@ -68,7 +69,12 @@ def build_service(config: ServeConfig, lm=None) -> Service:
                       utilization=config.gpu_memory_utilization if config.gpu_memory_utilization else None,
                       weight_bytes=weight_bytes(lm.config, lm.config.param_dtype))
     store = None
-    if not cache.make_policy().evicts:
+    lowbit = cache.kv_dtype in LOWBIT_DTYPES
+    if lowbit and config.kv_store is not None:
+        raise ConfigError(f"--kv-store with --kv-dtype {cache.kv_dtype}: a bit-packed cache keeps each request's "
+                          "most recent tokens in a float window beside its pages, so pages alone are not a prefix "
+                          "(allowed: --kv-dtype int8, fp8 or none with --kv-store)")
+    if not cache.make_policy().evicts and not lowbit:
         store = PageStore(store_namespace(lm.params, cache, lm.config), page=cache.page_size,
                           host_bytes=config.host_store_bytes, directory=config.kv_store,
                           disk_bytes=config.kv_store_bytes)
