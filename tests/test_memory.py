@@ -12,7 +12,7 @@ import pytest
 
 import lcx
 from lcx.cache.memory import MemoryKind, make_router
-from lcx.cache.memory.blocks import form_blocks, quantize
+from lcx.cache.memory.blocks import GROUPS, form_blocks, quantize, quantize_lowbit
 from lcx.cache.memory.store import BlockStore
 from lcx.config import ConfigError, from_dict, to_dict
 
@@ -69,6 +69,19 @@ def test_memory_logits_equal_the_full_cache_under_teacher_forcing(params):
     assert gen8.kind.store_dtype == "int8" and state8.cache.k_scale.shape == state8.cache.k.shape[:-1]
     d = CFG.head_dim
     assert state8.cache.kv_bytes() * (4 * d) == state.cache.kv_bytes() * (d + 2)  # 1-byte codes + 2-byte scale
+    # int4 (cache.kv_dtype): the working window stays float (the tier's residual), the long-term blocks are
+    # bit-packed codes in KIVI's groups; recalled from the host store (NumPy) or the device (JAX) they dequantize to
+    # the same values (up to float32 rounding: XLA fuses the multiply-add). Off the float tiers by ~10x the int8
+    # blocks (measured: max 1.5e-3, mean 3.5e-4).
+    drift = {}
+    for store in ("host", "device"):
+        gen4 = lcx.Generator(CFG, params, max_new_tokens=80, cache=memory(kv_dtype="int4", kv_group=8, store=store))
+        state4, drift[store] = gen4.score(gen4.prefill(ids[:, :40]), ids[:, 40:])
+        assert gen4.kind.store_dtype == "int4" and state4.cache.k.dtype == jnp.float32
+    np.testing.assert_allclose(drift["host"], drift["device"], atol=2e-6)
+    off = np.abs(drift["host"] - want)
+    assert off.max() < 5e-3 and np.abs(got8 - want).mean() < off.mean() < 1e-3
+    assert state4.cache.store_k.dtype == jnp.uint8 and state4.cache.store_k.shape[-1] == d // 2
 
 
 @pytest.mark.slow
@@ -187,6 +200,35 @@ def test_memory_store_int8_is_within_half_a_step():
     assert store.nbytes() < 0.5 * fp32.nbytes()  # 1 byte per element instead of 4, plus positions and scales
 
 
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2"])
+def test_memory_store_lowbit_is_within_half_a_step_of_its_groups(tmp_path, kv_dtype):
+    """Bit-packed blocks (``memory_dtype: int4 | int2``): keys within half a step of their block's channel scale,
+    values of their token's group scale; saved and loaded with their groups; the bytes are codes + scales."""
+    store = BlockStore(2, 2, 8, 4, 2, 8, kv_dtype, value_group=4)
+    kk, vv, pos = _random_blocks(2)
+    codes = {n: np.asarray(x) for n, x in quantize_lowbit(jnp.asarray(kk), jnp.asarray(vv), kv_dtype, 4).items()}
+    store.append(codes["k"], codes["v"], pos, np.array([3, 2]), groups={n: codes[n] for n in GROUPS})
+    ids = np.array([[[0, 1, 2]] * 2, [[1, 0, -1]] * 2])
+    got_k, got_v = store.fetch(1, ids)
+    for row in range(2):
+        for i, block in enumerate(ids[row, 0]):
+            if block < 0:
+                assert not got_k[row, i * 4:(i + 1) * 4].any()
+                continue
+            step_k = codes["k_scale"][1, row, block].astype(np.float32)  # [k, d]: per channel over the block
+            err = np.abs(got_k[row, i * 4:(i + 1) * 4] - kk[1, row, block])  # [j, k, d]
+            assert np.all(err <= step_k / 2 + 1e-3), (row, block)
+            step_v = np.repeat(codes["v_scale"][1, row, block].astype(np.float32), 4, axis=-1)  # [j, k, d]
+            assert np.all(np.abs(got_v[row, i * 4:(i + 1) * 4] - vv[1, row, block]) <= step_v / 2 + 1e-3)
+    again = BlockStore.load(store.save(tmp_path / "saved") or tmp_path / "saved")
+    np.testing.assert_array_equal(again.fetch(1, ids)[0], got_k)
+    fp32 = BlockStore(2, 2, 8, 4, 2, 8, "float32")
+    fp32.append(kk, vv, pos, np.array([3, 2]))
+    bits = {"int4": 4, "int2": 2}[kv_dtype]
+    per_block = 2 * 4 * 2 * 8 * bits // 8 + 4 * 4 * 2 + 2 * 2 * (2 * 8 + 4 * 2 * 2)  # codes, positions, groups
+    assert store.nbytes() == 5 * 2 * per_block < fp32.nbytes()
+
+
 def test_memory_cluster_blocks_group_similar_keys():
     rng = np.random.default_rng(5)
     centers = rng.normal(size=(2, 16)) * 3
@@ -221,7 +263,10 @@ def test_memory_save_and_restore_resumes_with_the_store(params, tmp_path):
     (dict(router="learned"), "cache.router='learned' needs cache.router_path"),
     (dict(blocks="cluster", cluster_blocks=1), "k-means needs a run of at least 2 blocks"),
     (dict(store="disk"), "cache.store='disk' needs cache.store_dir"),
-    (dict(memory_dtype="int4"), "cache.memory_dtype='int4' is invalid"),
+    (dict(memory_dtype="int3"), "cache.memory_dtype='int3' is invalid: must be one of ['float32', 'bfloat16', "
+                                "'float16', 'int8', 'int4', 'int2'] or null"),
+    (dict(kv_dtype="int4", kv_residual=8), "cache.kv_residual=8 is invalid with cache.policy='memory': the memory "
+                                           "tier's working window is its float residual"),
     (dict(window=None, budget=40, topk=8, block=8), "cache.budget=40 is invalid for cache.policy='memory': it must "
                                                     "exceed sinks + topk * block = 4 + 8 * 8 = 68"),
     (dict(window=16, budget=40), "cache.budget=40 and cache.window=16 disagree"),

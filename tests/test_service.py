@@ -350,6 +350,27 @@ def test_the_api_key_is_required_when_set(model_dir, lm):
         running.stop()
 
 
+def test_int4_pages_serve_the_offline_int4_tokens(model_dir, lm, tmp_path):
+    """``lcx serve --kv-dtype int4``: the pool holds bit-packed pages (each row's float window beside it, off the
+    budget), and a greedy completion is the offline int4 cache's; a page store with it is refused at start."""
+    params = (("kv_group", 8), ("kv_residual", 8))
+    config = ServeConfig(model=str(model_dir), port=_free_port(), max_num_seqs=2, max_model_len=MAX_LEN, page_size=8,
+                         segment=4, prefill_chunk=64, kv_dtype="int4", cache_params=params)
+    running = Running(config, lm)
+    try:
+        prompt = NOISE[:300]
+        r = running.client().completions.create(model=str(model_dir), prompt=prompt, max_tokens=12, temperature=0)
+        ids = lm.encode(prompt)
+        out = lcx.generate(lm.config, lm.params, [ids], max_new_tokens=12, eos_id=lm.eos_id,
+                           cache=lcx.CacheConfig(kv_dtype="int4", kv_group=8, kv_residual=8))
+        assert r.choices[0].text == lm.tokenizer.decode(out.tokens[0, :int(out.lengths[0])].tolist())
+        assert running.service.plan.row_bytes > 0 and running.service.server.state.k.dtype == np.uint8
+    finally:
+        running.stop()
+    with pytest.raises(lcx.config.ConfigError, match=r"--kv-store with --kv-dtype int4"):
+        build_service(ServeConfig(model=str(model_dir), kv_dtype="int4", page_size=64, kv_store=str(tmp_path)), lm)
+
+
 @pytest.mark.slow
 def test_a_prompt_the_budget_can_never_hold_is_refused_naming_a_policy_and_others_go_on(model_dir, lm):
     # the incident: a KV budget of 12 pages of 8 tokens (96 tokens), a long prompt arriving among short requests

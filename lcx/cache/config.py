@@ -44,8 +44,8 @@ class CacheConfig:
     ``int2`` as bit-packed codes with a float16 scale and zero per group (KIVI: keys per channel over ``kv_group``
     tokens, values per token over ``kv_group`` channels, ``lcx.cache.lowbit_slots``), the ``kv_residual`` most recent
     tokens (and the key group still filling) kept in ``dtype`` - the slot cache with every eviction policy, both
-    layouts (paged: ``page_size`` a multiple of ``kv_group``, ``lcx.cache.lowbit_pages``); None stores them in
-    ``dtype``.
+    layouts (paged: ``page_size`` a multiple of ``kv_group``, ``lcx.cache.lowbit_pages``), and the memory tier's
+    long-term blocks (its working window stays in ``dtype``); None stores them in ``dtype``.
     """
 
     policy: str = "full"
@@ -117,11 +117,15 @@ class CacheConfig:
                   f"must be >= {per_byte} with cache.kv_dtype={self.kv_dtype!r} (a key group fills whole bytes of "
                   f"{per_byte} codes)")
         policy = self.make_policy()  # validates the name and the policy's parameters
-        if lowbit and policy.cache_type != "slots":
+        if lowbit and policy.cache_type not in ("slots", "memory"):
             raise ConfigError(f"cache.kv_dtype={self.kv_dtype!r} with cache.policy={self.policy!r}: the bit-packed "
                               "cache is built for the slot cache (full and every eviction policy, layout "
-                              "'contiguous' or 'paged'); allowed here: kv_dtype "
-                              f"{[d for d in KV_DTYPES if d not in LOWBIT_DTYPES]} or null")
+                              "'contiguous' or 'paged') and the memory tier's long-term blocks; allowed here: "
+                              f"kv_dtype {[d for d in KV_DTYPES if d not in LOWBIT_DTYPES]} or null")
+        if lowbit and policy.cache_type == "memory" and self.kv_residual:
+            raise ConfigError(f"cache.kv_residual={self.kv_residual} is invalid with cache.policy='memory': the "
+                              "memory tier's working window is its float residual (cache.window); the bit-packed "
+                              "codes are its long-term blocks; allowed: kv_residual 0")
         if lowbit and self.layout == "paged":  # a page holds whole key groups (lcx.cache.lowbit_pages)
             check(self.page_size % self.kv_group == 0, "cache.page_size", self.page_size,
                   f"must be a multiple of cache.kv_group={self.kv_group} with cache.kv_dtype={self.kv_dtype!r} and "

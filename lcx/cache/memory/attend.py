@@ -33,9 +33,11 @@ import jax.numpy as jnp
 
 from lcx import kernels
 from lcx.cache.kv_view import KVView, attend_view, packed_valid
+from lcx.cache.memory.blocks import dequantize_lowbit
 from lcx.cache.memory.learned import PARAM_NAMES
 from lcx.cache.memory.store import fetch as host_fetch
 from lcx.kernels import Attended
+from lcx.kernels.lowbit import LOWBIT
 from lcx.kernels.quant import dequantize, quantize
 from lcx.model.config import AttentionSpec
 from lcx.model.rope import apply_rope, rope_tables
@@ -73,6 +75,19 @@ def _recall(kind, layer, ids: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """Keys and values of blocks ``ids [b, k, K]`` (-1: none) -> ``[b, K * j, k, d]`` each."""
     p, m = kind.policy, kind.model
     b, heads, topk = ids.shape
+    if p.store == "device" and kind.store_dtype in LOWBIT:  # bit-packed blocks and their groups
+        rows, head = jnp.arange(b)[:, None, None], jnp.arange(heads)[None, :, None]
+        safe = jnp.maximum(ids, 0)
+        # each recalled block as a block of one KV head: codes [b, k, K, j, 1, d'], key groups [b, k, K, 1, d],
+        # value groups [b, k, K, j, 1, d / G] (the layout blocks.dequantize_lowbit reads)
+        per_token = lambda x: x[rows, safe, :, head][..., None, :]  # noqa: E731
+        codes = {"k": per_token(layer.store_k), "v": per_token(layer.store_v),
+                 "k_scale": layer.store_k_scale[rows, safe, head][..., None, :],
+                 "k_zero": layer.store_k_zero[rows, safe, head][..., None, :],
+                 "v_scale": per_token(layer.store_v_scale), "v_zero": per_token(layer.store_v_zero)}
+        k, v = dequantize_lowbit(codes, kind.store_dtype)  # [b, k, K, j, 1, d]
+        flat = lambda x: einops.rearrange(x[..., 0, :], "b k K j d -> b (K j) k d")  # noqa: E731
+        return flat(k).astype(dtype), flat(v).astype(dtype)
     if p.store == "device":
         rows, head = jnp.arange(b)[:, None, None], jnp.arange(heads)[None, :, None]
         safe = jnp.maximum(ids, 0)
@@ -198,7 +213,7 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
     q_route = q  # routing compares like with like: rotated (original) or unrotated (local) queries and keys
     q_offsets = layer.count
-    layer = _write(layer, key, val, positions, ok, kind.quant)
+    layer = _write(layer, key, val, positions, ok, kind.working_quant)
     b, t = q.shape[:2]
     k_work, k_scale = layer.k, layer.k_scale
     recall_tokens = p.topk * p.block

@@ -8,7 +8,10 @@ k kv heads, d head dim, c clusters per run.
   Lloyd iterations from evenly spaced seeds, cosine geometry); tokens are then ordered by cluster (ties by position)
   and cut into blocks of exactly ``block`` tokens, so a block gathers similar keys and every block is full. Each KV
   head keeps its own token order (positions per head).
-- ``int8`` storage: symmetric quantization with one scale per block and KV head (max |x| / 127).
+- ``int8`` storage: symmetric quantization with one scale per block and KV head (max |x| / 127);
+- ``int4`` / ``int2`` storage (:func:`quantize_lowbit`): bit-packed codes along ``head_dim`` with KIVI's asymmetric
+  groups (``lcx.kernels.lowbit``) - a block's keys per channel (one float16 scale and zero per block, KV head and
+  channel: the block is the key group), its values per token over ``value_group`` channels.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import einops
 import jax
 import jax.numpy as jnp
+
+from lcx.kernels import lowbit
 
 
 def kmeans_order(keys: jax.Array, clusters: int, iters: int) -> jax.Array:
@@ -78,4 +83,28 @@ def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
     return q.astype(jnp.float32) * scale[..., None, :, None]
 
 
-__all__ = ["dequantize", "form_blocks", "kmeans_order", "quantize"]
+GROUPS = ("k_scale", "k_zero", "v_scale", "v_zero")  # a bit-packed block's scales and zeros
+
+
+def quantize_lowbit(k: jax.Array, v: jax.Array, kv_dtype: str, value_group: int) -> dict[str, jax.Array]:
+    """Blocks ``k, v [..., n, j, k, d]`` -> their codes ``k, v [..., n, j, k, d * bits / 8]`` uint8 and
+    :data:`GROUPS`: key scales and zeros ``[..., n, k, d]`` (per channel over the block's ``j`` tokens), value scales
+    and zeros ``[..., n, j, k, d / value_group]`` (per token), float16."""
+    j = k.shape[-3]
+    kc, ks, kz = lowbit.quantize_channels(jnp.swapaxes(k, -3, -2), kv_dtype, j)  # [..., n, k, j, d'], [.., 1, d]
+    vc, vs, vz = lowbit.quantize_tokens(v, kv_dtype, value_group)
+    return {"k": jnp.swapaxes(kc, -3, -2), "v": vc, "k_scale": ks[..., 0, :], "k_zero": kz[..., 0, :],
+            "v_scale": vs, "v_zero": vz}
+
+
+def dequantize_lowbit(codes: dict, kv_dtype: str) -> tuple[jax.Array, jax.Array]:
+    """The inverse of :func:`quantize_lowbit` (its dict, or any of its blocks): float32 ``k, v [..., n, j, k,
+    d]``."""
+    k = lowbit.dequantize_channels(jnp.swapaxes(codes["k"], -3, -2), codes["k_scale"][..., None, :],
+                                   codes["k_zero"][..., None, :], kv_dtype)
+    v = lowbit.dequantize_tokens(codes["v"], codes["v_scale"], codes["v_zero"], kv_dtype)
+    return jnp.swapaxes(k, -3, -2), v
+
+
+__all__ = ["GROUPS", "dequantize", "dequantize_lowbit", "form_blocks", "kmeans_order", "quantize",
+           "quantize_lowbit"]

@@ -32,12 +32,14 @@ import numpy as np
 from lcx.cache.base import CacheKind, CacheState, register_kind
 from lcx.cache.memory import attend as memory_attend
 from lcx.cache.memory import learned
-from lcx.cache.memory.blocks import form_blocks, quantize
+from lcx.cache import lowbit_slots
+from lcx.cache.memory.blocks import GROUPS, form_blocks, quantize, quantize_lowbit
 from lcx.cache.memory.policy import MemoryPolicy
 from lcx.cache.memory.routers import Router, make_router
 from lcx.cache.memory.store import BlockStore, get_store, register_store, release_store
 from lcx.cache.schema import Field
 from lcx.config_base import ConfigError, canonical_dtype
+from lcx.kernels.lowbit import LOWBIT
 from lcx.kernels.quant import SCALE_DTYPE, dequantize, storage_dtype
 from lcx.model.config import ModelConfig
 
@@ -78,6 +80,11 @@ class MemoryCache(CacheState):
     store_v: jax.Array | None = None
     store_scale_k: jax.Array | None = None  # [L, b, N, k] int8 storage
     store_scale_v: jax.Array | None = None
+    # int4 / int2 storage (store_k, store_v: [L, b, N, j, k, d * bits / 8] codes): blocks.quantize_lowbit's groups
+    store_k_scale: jax.Array | None = None  # [L, b, N, k, d] float16
+    store_k_zero: jax.Array | None = None
+    store_v_scale: jax.Array | None = None  # [L, b, N, j, k, d / G] float16
+    store_v_zero: jax.Array | None = None
     w_query: jax.Array | None = None  # learned router parameters (per layer)
     w_block: jax.Array | None = None
     gate_w: jax.Array | None = None
@@ -114,6 +121,7 @@ class MemoryKind(CacheKind):
     room: int = 512
     route_each_query: bool = False
     quant: str | None = None
+    group: int = 64
 
     @classmethod
     def from_config(cls, model, cache, policy) -> "MemoryKind":
@@ -126,9 +134,12 @@ class MemoryKind(CacheKind):
         window = policy.resolve_window(cache.budget)
         if policy.router == "learned":
             learned.check(policy.router_path, model, policy.positions)
-        return cls(model=model, policy=policy, window=window, dtype=cache.dtype or model.dtype,
+        kind = cls(model=model, policy=policy, window=window, dtype=cache.dtype or model.dtype,
                    interval=cache.interval, room=max(cache.prefill_chunk or MEMORY_ROOM, cache.interval),
-                   quant=cache.kv_dtype)
+                   quant=cache.kv_dtype, group=cache.kv_group)
+        if kind.store_dtype in LOWBIT:
+            lowbit_slots.check(kind.store_dtype, cache.kv_group, model.head_dim)
+        return kind
 
     # ------------------------------------------------------------------------------------------- derived settings
     @functools.cached_property
@@ -142,10 +153,24 @@ class MemoryKind(CacheKind):
         return p.sinks + self.window + p.spill_tokens - 1 + self.room
 
     @property
+    def working_quant(self) -> str | None:
+        """The working memory's 8-bit codes (``cache.kv_dtype`` int8 / fp8). Under ``int4`` / ``int2`` the working
+        memory - the sinks and the recent window - stays in ``dtype``: it is the tier's float residual (KIVI's), and
+        the long-term blocks hold the codes."""
+        return None if self.quant in LOWBIT else self.quant
+
+    @property
     def store_dtype(self) -> str:
-        """The long-term blocks' dtype: ``memory_dtype``, else int8 (per-block scales) under an 8-bit working cache,
-        else the cache dtype."""
-        return self.policy.memory_dtype or ("int8" if self.quant else self.dtype)
+        """The long-term blocks' dtype: ``memory_dtype``, else the bit-packed ``kv_dtype``, else int8 (per-block
+        scales) under an 8-bit working cache, else the cache dtype."""
+        if self.policy.memory_dtype:
+            return self.policy.memory_dtype
+        return self.quant if self.quant in LOWBIT else "int8" if self.quant else self.dtype
+
+    @property
+    def value_group(self) -> int:
+        """Channels per value scale of bit-packed blocks (``cache.kv_group``, at most the head)."""
+        return lowbit_slots.value_group(self.group, self.model.head_dim)
 
     @property
     def decode_segment(self) -> int:
@@ -165,7 +190,7 @@ class MemoryKind(CacheKind):
             "recent_n": Field(("layers", "batch"), "int32"),
             "lengths": Field(("batch",), "int32"),
         }
-        if self.quant:  # 8-bit working keys and values: one scale per slot and KV head (lcx.kernels.quant)
+        if self.working_quant:  # 8-bit working keys and values: one scale per slot and KV head (lcx.kernels.quant)
             out["k_scale"] = Field(("layers", "batch", "length", "kv_heads"), SCALE_DTYPE, 0.0, role="kv")
             out["v_scale"] = Field(("layers", "batch", "length", "kv_heads"), SCALE_DTYPE, 0.0, role="kv")
         if self.router.needs_attention:
@@ -176,13 +201,22 @@ class MemoryKind(CacheKind):
             out["gmin"] = Field(group, "float32", float("inf"))
             out["gmax"] = Field(group, "float32", float("-inf"))
         if p.store == "device":  # the blocks themselves, and their positions (a host store keeps those)
-            stored = "int8" if self.store_dtype == "int8" else canonical_dtype(self.store_dtype)
+            lowbit = self.store_dtype in LOWBIT
+            stored = self.store_dtype if self.store_dtype == "int8" else "uint8" if lowbit \
+                else canonical_dtype(self.store_dtype)
             out["block_pos"] = Field(("layers", "batch", "blocks", "block", "kv_heads"), "int32", -1)
-            out["store_k"] = Field(STORE_AXES, stored, role="kv")
-            out["store_v"] = Field(STORE_AXES, stored, role="kv")
+            axes = STORE_AXES[:-1] + ("packed_dim",) if lowbit else STORE_AXES
+            out["store_k"] = Field(axes, stored, role="kv")
+            out["store_v"] = Field(axes, stored, role="kv")
             if stored == "int8":
                 for name in ("store_scale_k", "store_scale_v"):
                     out[name] = Field(("layers", "batch", "blocks", "kv_heads"), "float32", 1.0)
+            if lowbit:  # blocks.quantize_lowbit's scales and zeros
+                per_block, per_token = ("layers", "batch", "blocks", "kv_heads", "head_dim"), \
+                    ("layers", "batch", "blocks", "block", "kv_heads", "value_groups")
+                for name in GROUPS:
+                    out[f"store_{name}"] = Field(per_block if name.startswith("k") else per_token, "float16", 0.0,
+                                                 role="kv")
         if p.router == "learned":
             out.update(learned.param_fields())
         return out
@@ -194,11 +228,13 @@ class MemoryKind(CacheKind):
                 "head_dim": m.head_dim, "blocks": runs * (p.spill_tokens // p.block), "block": p.block,
                 "topk": p.topk, "representatives": p.representatives, "stats": 3, "route_queries": p.route_queries,
                 "groups": -(-runs * (p.spill_tokens // p.block) // max(p.route_groups, 1)),
-                "heads": m.n_heads, **learned.sizes(p.router_path)}
+                "heads": m.n_heads, **learned.sizes(p.router_path),
+                **({"packed_dim": m.head_dim * LOWBIT[self.store_dtype] // 8,
+                    "value_groups": m.head_dim // self.value_group} if self.store_dtype in LOWBIT else {})}
 
     @property
     def kv_dtype(self) -> str:
-        return self.dtype if self.quant is None else storage_dtype(self.quant)
+        return self.dtype if self.working_quant is None else storage_dtype(self.working_quant)
 
     def create(self, batch: int, capacity: int) -> MemoryCache:
         state = super().create(batch, capacity)
@@ -252,7 +288,7 @@ class MemoryKind(CacheKind):
         m = self.model
         directory = None if self.policy.store != "disk" else Path(self.policy.store_dir) / f"store-{id(state)}"
         store = BlockStore(m.n_layers, b, state.n_blocks_capacity, self.policy.block, m.n_kv_heads, m.head_dim,
-                           self.store_dtype, directory)
+                           self.store_dtype, directory, value_group=self.value_group)
         handle = register_store(store)
         return state.replace(store_id=jnp.full((m.n_layers,), handle, jnp.int32)), handle
 
@@ -269,7 +305,7 @@ class MemoryKind(CacheKind):
         if p.store != "device":
             store = get_store(int(np.asarray(state.store_id)[0]))
             host = jax.device_get(left)
-            store.append(host["k"], host["v"], host["pos"], host["new"], host.get("scale"))
+            store.append(host["k"], host["v"], host["pos"], host["new"], host.get("scale"), host.get("groups"))
         return state
 
     def store_bytes(self, state: MemoryCache) -> int:
@@ -282,8 +318,12 @@ class MemoryKind(CacheKind):
         if self.policy.store == "device":
             return 0
         m, sizes = self.model, self.sizes(batch, capacity)
-        itemsize = 1 if self.store_dtype == "int8" else np.dtype(jnp.dtype(canonical_dtype(self.store_dtype))).itemsize
         tokens = sizes["blocks"] * self.policy.block
+        if self.store_dtype in LOWBIT:  # codes; float16 scale and zero per block and channel, per token and group
+            per_token = m.n_kv_heads * (2 * m.head_dim * LOWBIT[self.store_dtype] // 8 + 4
+                                        + 4 * (m.head_dim // self.value_group))
+            return m.n_layers * batch * (tokens * per_token + 4 * m.n_kv_heads * m.head_dim * sizes["blocks"])
+        itemsize = 1 if self.store_dtype == "int8" else np.dtype(jnp.dtype(canonical_dtype(self.store_dtype))).itemsize
         per_token = m.n_kv_heads * (2 * m.head_dim * itemsize + 4)  # keys, values and a position per KV head
         scales = 8 * m.n_kv_heads * sizes["blocks"] if self.store_dtype == "int8" else 0
         return m.n_layers * batch * (tokens * per_token + scales)
@@ -369,6 +409,10 @@ def _spill(kind: MemoryKind, state: MemoryCache):
     if stored == "int8":
         (left["k"], scale_k), (left["v"], scale_v) = quantize(bk), quantize(bv)
         left["scale"] = jnp.stack([scale_k, scale_v])  # [2, L, b, n, k]
+    elif stored in LOWBIT:
+        codes = quantize_lowbit(bk, bv, stored, kind.value_group)
+        left["k"], left["v"] = codes["k"], codes["v"]
+        left["groups"] = {name: codes[name] for name in GROUPS}
     else:
         dtype = jnp.dtype(canonical_dtype(stored))
         left["k"], left["v"] = bk.astype(dtype), bv.astype(dtype)
@@ -379,6 +423,9 @@ def _spill(kind: MemoryKind, state: MemoryCache):
         if stored == "int8":
             updates["store_scale_k"] = state.store_scale_k.at[layers, rows, at].set(left["scale"][0], mode="drop")
             updates["store_scale_v"] = state.store_scale_v.at[layers, rows, at].set(left["scale"][1], mode="drop")
+        for name, value in left.get("groups", {}).items():
+            buf = getattr(state, f"store_{name}")
+            updates[f"store_{name}"] = buf.at[layers, rows, at].set(value, mode="drop")
     state = state.replace(n_blocks=state.n_blocks + new_blocks[None, :], **updates)
     return state, left
 

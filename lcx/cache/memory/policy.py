@@ -7,7 +7,9 @@
   contiguous`` - consecutive tokens - or ``cluster`` - the keys of a run of ``cluster_blocks`` blocks k-means
   clustered per KV head, so a block gathers similar keys), each with a small summary for routing, and stored in
   ``store: host`` (NumPy), ``disk`` (memory-mapped files under ``store_dir``) or ``device``; ``memory_dtype``
-  (``bfloat16``, ``int8`` with a scale per block and head, or the cache dtype) is their precision there;
+  (``bfloat16``, ``int8`` with a scale per block and head, ``int4`` / ``int2`` bit-packed in KIVI's groups - a
+  block's keys per channel, its values per token over ``kv_group`` channels - or the cache dtype) is their
+  precision there;
 - a router (``quest``, ``infllm``, ``learned``) scores the blocks per layer and KV head against the current queries
   and recalls the top ``topk`` of them; attention covers working memory and recalled blocks, merged exactly.
 
@@ -35,7 +37,7 @@ ROUTERS = ("quest", "infllm", "learned")
 BLOCKS = ("contiguous", "cluster")
 STORES = ("host", "disk", "device")
 POSITIONS = ("original", "local")
-MEMORY_DTYPES = (None, "float32", "bfloat16", "float16", "int8")
+MEMORY_DTYPES = (None, "float32", "bfloat16", "float16", "int8", "int4", "int2")
 
 
 @register
