@@ -180,7 +180,9 @@ def test_lowbit_every_eviction_policy_runs_and_keeps_its_budget(params):
                                             "cache.kv_group=64 with cache.kv_dtype='int4' and layout 'paged'"),
     (dict(kv_dtype="int2", layout="paged", page_size=8, kv_group=16), "raise page_size (e.g. 16) or lower kv_group "
                                                                       "to a divisor of 8 (>= 4)"),
-    (dict(kv_dtype="int2", policy="memory", budget=64), "allowed here: kv_dtype ['int8', 'fp8'] or null"),
+    (dict(kv_dtype="int2", policy="memory", window=64, layout="paged"),
+     "cache.kv_dtype='int2' with cache.policy='memory' and cache.layout='paged': a quantized cache is built for the "
+     "slot cache"),
 ])
 def test_lowbit_errors_name_the_field_and_what_is_allowed(cache, message):
     with pytest.raises(ConfigError) as err:
@@ -257,3 +259,22 @@ def test_paged_lowbit_server_serves_each_request_as_generate_does(params):
     assert server.prefix_entries == 0 and int(np.asarray(server.state.refs).sum()) == 0
     with pytest.raises(ConfigError, match=r"Server store= with cache.kv_dtype='int4'"):
         Server(CFG, params, cache=CacheConfig(layout="paged", page_size=G, **kw), store=object())
+
+
+@pytest.mark.pallas
+def test_pallas_backend_decodes_on_the_codes_with_its_kernel(params):
+    """``attention.impl: pallas`` reads a bit-packed cache through the split-K kernel that unpacks tile by tile
+    (``lcx.kernels.lowbit_pallas``; interpreted here, compiled on a GPU): greedy tokens equal the fused XLA path's,
+    and the decode step's program holds that kernel."""
+    import dataclasses
+
+    pallas = dataclasses.replace(CFG, attention=lcx.AttentionConfig(impl="pallas"))
+    cache = CacheConfig(kv_dtype="int4", kv_group=G, kv_residual=4, prefill_chunk=16)
+    prompts = [PROMPT[:30], PROMPT[10:]]
+    want = lcx.generate(CFG, params, prompts, max_new_tokens=5, cache=cache)
+    got = lcx.generate(pallas, params, prompts, max_new_tokens=5, cache=cache)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    state = cache.kind(pallas).create(1, 32)
+    step = jax.make_jaxpr(lambda p, ids, c: lcx.Decoder(pallas).apply({"params": p}, ids, cache=c))(
+        params, np.ones((1, 1), np.int32), state)
+    assert "lcx_lowbit_decode" in str(step)

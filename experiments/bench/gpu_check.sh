@@ -20,6 +20,10 @@
 #   decode     experiments/bench/decode_sweep.py on llama-1b (2.5 GB of bfloat16 weights) against transformers on
 #              the same GPU; `roofline` = (weight + KV bytes per step / 4.8 TB/s) / measured decode time per step
 #              (goal: >= 50% at batch 1).
+#   lowbit     (not in the default run: `gpu_check.sh lowbit`, about 1 minute) experiments/bench/lowbit_kernels.py:
+#              one decode step's attention on int4 / int2 codes, the fused XLA formulation vs the Pallas kernel that
+#              unpacks tile by tile, against the bfloat16 split-K kernel, at 8k and 32k slots (its correctness is in
+#              the kernels stage: tests/kernels/test_lowbit_decode.py).
 #   prefill    (not in the default run: a second device call, `gpu_check.sh prefill`, about 3 minutes)
 #              experiments/bench/prefill.py on llama-1b in bfloat16: prefill 1k-8k tokens and scoring under full /
 #              streaming / h2o against transformers on the same GPU (goals: prefill >= 1.0x, scoring <= 3x).
@@ -72,6 +76,12 @@ for s in $stages; do
             stage decode 220 $py experiments/bench/decode_sweep.py --shapes llama-1b --dtype bfloat16 \
                 --bandwidth 4800 --repeats 2
         fi ;;
+    lowbit)
+        if [ "$quick" = 1 ]; then
+            stage lowbit 120 $py experiments/bench/lowbit_kernels.py --quick
+        else
+            stage lowbit 120 $py experiments/bench/lowbit_kernels.py --contexts 8192 32768
+        fi ;;
     prefill)
         if [ "$quick" = 1 ]; then
             stage prefill 300 $py experiments/bench/prefill.py --lengths 256 --score-length 320 --prefix 64 \
@@ -81,7 +91,7 @@ for s in $stages; do
                 --lengths 1024 2048 4096 8192 --score-length 4096 --prefix 512
         fi ;;
     *)
-        echo "unknown stage '$s'; allowed: env kernels attention decode prefill" >&2
+        echo "unknown stage '$s'; allowed: env kernels attention decode lowbit prefill" >&2
         exit 2 ;;
     esac
 done

@@ -126,7 +126,7 @@ class CacheConfig:
             raise ConfigError(f"cache.kv_residual={self.kv_residual} is invalid with cache.policy='memory': the "
                               "memory tier's working window is its float residual (cache.window); the bit-packed "
                               "codes are its long-term blocks; allowed: kv_residual 0")
-        if lowbit and self.layout == "paged":  # a page holds whole key groups (lcx.cache.lowbit_pages)
+        if lowbit and self.layout == "paged" and policy.cache_type == "slots":  # whole key groups per page
             check(self.page_size % self.kv_group == 0, "cache.page_size", self.page_size,
                   f"must be a multiple of cache.kv_group={self.kv_group} with cache.kv_dtype={self.kv_dtype!r} and "
                   "layout 'paged' (a page holds whole key groups): raise page_size (e.g. "
@@ -135,7 +135,7 @@ class CacheConfig:
         if self.kv_dtype is not None and (policy.cache_type not in ("slots", "memory")
                                           or (self.layout != "contiguous" and policy.cache_type != "slots")):
             raise ConfigError(f"cache.kv_dtype={self.kv_dtype!r} with cache.policy={self.policy!r} and "
-                              f"cache.layout={self.layout!r}: the 8-bit cache is built for the slot cache (every "
+                              f"cache.layout={self.layout!r}: a quantized cache is built for the slot cache (every "
                               "eviction policy and full, layout 'contiguous' or 'paged') and the memory tier "
                               "(layout 'contiguous'); allowed: those, or kv_dtype null")
         if policy.evicts and policy.needs_budget and self.budget is None:

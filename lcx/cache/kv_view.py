@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from lcx import kernels
 from lcx.kernels import Attended
-from lcx.kernels.lowbit_decode import LowbitKV, decode_lowbit
+from lcx.kernels.lowbit_decode import LowbitKV
 from lcx.model.config import AttentionSpec
 from lcx.parallel.sharding import BK, BKS, BKSD, ROWS
 
@@ -89,9 +89,10 @@ def attend_view(impl: str, q: jax.Array, view: KVView, spec: AttentionSpec, *,
     if q.shape[1] == 1:
         if view.valid is None:
             raise ValueError("a one-query attend needs KVView.valid (the slots the query sees)")
-        if view.lowbit is not None:  # every backend: the fused jnp formulation (lcx.kernels.lowbit_decode)
-            res = decode_lowbit(q[:, 0], view.k, view.v, view.lowbit, valid=view.valid, sm_scale=spec.sm_scale,
-                                softcap=spec.softcap, weights=counted, residuals=residuals)
+        if view.lowbit is not None:  # on the codes: fused XLA, or the Pallas kernel (the backend's lowbit_decode)
+            res = backend.lowbit_decode(q[:, 0], view.k, view.v, view.lowbit, valid=view.valid,
+                                        sm_scale=spec.sm_scale, softcap=spec.softcap, weights=counted,
+                                        residuals=residuals)
         else:
             res = backend.decode(q[:, 0], view.k, view.v, valid=view.valid, sm_scale=spec.sm_scale,
                                  weights=counted, residuals=residuals,

@@ -21,6 +21,11 @@ Einsum legend: b batch, t queries, s keys / cache slots, h query heads, k kv hea
                 layout (a row that omits it gets that gather path)
 =============  =====================================================================================================
 
+``lowbit_decode`` is ``decode`` on a bit-packed cache (``int4`` / ``int2``): the codes, their group scales and the
+float window (``lcx.kernels.lowbit_decode.LowbitKV``) instead of ``k, v`` values - the fused XLA formulation
+(``decode_lowbit``) for ``reference`` and ``xla``, the split-K kernel that unpacks tile by tile for ``pallas``
+(``lcx.kernels.lowbit_pallas``).
+
 ``chunk``, ``decode``, ``column_sums`` and ``paged_decode`` also take ``k_scale, v_scale`` (``column_sums``: only
 ``k_scale``): ``k, v`` are then 8-bit codes of a quantized cache (``lcx.kernels.quant``) and the scales, one per slot
 and KV head (``[b, s, k]`` in the chunk layout, ``[b, k, s]`` in the decode layout, ``[P, k, c]`` per page), are
@@ -61,6 +66,8 @@ from lcx.kernels.names import IMPLS
 from lcx.kernels.attended import Attended, attended
 from lcx.kernels.decode import decode_attention
 from lcx.kernels.flash import flash_attention
+from lcx.kernels.lowbit_decode import decode_lowbit
+from lcx.kernels.lowbit_pallas import decode_lowbit_tiles
 from lcx.kernels.paged_decode import gather_pages, paged_decode_attention
 from lcx.kernels.quant import dequantize
 from lcx.kernels.reference import (attention_column_sums_reference, attention_mask, attention_reference,
@@ -81,6 +88,7 @@ class Backend:
     decode: Callable
     column_sums: Callable
     paged_decode: Callable | None = None  # None: gather the pages and call ``decode``
+    lowbit_decode: Callable = decode_lowbit  # ``decode`` on a bit-packed cache's codes (default: fused XLA)
 
     def __post_init__(self):
         if self.paged_decode is None:
@@ -258,7 +266,8 @@ BACKENDS: dict[str, Backend] = {
                       flash_attention(q, k, v, causal=True, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
                                       softcap=softcap),
                       chunk=_chunk_op(_pallas_chunk), decode=_decode_op(_pallas_decode),
-                      column_sums=_pallas_column_sums, paged_decode=_pallas_paged_decode),
+                      column_sums=_pallas_column_sums, paged_decode=_pallas_paged_decode,
+                      lowbit_decode=decode_lowbit_tiles),
 }
 if IMPLS != ("auto", *BACKENDS):  # the names config checks read (lcx.kernels.names) must list these backends
     raise RuntimeError(f"lcx.kernels.names.IMPLS={IMPLS} does not match the backends {list(BACKENDS)}")

@@ -14,6 +14,7 @@ import pytest
 from lcx.cache import lowbit_slots
 from lcx.kernels import decode_attention_reference
 from lcx.kernels.lowbit_decode import decode_lowbit
+from lcx.kernels.lowbit_pallas import decode_lowbit_tiles
 
 B, KV, HEADS, C, D, G = 2, 2, 6, 45, 16, 8  # 45 slots: the last key group (of 8) is partial
 
@@ -30,10 +31,17 @@ def _layer(quant, residual, count, group=G):
     return layer, lowbit_slots.float_kv(layer, quant, group, residual, jnp.float32)
 
 
+# the fused XLA formulation (every backend but pallas) and the Pallas kernel (interpret mode here: compiled on a GPU;
+# num_splits 2 cuts the 6 key groups into 2 splits of 3)
+DECODERS = {"xla": decode_lowbit, "pallas": lambda *a, **kw: decode_lowbit_tiles(*a, **kw, num_splits=2)}
+
+
+@pytest.mark.parametrize("decoder", [pytest.param("xla"), pytest.param("pallas", marks=pytest.mark.pallas)])
 @pytest.mark.parametrize("quant, residual, softcap, per_head, group", [
     ("int4", 0, None, False, G), ("int4", 5, 20.0, True, G),
     ("int2", 16, None, True, 4)])  # int2's smallest group: one byte of codes per channel and group
-def test_decode_on_codes_equals_the_reference_over_the_dequantized_layer(quant, residual, softcap, per_head, group):
+def test_decode_on_codes_equals_the_reference_over_the_dequantized_layer(quant, residual, softcap, per_head, group,
+                                                                        decoder):
     count = jnp.asarray([[45, 38], [29, 12]] if per_head else [[45], [29]], jnp.int32)
     layer, (k, v) = _layer(quant, residual, count, group)
     rng = np.random.default_rng(1)
@@ -44,7 +52,7 @@ def test_decode_on_codes_equals_the_reference_over_the_dequantized_layer(quant, 
         valid = valid[:, 0]
     want = decode_attention_reference(q, k, v, valid=valid, sm_scale=0.3, softcap=softcap, return_weights=True,
                                       return_residuals=True)
-    got = jax.jit(lambda q, layer_k, layer_v, kv, valid: decode_lowbit(
+    got = jax.jit(lambda q, layer_k, layer_v, kv, valid: DECODERS[decoder](
         q, layer_k, layer_v, kv, valid=valid, sm_scale=0.3, softcap=softcap, weights=True, residuals=True))(
         q, layer.k, layer.v, lowbit_slots.decode_view(layer, quant, group, residual), valid)
     for name, w, g in zip(("out", "weights", "m", "l"), want, (got.out, got.weights, got.m, got.l)):
@@ -54,14 +62,16 @@ def test_decode_on_codes_equals_the_reference_over_the_dequantized_layer(quant, 
     assert start < int(count[0, 0]) and np.abs(np.asarray(layer.k_res[0, 0, 0]) - np.asarray(k[0, 0, start])).max() == 0
 
 
-def test_a_row_that_sees_no_slot_gives_zeros_not_nan():
+@pytest.mark.parametrize("decoder", [pytest.param("xla"), pytest.param("pallas", marks=pytest.mark.pallas)])
+def test_a_row_that_sees_no_slot_gives_zeros_not_nan(decoder):
     count = jnp.asarray([[20], [0]], jnp.int32)
     layer, _ = _layer("int4", 0, count)
     valid = jnp.arange(C)[None, :] < count
-    got = decode_lowbit(jnp.ones((B, HEADS, D)), layer.k, layer.v, lowbit_slots.decode_view(layer, "int4", G, 0),
-                        valid=valid, sm_scale=0.25, residuals=True)
+    got = DECODERS[decoder](jnp.ones((B, HEADS, D)), layer.k, layer.v,
+                            lowbit_slots.decode_view(layer, "int4", G, 0), valid=valid, sm_scale=0.25,
+                            residuals=True, weights=True)
     assert np.all(np.isfinite(np.asarray(got.out))) and np.all(np.asarray(got.out[1]) == 0)
-    assert np.all(np.asarray(got.l[1]) == 0)
+    assert np.all(np.asarray(got.l[1]) == 0) and np.all(np.asarray(got.weights[1]) == 0)
 
 
 def test_a_chunk_cannot_read_a_bit_packed_view():
