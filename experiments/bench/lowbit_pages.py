@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--only", type=int, nargs="*", help="run these settings only (1-based, in the table's order)")
     args = ap.parse_args()
     lm = lcx.load(args.checkpoint)
     ids = _prompt(lm, args.context)
@@ -64,6 +65,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     todo = settings(args.context)
     for i, (name, cache) in enumerate(todo.items(), 1):
+        if args.only and i not in args.only:
+            continue
         results = {}
         for layout in ("contiguous", "paged"):
             start = time.perf_counter()

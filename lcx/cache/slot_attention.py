@@ -127,7 +127,7 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     if spec.window is not None:
         mask &= layer.pos[:, :, None, :] > positions[:, None, :, None] - spec.window
     lowbit = None
-    if getattr(kind, "lowbit", False) and q.shape[1] == 1 and mode == "original":  # on the codes, no float copy
+    if getattr(kind, "lowbit", False) and q.shape[1] == 1 and mode == "original":  # codes + window (kernels/lowbit_*)
         k_att, v_att, k_scale, v_scale = layer.k, layer.v, None, None
         lowbit = lowbit_slots.decode_view(layer, kind.quant, kind.group, kind.residual)
     elif getattr(kind, "lowbit", False):  # a chunk, or keys rotated by rank: one layer dequantized

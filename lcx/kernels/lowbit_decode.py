@@ -1,4 +1,6 @@
-"""One decode query attending a bit-packed cache (``cache.kv_dtype: int4 | int2``) on its codes: no float copy.
+"""One decode query attending a bit-packed cache (``cache.kv_dtype: int4 | int2``) on its codes, in XLA: the
+backends ``reference`` and ``xla`` (``attention.impl: pallas`` runs ``lcx.kernels.lowbit_pallas``, which reads the
+codes tile by tile).
 
 The store (``lcx.cache.lowbit_slots``): key codes channel-major ``k [b, k, d, C' * bits / 8]`` (packed along the
 slots, ``C'`` = whole key groups), value codes ``v [b, k, C, d * bits / 8]``; key scales and zeros per channel
@@ -6,9 +8,8 @@ over ``group`` slots ``[b, k, ceil(C / group), d]``; value scales and zeros per 
 ``[b, k, C, d / Gv]``; and a float window ``[b, k, W, d]`` holding slots ``win_start .. win_start + W`` (the recent
 tokens and the key group still filling), which replaces those slots' codes.
 
-The products are written as elementwise multiplies and sums, not as dots, on purpose: XLA fuses the unpacking of
-the codes (shift, mask, widen) and the scales into a reduction, but not into a dot's operands - as a dot, the codes
-would be widened into a float array as large as the float cache first (what dequantizing the layer costs). So:
+The products are written as elementwise multiplies and sums over the codes, not as dots over dequantized keys and
+values:
 
 - logits: per key group ``n``, ``q . k_j = sum_c (q_c scale_nc) code_jc + q . zero_n`` - the key scales move onto
   the query, once per group (:func:`lcx.kernels.lowbit.key_logits` is the same identity). The keys are stored
@@ -18,10 +19,18 @@ would be widened into a float array as large as the float cache first (what dequ
 - the window's slots get their logits from the float window and share the codes' softmax (their codes are not
   read): no gather or scatter over all slots.
 
+What XLA:CPU holds while it runs: the unpacked codes, as a float32 transient of one layer - its compiled memory
+analysis at 32,768 slots of SmolLM2's shape shows 53 MiB of temporaries against 6 MiB of codes (the unpack is not
+fused into the reductions; slicing the layer into tiles, each made to wait for the last, kept the same total). The
+cache stays in codes; the transient is one layer's, inside the model's layer scan. Dots over keys and values
+dequantized per layer took half the time of these reductions on one layer alone, but in the whole decode step of
+SmolLM2 at 8k the int4 step took 2.12x the float step that way against 1.40x this way, so the reductions stay
+(``docs/benchmarks.md``).
+
 Results equal :func:`lcx.kernels.reference.decode_attention_reference` over the dequantized layer up to float32
 summation order (``tests/kernels/test_lowbit_decode.py``). SmolLM2-135M at 8,192 tokens on a 2-core CPU: an int4
-decode step took 1.99x the float cache's when it dequantized each layer first, 1.40x this way
-(``docs/benchmarks.md``); the unpacking, not the bytes read, bounds it there.
+decode step took 1.99x the float cache's when it dequantized each layer into the float op's layout first, 1.40x this
+way.
 
 Shapes: b batch, h query heads, k KV heads, g = h / k, C slots, n key groups, G slots per key group, v value
 groups, W window slots, d head dim.

@@ -36,7 +36,7 @@ def _layer(quant, residual, count, group=G):
 DECODERS = {"xla": decode_lowbit, "pallas": lambda *a, **kw: decode_lowbit_tiles(*a, **kw, num_splits=2)}
 
 
-@pytest.mark.parametrize("decoder", [pytest.param("xla"), pytest.param("pallas", marks=pytest.mark.pallas)])
+@pytest.mark.parametrize("decoder", ["xla", pytest.param("pallas", marks=pytest.mark.pallas)])
 @pytest.mark.parametrize("quant, residual, softcap, per_head, group", [
     ("int4", 0, None, False, G), ("int4", 5, 20.0, True, G),
     ("int2", 16, None, True, 4)])  # int2's smallest group: one byte of codes per channel and group

@@ -6,8 +6,8 @@ blocks per KV head.
 
 Layout per layer: ``k, v [b, N, j, k, d]`` in the storage dtype (float32 / bfloat16 / float16 or int8 with
 ``scale [b, N, k]``; int4 / int2: ``[b, N, j, k, d * bits / 8]`` uint8 codes with float16 group scales and zeros,
-``lcx.cache.memory.blocks.quantize_lowbit``, kept in host memory beside the codes), ``pos [b, N, j, k]`` (the original positions, per KV head since clustered blocks differ per
-head). A store is registered under an integer id that the cache state carries as an array, so the compiled
+``lcx.cache.memory.blocks.quantize_lowbit``, kept in host memory beside the codes), ``pos [b, N, j, k]`` (the
+original positions, per KV head since clustered blocks differ per head). A store is registered under an integer id that the cache state carries as an array, so the compiled
 generation functions serve any store: :func:`fetch` is the callback the attention calls with ``(store id, layer,
 block ids [b, k, K])`` and returns the recalled keys and values, dequantized to float32.
 """
