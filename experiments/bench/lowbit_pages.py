@@ -14,12 +14,17 @@ column counts it as bfloat16, as a bfloat16 model would keep it.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-import lcx
-from lcx.config import CacheConfig
+sys.path.insert(0, str(Path(__file__).parent))
+
+import lcx  # noqa: E402
+from lcx.config import CacheConfig  # noqa: E402
+from lowbit_decode import _prompt  # noqa: E402  (the sibling script: the manual's prose, cut to a token count)
 
 PAGE = 64
 
@@ -36,15 +41,6 @@ def settings(context: int) -> dict[str, dict]:
         "int2, SnapKV c=0.75": {"kv_dtype": "int2", "policy": "snapkv", "window": 32, **keep},
         "int4, TOVA c=0.75": {"kv_dtype": "int4", "policy": "tova", **keep},
     }
-
-
-def _prompt(lm, tokens: int) -> list[int]:
-    from pydoc_data.topics import topics
-
-    ids = lm.tokenizer.encode("\n\n".join(topics[k] for k in sorted(topics)))
-    if len(ids) < tokens:
-        raise SystemExit(f"the prose has {len(ids)} tokens, fewer than --context {tokens}")
-    return ids[:tokens]
 
 
 def main() -> None:
