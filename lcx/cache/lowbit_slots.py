@@ -120,7 +120,7 @@ def float_kv(layer, quant: str, group: int, residual: int, dtype) -> tuple[jax.A
 
 def decode_view(layer, quant: str, group: int, residual: int) -> LowbitKV:
     """The scales, zeros and float window a one-query attend reads beside the codes ``layer.k, layer.v``
-    (:func:`lcx.kernels.lowbit_decode.decode_lowbit`, or the Pallas kernel of ``lcx.kernels.lowbit_pallas``)."""
+    (:func:`lcx.kernels.decode_lowbit`, or the Pallas kernel of ``lcx.kernels.lowbit_pallas``)."""
     start = quantized_slots(per_kv(layer.count, layer.k.shape[1]), group, residual)
     return LowbitKV(k_scale=layer.k_scale, k_zero=layer.k_zero, v_scale=layer.v_scale, v_zero=layer.v_zero,
                     k_win=layer.k_res, v_win=layer.v_res, win_start=start, quant=quant, group=group)

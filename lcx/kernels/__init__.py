@@ -9,6 +9,8 @@
 - ``merge_partials``: exact log-sum-exp combine of attentions over disjoint key sets.
 - ``quant``: 8-bit KV codes with per-token, per-head scales (``cache.kv_dtype``); the ops above take ``k_scale`` /
   ``v_scale`` and fold them into logits and probabilities.
+- ``decode_lowbit`` / ``decode_lowbit_tiles``: decode on a bit-packed (int4 / int2) cache's codes, its groups and
+  float window (``LowbitKV``) - fused XLA, and the Pallas split-K kernel (the backend table's ``lowbit_decode``).
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ from lcx.kernels.common import merge_partials
 from lcx.kernels.decode import DecodeBlockSizes, decode_attention
 from lcx.kernels.flash import flash_attention
 from lcx.kernels.flash_masks import FlashBlockSizes
+from lcx.kernels.lowbit_decode import LowbitKV, decode_lowbit
+from lcx.kernels.lowbit_pallas import decode_lowbit_tiles
 from lcx.kernels.mode import resolve_interpret
 from lcx.kernels.reference import (attention_column_sums_reference, attention_mask, attention_reference,
                                    decode_attention_reference, masked_attention_parts, masked_attention_reference,
                                    masked_column_sums_reference)
 from lcx.kernels.window_stats import attention_column_sums
 
-__all__ = ["Attended", "BACKENDS", "Backend", "DecodeBlockSizes", "FlashBlockSizes", "IMPLS", "attention",
+__all__ = ["Attended", "BACKENDS", "Backend", "DecodeBlockSizes", "FlashBlockSizes", "IMPLS", "LowbitKV", "attention",
            "attention_column_sums", "attention_column_sums_reference", "attention_mask", "attention_reference",
-           "backend", "decode_attention", "decode_attention_reference", "flash_attention", "masked_attention_parts",
-           "masked_attention_reference", "masked_column_sums_reference", "merge_partials", "resolve",
-           "resolve_interpret", "spec_kwargs"]
+           "backend", "decode_attention", "decode_attention_reference", "decode_lowbit", "decode_lowbit_tiles",
+           "flash_attention", "masked_attention_parts", "masked_attention_reference", "masked_column_sums_reference",
+           "merge_partials", "resolve", "resolve_interpret", "spec_kwargs"]

@@ -15,7 +15,7 @@ KV head) streams its split one key group (``G`` slots) per step:
   (:func:`lcx.kernels.merge_partials`).
 
 ``weights``: each program writes its tile's scaled logits; the probabilities follow from the merged log-sum-exp, as
-in :func:`lcx.kernels.decode.decode_attention`. Results equal :func:`lcx.kernels.lowbit_decode.decode_lowbit` up to
+in :func:`lcx.kernels.decode.decode_attention`. Results equal :func:`lcx.kernels.decode_lowbit` up to
 float32 summation order (``tests/kernels/test_lowbit_decode.py``, interpret mode). On a GPU it compiles through
 Triton; it has not been timed on one yet. Forward only (inference).
 
@@ -100,7 +100,7 @@ def decode_lowbit_tiles(q: jax.Array, k: jax.Array, v: jax.Array, kv: LowbitKV, 
                         sm_scale: float, softcap: float | None = None, weights: bool = False,
                         residuals: bool = False, num_splits: int | None = None,
                         interpret: bool | None = None) -> Attended:
-    """:func:`lcx.kernels.lowbit_decode.decode_lowbit`'s contract (one query per row ``q [b, h, d]`` on the codes
+    """:func:`lcx.kernels.decode_lowbit`'s contract (one query per row ``q [b, h, d]`` on the codes
     ``k [b, k, d, C' * bits / 8]``, ``v [b, k, C, d * bits / 8]`` and ``kv``'s groups and window; ``valid [b, C]``
     or ``[b, k, C]``) through the Pallas kernel. ``num_splits``: splits of the cache per row and KV head (None:
     enough programs for a GPU's SMs, among divisors of the group count); ``interpret``: see ``lcx.kernels.mode``."""
