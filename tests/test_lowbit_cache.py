@@ -263,9 +263,9 @@ def test_paged_lowbit_server_serves_each_request_as_generate_does(params):
 
 @pytest.mark.pallas
 def test_pallas_backend_decodes_on_the_codes_with_its_kernel(params):
-    """``attention.impl: pallas`` reads a bit-packed cache through the split-K kernel that unpacks tile by tile
-    (``lcx.kernels.lowbit_pallas``; interpreted here, compiled on a GPU): greedy tokens equal the fused XLA path's,
-    and the decode step's program holds that kernel."""
+    """``attention.impl: pallas`` reads a bit-packed cache through the kernels that unpack tile by tile
+    (``lcx.kernels.lowbit_pallas``; interpreted here, compiled on a GPU): greedy tokens equal the XLA path's, the
+    decode step's program holds the split-K kernel and a prefill chunk's the chunk kernel."""
     import dataclasses
 
     pallas = dataclasses.replace(CFG, attention=lcx.AttentionConfig(impl="pallas"))
@@ -278,3 +278,8 @@ def test_pallas_backend_decodes_on_the_codes_with_its_kernel(params):
     step = jax.make_jaxpr(lambda p, ids, c: lcx.Decoder(pallas).apply({"params": p}, ids, cache=c))(
         params, np.ones((1, 1), np.int32), state)
     assert "lcx_lowbit_decode" in str(step)
+    chunk = jax.make_jaxpr(lambda p, ids, c: lcx.Decoder(pallas).apply({"params": p}, ids, cache=c))(
+        params, np.ones((1, 8), np.int32), state)
+    assert "lcx_lowbit_chunk" in str(chunk) and "lcx_lowbit_chunk" not in str(
+        jax.make_jaxpr(lambda p, ids, c: lcx.Decoder(CFG).apply({"params": p}, ids, cache=c))(
+            params, np.ones((1, 8), np.int32), cache.kind(CFG).create(1, 32)))

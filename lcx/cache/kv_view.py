@@ -84,8 +84,12 @@ def attend_view(impl: str, q: jax.Array, view: KVView, spec: AttentionSpec, *,
     extra = kernels.spec_kwargs(spec)
     counted = stat_weights is not None
     if view.lowbit is not None and q.shape[1] != 1:
-        raise ValueError("a bit-packed KVView (lowbit) is read by one-query calls only; a chunk of "
-                         f"{q.shape[1]} queries reads the layer dequantized (lcx.cache.lowbit_slots.float_kv)")
+        if backend.lowbit_chunk is None or counted:
+            raise ValueError(f"a bit-packed KVView (lowbit) is read by one-query calls, and by the chunks of a backend "
+                             f"with a lowbit_chunk op without statistics (pallas); a chunk of {q.shape[1]} queries on "
+                             f"{backend.name!r} reads the layer dequantized (lcx.cache.lowbit_slots.float_kv)")
+        return backend.lowbit_chunk(q, view.k, view.v, view.lowbit, q_offsets=view.offsets, kv_lengths=view.lengths,
+                                    sm_scale=spec.sm_scale, softcap=spec.softcap, residuals=residuals)
     if q.shape[1] == 1:
         if view.valid is None:
             raise ValueError("a one-query attend needs KVView.valid (the slots the query sees)")

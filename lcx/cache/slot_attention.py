@@ -34,6 +34,7 @@ import einops
 import jax
 import jax.numpy as jnp
 
+from lcx import kernels
 from lcx.cache import lowbit_slots
 from lcx.cache.kv_view import KVView, attend_view
 from lcx.cache.observes import observe_queries
@@ -127,7 +128,10 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     if spec.window is not None:
         mask &= layer.pos[:, :, None, :] > positions[:, None, :, None] - spec.window
     lowbit = None
-    if getattr(kind, "lowbit", False) and q.shape[1] == 1 and mode == "original":  # codes + window (kernels/lowbit_*)
+    counted = stat_weights is not None and observes.attention is not None
+    # a chunk on the codes where the backend has the kernel (pallas) and no statistic is asked of it
+    codes_chunk = kernels.backend(config.attention.impl).lowbit_chunk is not None and not counted
+    if getattr(kind, "lowbit", False) and (q.shape[1] == 1 or codes_chunk) and mode == "original":  # codes + window
         k_att, v_att, k_scale, v_scale = layer.k, layer.v, None, None
         lowbit = lowbit_slots.decode_view(layer, kind.quant, kind.group, kind.residual)
     elif getattr(kind, "lowbit", False):  # a chunk, or keys rotated by rank: one layer dequantized
@@ -149,7 +153,6 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     view = KVView(k=k_att, v=v_att, lengths=per_kv(layer.count), offsets=per_kv(q_offsets),
                   valid=per_kv(mask[:, :, 0]) if q.shape[1] == 1 else None, k_scale=k_scale, v_scale=v_scale,
                   lowbit=lowbit)
-    counted = stat_weights is not None and observes.attention is not None
     core = functools.partial(attend_view, config.attention.impl, spec=spec)
     if counted:
         res = per_shard(lambda q, view, w: core(q, view, stat_weights=w), (BTHD, view.axes(), ROWS),

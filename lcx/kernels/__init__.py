@@ -9,8 +9,9 @@
 - ``merge_partials``: exact log-sum-exp combine of attentions over disjoint key sets.
 - ``quant``: 8-bit KV codes with per-token, per-head scales (``cache.kv_dtype``); the ops above take ``k_scale`` /
   ``v_scale`` and fold them into logits and probabilities.
-- ``decode_lowbit`` / ``decode_lowbit_tiles``: decode on a bit-packed (int4 / int2) cache's codes, its groups and
-  float window (``LowbitKV``) - fused XLA, and the Pallas split-K kernel (the backend table's ``lowbit_decode``).
+- ``decode_lowbit`` / ``decode_lowbit_tiles`` / ``chunk_lowbit_tiles``: decode and prefill chunks on a bit-packed
+  (int4 / int2) cache's codes, its groups and float window (``LowbitKV``) - fused XLA, and the Pallas kernels (the
+  backend table's ``lowbit_decode`` / ``lowbit_chunk``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from lcx.kernels.decode import DecodeBlockSizes, decode_attention
 from lcx.kernels.flash import flash_attention
 from lcx.kernels.flash_masks import FlashBlockSizes
 from lcx.kernels.lowbit_decode import LowbitKV, decode_lowbit
-from lcx.kernels.lowbit_pallas import decode_lowbit_tiles
+from lcx.kernels.lowbit_pallas import chunk_lowbit_tiles, decode_lowbit_tiles
 from lcx.kernels.mode import resolve_interpret
 from lcx.kernels.reference import (attention_column_sums_reference, attention_mask, attention_reference,
                                    decode_attention_reference, masked_attention_parts, masked_attention_reference,
@@ -31,6 +32,7 @@ from lcx.kernels.window_stats import attention_column_sums
 
 __all__ = ["Attended", "BACKENDS", "Backend", "DecodeBlockSizes", "FlashBlockSizes", "IMPLS", "LowbitKV", "attention",
            "attention_column_sums", "attention_column_sums_reference", "attention_mask", "attention_reference",
-           "backend", "decode_attention", "decode_attention_reference", "decode_lowbit", "decode_lowbit_tiles",
+           "backend", "chunk_lowbit_tiles", "decode_attention", "decode_attention_reference", "decode_lowbit",
+           "decode_lowbit_tiles",
            "flash_attention", "masked_attention_parts", "masked_attention_reference", "masked_column_sums_reference",
            "merge_partials", "resolve", "resolve_interpret", "spec_kwargs"]

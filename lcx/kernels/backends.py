@@ -22,9 +22,10 @@ Einsum legend: b batch, t queries, s keys / cache slots, h query heads, k kv hea
 =============  =====================================================================================================
 
 ``lowbit_decode`` is ``decode`` on a bit-packed cache (``int4`` / ``int2``): the codes, their group scales and the
-float window (``lcx.kernels.lowbit_decode.LowbitKV``) instead of ``k, v`` values - the fused XLA formulation
-(``decode_lowbit``) for ``reference`` and ``xla``, the split-K kernel that unpacks tile by tile for ``pallas``
-(``lcx.kernels.lowbit_pallas``).
+float window (``lcx.kernels.LowbitKV``) instead of ``k, v`` values - the fused XLA formulation (``decode_lowbit``)
+for ``reference`` and ``xla``, the split-K kernel that unpacks tile by tile for ``pallas``
+(``lcx.kernels.lowbit_pallas``). ``lowbit_chunk`` is ``chunk`` on the codes (``pallas``: ``chunk_lowbit_tiles``);
+a backend without it (None) gets the layer dequantized by its caller and its float ``chunk``.
 
 ``chunk``, ``decode``, ``column_sums`` and ``paged_decode`` also take ``k_scale, v_scale`` (``column_sums``: only
 ``k_scale``): ``k, v`` are then 8-bit codes of a quantized cache (``lcx.kernels.quant``) and the scales, one per slot
@@ -67,7 +68,7 @@ from lcx.kernels.attended import Attended, attended
 from lcx.kernels.decode import decode_attention
 from lcx.kernels.flash import flash_attention
 from lcx.kernels.lowbit_decode import decode_lowbit
-from lcx.kernels.lowbit_pallas import decode_lowbit_tiles
+from lcx.kernels.lowbit_pallas import chunk_lowbit_tiles, decode_lowbit_tiles
 from lcx.kernels.paged_decode import gather_pages, paged_decode_attention
 from lcx.kernels.quant import dequantize
 from lcx.kernels.reference import (attention_column_sums_reference, attention_mask, attention_reference,
@@ -89,6 +90,7 @@ class Backend:
     column_sums: Callable
     paged_decode: Callable | None = None  # None: gather the pages and call ``decode``
     lowbit_decode: Callable = decode_lowbit  # ``decode`` on a bit-packed cache's codes (default: fused XLA)
+    lowbit_chunk: Callable | None = None  # ``chunk`` on the codes (None: the caller dequantizes the layer)
 
     def __post_init__(self):
         if self.paged_decode is None:
@@ -267,7 +269,7 @@ BACKENDS: dict[str, Backend] = {
                                       softcap=softcap),
                       chunk=_chunk_op(_pallas_chunk), decode=_decode_op(_pallas_decode),
                       column_sums=_pallas_column_sums, paged_decode=_pallas_paged_decode,
-                      lowbit_decode=decode_lowbit_tiles),
+                      lowbit_decode=decode_lowbit_tiles, lowbit_chunk=chunk_lowbit_tiles),
 }
 if IMPLS != ("auto", *BACKENDS):  # the names config checks read (lcx.kernels.names) must list these backends
     raise RuntimeError(f"lcx.kernels.names.IMPLS={IMPLS} does not match the backends {list(BACKENDS)}")

@@ -1,5 +1,7 @@
-"""Split-K decode attention on a bit-packed cache's codes in Pallas (``cache.kv_dtype: int4 | int2``): the codes are
-read tile by tile and unpacked in registers, never as a float copy of the cache.
+"""Decode and prefill attention on a bit-packed cache's codes in Pallas (``cache.kv_dtype: int4 | int2``): the codes
+are read tile by tile and unpacked in registers, never as a float copy of the cache. :func:`decode_lowbit_tiles`
+(split-K, below) and :func:`chunk_lowbit_tiles` (a prefill chunk: one program per block of queries and KV head, the
+same step per key group with each query's causal bound, the window merged the same way).
 
 The store is ``lcx.cache.lowbit_slots``' (see ``lcx.kernels.lowbit_decode`` for the layout and the fused XLA
 formulation every other backend uses). The cache is cut into ``n`` splits of whole key groups; program (split, b,
@@ -181,4 +183,128 @@ def decode_lowbit_tiles(q: jax.Array, k: jax.Array, v: jax.Array, kv: LowbitKV, 
     return result
 
 
-__all__ = ["decode_lowbit_tiles", "lowbit_kernel"]
+@dataclasses.dataclass(frozen=True)
+class _ChunkStatic:
+    group: int
+    block_q: int  # queries per program (their g heads each: block_q * g rows)
+    heads: int  # g
+    groups: int  # key groups of the codes (n)
+    sm_scale: float
+    softcap: float | None
+    bits: int
+    value_group: int
+
+
+def lowbit_chunk_kernel(start_ref, offset_ref, q_ref, k_ref, ks_ref, kz_ref, v_ref, vs_ref, vz_ref, o_ref, m_ref,
+                        l_ref, *, st: _ChunkStatic):
+    """One block of ``block_q`` queries (``g`` heads each, rows query-major) of one KV group against the codes below
+    the window: query ``i`` sits at slot ``offset + i`` and sees the code slots ``<= offset + i`` below
+    ``win_start``. Refs: win_start [], offset [], q [rows, d], the row's whole key codes [d, n * G * bits / 8], key
+    scales and zeros [n, d], value codes [n * G, d * bits / 8], value scales and zeros [n * G, d / Gv] -> out [rows,
+    d] (normalized), m, l [rows] (base 2)."""
+    G, bits = st.group, st.bits
+    group_bytes = G * bits // 8
+    q = q_ref[...]  # [rows, d] float32
+    rows = q.shape[0]
+    first = pl.program_id(2) * st.block_q
+    start, offset = start_ref[()], offset_ref[()]
+    query_slot = offset + first + jnp.arange(rows) // st.heads  # [rows]
+    last_seen = jnp.minimum(start, offset + first + st.block_q)  # the block sees no code slot at or past this
+    hi = jnp.clip((last_seen + G - 1) // G, 0, st.groups)
+
+    def body(i, carry):
+        acc, m, l = carry
+        k0 = pl.multiple_of(i * G, G)
+        codes = _unpack(k_ref[:, pl.ds(i * group_bytes, group_bytes)], bits)  # [d, G]
+        scale, zero = ks_ref[pl.ds(i, 1), :].astype(_F32), kz_ref[pl.ds(i, 1), :].astype(_F32)
+        s = jnp.dot(q * scale, codes, preferred_element_type=_F32) + jnp.sum(q * zero, axis=1, keepdims=True)
+        s = capped(s * st.sm_scale, st.softcap) * LOG2E  # [rows, G]
+        slot = k0 + jnp.arange(G)
+        live = (slot[None, :] < start) & (slot[None, :] <= query_slot[:, None])
+        s = jnp.where(live, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.where(live, jnp.exp2(s - safe[:, None]), 0.0)
+        alpha = jnp.where(jnp.isfinite(m), jnp.exp2(m - safe), 0.0)
+        v_codes = _unpack(v_ref[pl.ds(k0, G), :], bits)  # [G, d]
+        d = v_codes.shape[1]
+        vs, vz = vs_ref[pl.ds(k0, G), :].astype(_F32), vz_ref[pl.ds(k0, G), :].astype(_F32)
+        values = (v_codes.reshape(G, d // st.value_group, st.value_group) * vs[..., None]
+                  + vz[..., None]).reshape(G, d)
+        return (acc * alpha[:, None] + jnp.dot(p, values, preferred_element_type=_F32), m_new,
+                l * alpha + jnp.sum(p, axis=1))
+
+    init = (jnp.zeros(q.shape, _F32), jnp.full((rows,), -jnp.inf, _F32), jnp.zeros((rows,), _F32))
+    acc, m, l = jax.lax.fori_loop(0, hi, body, init)
+    o_ref[...] = acc / jnp.where(l == 0, 1.0, l)[:, None]
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def chunk_lowbit_tiles(q: jax.Array, k: jax.Array, v: jax.Array, kv: LowbitKV, *, q_offsets: jax.Array,
+                       kv_lengths: jax.Array, sm_scale: float, softcap: float | None = None,
+                       residuals: bool = False, block_q: int = 16, interpret: bool | None = None) -> Attended:
+    """A prefill chunk ``q [b, t, h, d]`` against a bit-packed layer (codes ``k, v`` and ``kv``'s groups and float
+    window, as :func:`decode_lowbit_tiles`): query ``i`` at slot ``q_offsets + i`` sees the slots up to it and below
+    ``kv_lengths`` (``[b]`` or ``[b, k]``: the slot cache keeps its live slots packed, so nothing else is masked).
+    The codes below the window go through the Pallas kernel (a block of ``block_q`` queries per program, one key
+    group per step, unpacked in registers); the window's slots through XLA; the two merged exactly. Returns an
+    ``Attended`` as the backends' ``chunk``: ``out [b, t, h, d]``; with ``residuals`` ``m, l [b, t, h]``."""
+    b, t, heads, d = q.shape
+    kv_heads = v.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads must be a multiple of {kv_heads=} key/value heads")
+    bits, G = LOWBIT[kv.quant], kv.group
+    groups = kv.k_scale.shape[2]
+    padded, g = groups * G, heads // kv_heads
+    offsets = jnp.broadcast_to(jnp.asarray(q_offsets, jnp.int32).reshape(b, -1), (b, kv_heads))
+    lengths = jnp.broadcast_to(jnp.asarray(kv_lengths, jnp.int32).reshape(b, -1), (b, kv_heads))
+    n_blocks = -(-t // block_q)
+    st = _ChunkStatic(group=G, block_q=block_q, heads=g, groups=groups, sm_scale=float(sm_scale),
+                      softcap=None if softcap is None else float(softcap), bits=bits,
+                      value_group=d // kv.v_scale.shape[-1])
+    qg = einops.rearrange(pad_axis(q.astype(_F32), 1, n_blocks * block_q), "b t (k g) d -> b k (t g) d", k=kv_heads)
+    vp, vs, vz = (pad_axis(x, 2, padded) for x in (v, kv.v_scale, kv.v_zero))
+    rows = block_q * g
+    whole = lambda *shape: pl.BlockSpec((None, None, *shape), lambda bi, ki, qi: (bi, ki) + (0,) * len(shape))  # noqa
+    in_specs = [whole(), whole(),
+                pl.BlockSpec((None, None, rows, d), lambda bi, ki, qi: (bi, ki, qi, 0)),
+                whole(d, k.shape[-1]), whole(groups, d), whole(groups, d),
+                whole(padded, v.shape[-1]), whole(padded, vs.shape[-1]), whole(padded, vz.shape[-1])]
+    out_specs = [pl.BlockSpec((None, None, rows, d), lambda bi, ki, qi: (bi, ki, qi, 0)),
+                 pl.BlockSpec((None, None, rows), lambda bi, ki, qi: (bi, ki, qi)),
+                 pl.BlockSpec((None, None, rows), lambda bi, ki, qi: (bi, ki, qi))]
+    total = n_blocks * rows
+    out_shape = [jax.ShapeDtypeStruct((b, kv_heads, total, d), _F32),
+                 jax.ShapeDtypeStruct((b, kv_heads, total), _F32), jax.ShapeDtypeStruct((b, kv_heads, total), _F32)]
+    with jax.named_scope("lcx_lowbit_chunk"):
+        o, m2, l_codes = pl.pallas_call(
+            functools.partial(lowbit_chunk_kernel, st=st), grid=(b, kv_heads, n_blocks), in_specs=in_specs,
+            out_specs=out_specs, out_shape=out_shape, name="lcx_lowbit_chunk",
+            **pallas_call_kwargs(interpret, num_warps=4, num_stages=2),
+        )(kv.win_start.astype(jnp.int32), offsets, qg, k, kv.k_scale, kv.k_zero, vp, vs, vz)
+    per_query = lambda x: einops.rearrange(x, "b k (t g) ... -> b k g t ...", g=g)[:, :, :, :t]  # noqa: E731
+    codes = (per_query(o), per_query(jnp.where(l_codes > 0, m2 * LN2, -jnp.inf)), per_query(l_codes))
+
+    # the float window: slots win_start + w, seen by query i when below the length and at or before its slot
+    width = kv.k_win.shape[2]
+    window_slots = kv.win_start[..., None] + jnp.arange(width)  # [b, k, W]
+    query_slots = offsets[..., None] + jnp.arange(t)  # [b, k, t]
+    seen = (window_slots[:, :, None, :] < lengths[..., None, None]) \
+        & (window_slots[:, :, None, :] <= query_slots[..., None])  # [b, k, t, W]
+    q4 = einops.rearrange(q.astype(_F32), "b t (k g) d -> b k g t d", k=kv_heads)
+    logits = capped(jnp.einsum("bkgtd,bkwd->bkgtw", q4, kv.k_win.astype(_F32)) * sm_scale, softcap)
+    logits = jnp.where(seen[:, :, None], logits, -jnp.inf)
+    m_w = jnp.max(logits, axis=-1)
+    p_w = jnp.exp(logits - jnp.where(jnp.isfinite(m_w), m_w, 0.0)[..., None])
+    l_w = jnp.sum(p_w, axis=-1)
+    o_w = jnp.einsum("bkgtw,bkwd->bkgtd", p_w, kv.v_win.astype(_F32)) / jnp.where(l_w == 0, 1.0, l_w)[..., None]
+    out, m, l = merge_partials(codes, (o_w, m_w, l_w))  # [b, k, g, t, d], [b, k, g, t]
+    result = Attended(out=einops.rearrange(out, "b k g t d -> b t (k g) d").astype(q.dtype))
+    if residuals:
+        flat = lambda x: einops.rearrange(x, "b k g t -> b t (k g)")  # noqa: E731
+        result = result.replace(m=flat(m), l=flat(l))
+    return result
+
+
+__all__ = ["chunk_lowbit_tiles", "decode_lowbit_tiles", "lowbit_chunk_kernel", "lowbit_kernel"]

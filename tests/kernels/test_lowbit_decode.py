@@ -82,5 +82,31 @@ def test_a_chunk_cannot_read_a_bit_packed_view():
     layer, _ = _layer("int4", 0, count)
     view = KVView(k=layer.k, v=layer.v, lengths=count[:, 0], offsets=count[:, 0],
                   lowbit=lowbit_slots.decode_view(layer, "int4", G, 0))
-    with pytest.raises(ValueError, match="read by one-query calls only; a chunk of 2 queries"):
+    with pytest.raises(ValueError, match="a chunk of 2 queries on .xla. reads the layer dequantized"):
         attend_view("xla", jnp.zeros((B, 2, HEADS, D)), view, AttentionSpec(sm_scale=0.25))
+
+
+@pytest.mark.pallas
+@pytest.mark.parametrize("quant, residual, softcap, per_head, group", [
+    ("int4", 5, 20.0, True, G), ("int2", 16, None, False, 4)])
+def test_prefill_chunk_on_codes_equals_the_reference_over_the_dequantized_layer(quant, residual, softcap, per_head,
+                                                                                group):
+    """A prefill chunk on the codes (``chunk_lowbit_tiles``, interpret mode): 9 queries at the end of the filled
+    slots - their own keys partly flushed into codes, partly in the float window - see the slots up to theirs; the
+    output and residuals equal the reference chunk attention over the dequantized layer."""
+    from lcx.kernels import BACKENDS
+    from lcx.kernels.lowbit_pallas import chunk_lowbit_tiles
+
+    count = jnp.asarray([[45, 38], [29, 12]] if per_head else [[45], [29]], jnp.int32)
+    layer, (k, v) = _layer(quant, residual, count, group)
+    t = 9
+    lengths = lowbit_slots.per_kv(count, KV)  # [b, k]: the chunk's 9 queries are the last 9 filled slots
+    offsets = lengths - t
+    q = jnp.asarray(np.random.default_rng(2).standard_normal((B, t, HEADS, D)), jnp.float32)
+    want = BACKENDS["reference"].chunk(q, k.swapaxes(1, 2), v.swapaxes(1, 2), q_offsets=offsets, kv_lengths=lengths,
+                                       sm_scale=0.3, softcap=softcap, residuals=True)
+    got = jax.jit(lambda q, kc, vc, kv: chunk_lowbit_tiles(
+        q, kc, vc, kv, q_offsets=offsets, kv_lengths=lengths, sm_scale=0.3, softcap=softcap, residuals=True,
+        block_q=4))(q, layer.k, layer.v, lowbit_slots.decode_view(layer, quant, group, residual))
+    for name, w, g in (("out", want.out, got.out), ("m", want.m, got.m), ("l", want.l, got.l)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5, err_msg=name)
