@@ -246,19 +246,22 @@ def test_paged_lowbit_server_serves_each_request_as_generate_does(params):
     window is not in the pages) and returns every page; a page store is refused."""
     from lcx.engine.server import Server
 
-    prompts = [np.random.default_rng(i).integers(0, 61, n).tolist() for i, n in enumerate((40, 23, 57), 1)]
-    new = (10, 6, 12)
+    prompts = [np.random.default_rng(i).integers(0, 61, n).tolist() for i, n in enumerate((30, 17, 41), 1)]
+    new = (8, 6, 10)
     kw = dict(kv_dtype="int4", kv_group=G, kv_residual=8)
-    alone = lcx.generate(CFG, params, prompts, max_new_tokens=max(new), cache=CacheConfig(**kw))
-    server = Server(CFG, params, max_num_seqs=2, max_len=80, segment=4, prefill_chunk=16,
-                    cache=CacheConfig(layout="paged", page_size=G, **kw))
+    server = Server(CFG, params, max_num_seqs=2, max_len=64, segment=4, prefill_chunk=16,
+                    cache=CacheConfig(layout="paged", page_size=2 * G, **kw))
+    # the same prefill chunks: a chunk attends on its own keys as codes once their group leaves the window, so a
+    # bit-packed cache's tokens depend on where the chunks end
+    alone = lcx.generate(CFG, params, prompts, max_new_tokens=max(new),
+                         cache=CacheConfig(prefill_chunk=server.chunk, **kw))
     ids = [server.submit(p, max_new_tokens=n) for p, n in zip(prompts, new)]
     out = server.run()
     for i, n, row in zip(ids, new, alone.tokens):
         assert out[i] == row[:n].tolist(), f"request {i}"
     assert server.prefix_entries == 0 and int(np.asarray(server.state.refs).sum()) == 0
     with pytest.raises(ConfigError, match=r"Server store= with cache.kv_dtype='int4'"):
-        Server(CFG, params, cache=CacheConfig(layout="paged", page_size=G, **kw), store=object())
+        Server(CFG, params, cache=CacheConfig(layout="paged", page_size=2 * G, **kw), store=object())
 
 
 @pytest.mark.pallas

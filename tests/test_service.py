@@ -362,7 +362,8 @@ def test_int4_pages_serve_the_offline_int4_tokens(model_dir, lm, tmp_path):
         r = running.client().completions.create(model=str(model_dir), prompt=prompt, max_tokens=12, temperature=0)
         ids = lm.encode(prompt)
         out = lcx.generate(lm.config, lm.params, [ids], max_new_tokens=12, eos_id=lm.eos_id,
-                           cache=lcx.CacheConfig(kv_dtype="int4", kv_group=8, kv_residual=8))
+                           cache=lcx.CacheConfig(kv_dtype="int4", kv_group=8, kv_residual=8,
+                                                 prefill_chunk=running.service.server.chunk))
         assert r.choices[0].text == lm.tokenizer.decode(out.tokens[0, :int(out.lengths[0])].tolist())
         assert running.service.plan.row_bytes > 0 and running.service.server.state.k.dtype == np.uint8
     finally:
