@@ -149,24 +149,24 @@ POLICIES = {"streaming": dict(sinks=2), "h2o": {}, "tova": {}, "snapkv": dict(wi
 
 
 @pytest.mark.slow
-def test_lowbit_every_eviction_policy_runs_and_keeps_its_budget(params):
+@pytest.mark.parametrize("name", list(POLICIES))  # one case per policy: the workers share them
+def test_lowbit_every_eviction_policy_runs_and_keeps_its_budget(params, name):
     """Every eviction policy runs on int2 codes with a window (scores on the dequantized slots, survivors
     re-quantized): finite logits, the cache evicted and within its capacity, fewer bytes than the float cache."""
     from lcx.cache.reconstruct import Reconstruction
 
-    for name, kw in POLICIES.items():
-        kw = {"policy": name, **kw}
-        # KVzip scores the whole prompt by a reconstruction pass, then compresses: the prompt fits the capacity
-        extra = dict(reconstruction=Reconstruction(first=(3, 4, 5), later=(6,), suffix=(7,), skip=1, tail=3),
-                     capacity=64) if name == "kvzip" else {}
-        cache = CacheConfig(budget=16, interval=8, kv_dtype="int2", kv_group=G, kv_residual=8, **kw)
-        gen = Generator(CFG, params, max_new_tokens=10, cache=cache, **extra)
-        state = gen.decode(gen.prefill([PROMPT]))
-        assert np.isfinite(np.asarray(state.logits)).all(), name
-        count = np.asarray(state.cache.count)
-        assert count.max() <= state.cache.capacity and count.min() < len(PROMPT), name  # it evicted, within room
-        floats = CacheConfig(budget=16, interval=8, **kw).kind(CFG).nbytes(1, state.cache.capacity)
-        assert state.cache.kv_bytes() < floats, name  # (a 16-slot float window at this tiny capacity)
+    kw = {"policy": name, **POLICIES[name]}
+    # KVzip scores the whole prompt by a reconstruction pass, then compresses: the prompt fits the capacity
+    extra = dict(reconstruction=Reconstruction(first=(3, 4, 5), later=(6,), suffix=(7,), skip=1, tail=3),
+                 capacity=64) if name == "kvzip" else {}
+    cache = CacheConfig(budget=16, interval=8, kv_dtype="int2", kv_group=G, kv_residual=8, **kw)
+    gen = Generator(CFG, params, max_new_tokens=10, cache=cache, **extra)
+    state = gen.decode(gen.prefill([PROMPT]))
+    assert np.isfinite(np.asarray(state.logits)).all(), name
+    count = np.asarray(state.cache.count)
+    assert count.max() <= state.cache.capacity and count.min() < len(PROMPT), name  # it evicted, within room
+    floats = CacheConfig(budget=16, interval=8, **kw).kind(CFG).nbytes(1, state.cache.capacity)
+    assert state.cache.kv_bytes() < floats, name  # (a 16-slot float window at this tiny capacity)
 
 
 @pytest.mark.parametrize("cache, message", [
@@ -206,38 +206,39 @@ PAGE = 16  # two key groups of G per page
 
 
 @pytest.mark.slow
-def test_paged_lowbit_cache_generates_the_contiguous_tokens_and_shares_pages_of_codes(params):
+@pytest.mark.parametrize("kw", [dict(kv_dtype="int4", kv_residual=4),
+                                dict(kv_dtype="int2", policy="snapkv", budget=16, window=4, interval=8)],
+                         ids=["int4-full-window", "int2-snapkv"])
+def test_paged_lowbit_cache_generates_the_contiguous_tokens_and_shares_pages_of_codes(params, kw):
     """``layout: paged`` (``lcx.cache.lowbit_pages``): the same store cut into pages of whole key groups, the float
     window per row. Full int4 with a residual window and SnapKV int2 (evicting while the prompt streams in and while
     decoding, forked after the context: copy-on-write of the code pages it rewrites) give the contiguous cache's
     tokens; a fork shares the pages of codes (not the window's slots); ``cache_bytes`` is the peak pages plus the
     rows' windows."""
     questions = [np.random.default_rng(i).integers(0, 61, n).tolist() for i, n in ((1, 5), (2, 11), (3, 3))]
-    for kw in (dict(kv_dtype="int4", kv_residual=4), dict(kv_dtype="int2", policy="snapkv", budget=16, window=4,
-                                                           interval=8)):
-        tokens, results = {}, {}
-        for layout in ("contiguous", "paged"):
-            cache = CacheConfig(layout=layout, page_size=PAGE, kv_group=G, prefill_chunk=16, **kw)
-            gen = Generator(CFG, params, max_new_tokens=9, cache=cache, capacity=80)
-            state = gen.fork(gen.prefill([PROMPT]), len(questions))
-            if layout == "paged" and "policy" not in kw:
-                # 45 tokens, 4 in the window: slots 0..39 are codes, so pages 0 and 1 (32 slots) are shared
-                table, refs = np.asarray(state.cache.table), np.asarray(state.cache.refs)
-                np.testing.assert_array_equal(table[:, :2], np.broadcast_to(table[0, :2], (3, 2)))
-                assert np.all(refs[table[0, :2]] == 3) and len(set(table[:, 2].tolist())) == 3
-                np.testing.assert_array_equal(state.cache.k_res[:, 1], state.cache.k_res[:, 0])  # the window copied
-            state = gen.decode(gen.prefill(questions, state=state))
-            tokens[layout], results[layout] = gen.result(state).tokens, gen.result(state)
-        np.testing.assert_array_equal(tokens["paged"], tokens["contiguous"], err_msg=str(kw))
-        kind = CacheConfig(layout="paged", page_size=PAGE, kv_group=G, **kw).kind(CFG)
-        assert kind.name == "paged_slots" and state.cache.k.dtype == np.uint8
-        bits, d, kv_heads = lowbit.LOWBIT[kw["kv_dtype"]], CFG.head_dim, CFG.n_kv_heads
-        # one page: key codes, a scale and zero per key group and channel, value codes, a scale and zero per token
-        # and value group - per KV head and layer
-        per_head = 2 * PAGE * d * bits // 8 + 2 * 2 * (PAGE // G) * d + 2 * 2 * PAGE * (d // min(G, d))
-        assert kind.page_nbytes() == CFG.n_layers * kv_heads * per_head
-        window = state.cache.k_res.size * state.cache.k_res.dtype.itemsize * 2
-        assert results["paged"].cache_bytes == int(state.cache.peak) * kind.page_nbytes() + window
+    tokens, results = {}, {}
+    for layout in ("contiguous", "paged"):
+        cache = CacheConfig(layout=layout, page_size=PAGE, kv_group=G, prefill_chunk=16, **kw)
+        gen = Generator(CFG, params, max_new_tokens=9, cache=cache, capacity=80)
+        state = gen.fork(gen.prefill([PROMPT]), len(questions))
+        if layout == "paged" and "policy" not in kw:
+            # 45 tokens, 4 in the window: slots 0..39 are codes, so pages 0 and 1 (32 slots) are shared
+            table, refs = np.asarray(state.cache.table), np.asarray(state.cache.refs)
+            np.testing.assert_array_equal(table[:, :2], np.broadcast_to(table[0, :2], (3, 2)))
+            assert np.all(refs[table[0, :2]] == 3) and len(set(table[:, 2].tolist())) == 3
+            np.testing.assert_array_equal(state.cache.k_res[:, 1], state.cache.k_res[:, 0])  # the window copied
+        state = gen.decode(gen.prefill(questions, state=state))
+        tokens[layout], results[layout] = gen.result(state).tokens, gen.result(state)
+    np.testing.assert_array_equal(tokens["paged"], tokens["contiguous"], err_msg=str(kw))
+    kind = CacheConfig(layout="paged", page_size=PAGE, kv_group=G, **kw).kind(CFG)
+    assert kind.name == "paged_slots" and state.cache.k.dtype == np.uint8
+    bits, d, kv_heads = lowbit.LOWBIT[kw["kv_dtype"]], CFG.head_dim, CFG.n_kv_heads
+    # one page: key codes, a scale and zero per key group and channel, value codes, a scale and zero per token
+    # and value group - per KV head and layer
+    per_head = 2 * PAGE * d * bits // 8 + 2 * 2 * (PAGE // G) * d + 2 * 2 * PAGE * (d // min(G, d))
+    assert kind.page_nbytes() == CFG.n_layers * kv_heads * per_head
+    window = state.cache.k_res.size * state.cache.k_res.dtype.itemsize * 2
+    assert results["paged"].cache_bytes == int(state.cache.peak) * kind.page_nbytes() + window
 
 
 def test_paged_lowbit_server_serves_each_request_as_generate_does(params):
