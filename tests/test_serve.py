@@ -191,8 +191,9 @@ def test_a_long_prompt_arrives_a_chunk_per_step_while_the_others_decode(params):
 
 # --------------------------------------------------------------------------------------------------- eviction
 @pytest.mark.slow
-def test_an_evicting_policy_serves_prompts_past_its_pages_as_generate_does(params):
-    cache = lcx.CacheConfig(layout="paged", page_size=8, policy="streaming", budget=16, interval=8)
+@pytest.mark.parametrize("policy", ["streaming", "tova"])  # TOVA scores by the decode queries' attention
+def test_an_evicting_policy_serves_prompts_past_its_pages_as_generate_does(params, policy):
+    cache = lcx.CacheConfig(layout="paged", page_size=8, policy=policy, budget=16, interval=8)
     server = Server(CFG, params, max_num_seqs=1, max_len=200, segment=4, prefill_chunk=8, cache=cache)
     assert server.row_pages == 3  # budget + interval slots, whatever max_len
     prompt = np.random.default_rng(5).integers(0, 61, 90).tolist()

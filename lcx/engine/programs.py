@@ -144,7 +144,11 @@ def programs(config: ModelConfig, eos_id: int | None, pad_id: int, kind: CacheKi
         def body(carry, _):
             cache, token, active, left, steps = carry
             cache = kind.make_room(cache, active.astype(jnp.int32))
-            logits, cache = model.apply({"params": params}, token[:, None], cache=cache, ok=active[:, None])
+            # an active row's query counts for eviction statistics, as in ``step`` (H2O / TOVA / SnapKV score decode
+            # queries); without the weights the server's evictions kept other slots than generate's
+            weights = active[:, None].astype(jnp.float32)
+            logits, cache = model.apply({"params": params}, token[:, None], cache=cache, ok=active[:, None],
+                                        stat_weights=weights)
             nxt = sample_rows(logits[:, 0], rows, steps) if sampled else greedy(logits[:, 0])
             left = left - active
             stop = (left <= 0) | ((nxt == eos_id) if eos_id is not None else False)
