@@ -241,6 +241,35 @@ def test_paged_lowbit_cache_generates_the_contiguous_tokens_and_shares_pages_of_
     assert results["paged"].cache_bytes == int(state.cache.peak) * kind.page_nbytes() + window
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [{}, dict(kv_dtype="int4", kv_group=G, kv_residual=4)], ids=["float", "int4"])
+def test_kvzip_on_pages_gives_the_contiguous_tokens_and_then_holds_only_the_kept_pages(params, kw):
+    """KVzip on ``layout: paged`` (its reconstruction passes score the gathered view): the contiguous cache's tokens
+    for two prompts forked into two rows each; after the compression a row holds the pages of its kept slots only
+    (``held_bytes``), while ``cache_bytes`` is the peak (the whole prompt, prefilled before it is scored)."""
+    from lcx.cache.reconstruct import Reconstruction
+
+    prompts = [PROMPT, np.random.default_rng(6).integers(0, 61, 30).tolist()]
+    rec = Reconstruction(first=(3, 4, 5), later=(6,), suffix=(7,), skip=1, tail=3)
+    tokens = {}
+    for layout in ("contiguous", "paged"):
+        cache = CacheConfig(policy="kvzip", budget=16, interval=48, sinks=2, chunk=8, layout=layout, page_size=PAGE,
+                            prefill_chunk=16, **kw)
+        gen = Generator(CFG, params, max_new_tokens=8, cache=cache, reconstruction=rec)
+        state = gen.prefill(prompts)
+        if layout == "paged":
+            c = state.cache
+            kept = np.asarray(c.count).max(axis=(0, 2))  # [b] slots the fullest layer and head keeps
+            assert kept.max() <= 16 < min(map(len, prompts))  # compressed
+            held = -(-kept // PAGE)
+            assert int(c.pool.in_use()) == held.sum() and int(c.peak) == sum(-(-len(p) // PAGE) for p in prompts)
+            window = c.held_bytes() - int(c.pool.in_use()) * c.kind.page_nbytes()
+            assert window == (c.k_res.nbytes + c.v_res.nbytes if kw else 0)
+            assert c.held_bytes() < c.kv_bytes()
+        tokens[layout] = gen.result(gen.decode(gen.fork(state, 2))).tokens
+    np.testing.assert_array_equal(tokens["paged"], tokens["contiguous"])
+
+
 def test_paged_lowbit_server_serves_each_request_as_generate_does(params):
     """``lcx serve --kv-dtype int4`` underneath: the continuous-batching server over bit-packed pages (its table
     cut to the pages the rows hold) gives each request the contiguous int4 cache's tokens, keeps no prefix (the

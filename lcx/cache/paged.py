@@ -113,10 +113,17 @@ class PagedState(CacheState):
     def kv_bytes(self) -> int:
         """Peak bytes of the pages in use (the contract of ``GenerateResult.cache_bytes`` for a paged cache), and
         the key / value buffers each row holds outside the pool (a bit-packed cache's float window)."""
+        return int(self.peak) * self.kind.page_nbytes() + self._row_kv_bytes()
+
+    def held_bytes(self) -> int:
+        """Bytes of the pages held now (a shared page once) and the rows' buffers outside the pool: what a context
+        compressed once (KVzip, then ``fork``) keeps, where ``kv_bytes`` reports the peak of its prefill."""
+        return int(self.pool.in_use()) * self.kind.page_nbytes() + self._row_kv_bytes()
+
+    def _row_kv_bytes(self) -> int:
         fields = self.kind.fields()
-        rows = sum(x.size * x.dtype.itemsize for n, x in self.buffers().items()
-                   if fields[n].role == "kv" and "pages" not in fields[n].axes)
-        return int(self.peak) * self.kind.page_nbytes() + int(rows)
+        return int(sum(x.size * x.dtype.itemsize for n, x in self.buffers().items()
+                       if fields[n].role == "kv" and "pages" not in fields[n].axes))
 
     def pool_bytes(self) -> int:
         """Bytes of the whole pool (what the device holds, in use or free)."""

@@ -104,7 +104,7 @@ class PagedSlotKind(SlotCacheKind):
 
     @property
     def reconstructable(self) -> bool:
-        return False  # the passes' scoring (``SlotCacheKind.attend`` with ``probe=``) reads contiguous slots
+        return True  # a pass scores the gathered view (``_probe``); only the per-row scores change
 
     @property
     def slots(self) -> SlotCacheKind:
@@ -141,7 +141,10 @@ class PagedSlotKind(SlotCacheKind):
         return schema.nbytes(pooled, self.sizes(1, self.page), self.kv_dtype, "kv")
 
     # ------------------------------------------------------------------------------------------- attention
-    def attend(self, layer: PagedSlotCache, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None):
+    def attend(self, layer: PagedSlotCache, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None,
+               probe=None):
+        if probe is not None:
+            return self._probe(layer, q, key, val, cos=cos, sin=sin, ok=ok, spec=spec, probe=probe)
         if self.lowbit:
             return self._attend_lowbit(layer, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
                                        stat_weights=stat_weights, spec=spec)
@@ -169,6 +172,21 @@ class PagedSlotKind(SlotCacheKind):
         return out, layer.replace(k=put(layer.k, slots.k), v=put(layer.v, slots.v),
                                   **{n: put(x, getattr(slots, n)) for n, x in scales.items()},
                                   **{n: getattr(slots, n) for n in self._metadata()})
+
+    def _probe(self, layer: PagedSlotCache, q, key, val, *, cos, sin, ok, spec, probe):
+        """A reconstruction pass (KVzip, ``lcx.cache.reconstruct``): the slot cache's pass on the gathered view -
+        it appends nothing, so only the slots' scores come back (per row, not paged)."""
+        capacity = layer.pos.shape[-1]
+        metadata = {n: getattr(layer, n) for n in self._metadata()}
+        if self.lowbit:
+            stored = self._lowbit_view(self._pools(layer), layer.table, capacity)
+        else:
+            stored = {n: _slot_view(x, layer.table, capacity)
+                      for n, x in {"k": layer.k, "v": layer.v, **paged.scales_of(layer)}.items()}
+        slots = KVCache(**stored, lengths=None, kind=self.slots, **metadata)
+        out, scored = self.slots.attend(slots, q, key, val, cos=cos, sin=sin, positions=None, ok=ok,
+                                        stat_weights=None, spec=spec, probe=probe)
+        return out, layer.replace(score=scored.score)
 
     def _lowbit_view(self, pools: Mapping[str, jax.Array], table, capacity: int) -> dict[str, jax.Array]:
         """One layer's bit-packed pool buffers as the contiguous store's arrays for ``capacity`` slots
