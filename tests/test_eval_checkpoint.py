@@ -137,10 +137,16 @@ def test_one_shot_protocol_equals_prefill_when_nothing_is_evicted(hf_dir, monkey
                                    cache=zipped, max_new_tokens=3, protocol="one_shot", counts=counts)
     assert len(outputs) == 2 and all(isinstance(o, str) for o in outputs)
     assert 0 < counts["prefilled_tokens"] < counts["prompt_tokens"]
+    assert counts["held_kv_bytes"] == counts["kv_bytes"] > 0  # a contiguous cache holds its arrays after compressing
     monkeypatch.setattr(evaluate, "_runs", lambda prompts: [(i, 1) for i in range(len(prompts))])  # no sharing
     assert retrieval_outputs(config, params, shared, length=320, depth=None, samples=2, batch_size=2, seed=0,
                              cache=zipped, max_new_tokens=3, protocol="one_shot", counts=alone)[1] == outputs
     assert alone["prefilled_tokens"] == alone["prompt_tokens"] == counts["prompt_tokens"]
+    # in pages: the same answers; after the compression the rows hold the kept slots' pages, not the prompt's
+    paged, in_pages = {}, CacheConfig(**zipped.to_dict() | {"layout": "paged", "page_size": 16})
+    assert retrieval_outputs(config, params, shared, length=320, depth=None, samples=2, batch_size=2, seed=0,
+                             cache=in_pages, max_new_tokens=3, protocol="one_shot", counts=paged)[1] == outputs
+    assert 0 < paged["held_kv_bytes"] < paged["kv_bytes"] / 4
     # a cache planned for a short generation refuses a longer continuation instead of dropping its writes
     short = Generator(config, params, max_new_tokens=4, cache=roomy)
     with pytest.raises(CacheCapacityError, match="planned for"):

@@ -9,7 +9,7 @@ def _row(setting, policy, compression, length, metric, value, task=""):
     return {"setting": setting, "policy": policy, "budget": "", "rope": "trained", "length": length, "depth": "",
             "metric": metric, "value": value, "lo": value * 0.9, "hi": value * 1.1, "samples": 4, "seconds": 0.0,
             "task": task, "compression": compression, "protocol": "streaming", "prompt_tokens": "",
-            "prefilled_tokens": "", "kv_bytes": ""}
+            "prefilled_tokens": "", "kv_bytes": "", "held_kv_bytes": ""}
 
 
 def test_cache_dtype_variants_of_one_policy_are_separate_lines():

@@ -139,6 +139,11 @@ class CacheState:
         fields = self.kind.fields()
         return int(sum(x.size * x.dtype.itemsize for n, x in self.buffers().items() if fields[n].role == "kv"))
 
+    def held_bytes(self) -> int:
+        """Bytes of key/value storage the state holds now: its arrays (a paged state: the pages in use, which an
+        eviction gives back - ``lcx.cache.paged``)."""
+        return self.kv_bytes()
+
     def metadata_bytes(self) -> int:
         fields = self.kind.fields()
         return int(sum(x.size * x.dtype.itemsize for n, x in self.buffers().items() if fields[n].role != "kv"))

@@ -93,8 +93,10 @@ def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, de
     ``one_shot`` prefills each run of equal contexts for one row and forks it (``Generator.fork``; any cache), and
     ``streaming`` with a paged cache shares the whole pages consecutive prompts start with (``Generator.prefill``).
     ``counts``: a dict that receives ``prompt_tokens`` (what the batches would prefill without sharing),
-    ``prefilled_tokens`` (what went through the model) and ``kv_bytes`` (the device KV bytes per sequence at the
-    end of generation, the most of any batch: ``GenerateResult.cache_bytes`` over its rows)."""
+    ``prefilled_tokens`` (what went through the model), ``kv_bytes`` (the device KV bytes per sequence at the
+    end of generation, the most of any batch: ``GenerateResult.cache_bytes`` over its rows) and, for ``one_shot``,
+    ``held_kv_bytes`` (per sequence right after the one compression: ``CacheState.held_bytes`` - a paged cache
+    has given back the pages past what it keeps, while its ``kv_bytes`` is the peak of the prefill)."""
     tok = task.tokenizer
     examples = cell_examples(task, length=length, depth=depth, samples=samples, seed=seed)
     check_fits(task, model, [ex.prompt_ids for ex in examples])
@@ -106,7 +108,7 @@ def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, de
     gen = Generator(model, params, max_new_tokens=max(max_new, buffer or 0) + extra, cache=cache, eos_id=tok.eos_id,
                     capacity=capacity, unroll=unroll, **policy_inputs(cache.make_policy(), task.frame))
     outputs = [""] * samples
-    asked = kv_bytes = 0
+    asked = kv_bytes = held = 0
     for batch in _batches(examples, batch_size, protocol, task.name):
         real = len(batch)
         if protocol == "one_shot":  # a group smaller than the batch repeats its last row: one compiled batch shape
@@ -122,6 +124,7 @@ def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, de
                 state = gen.prefill([contexts[start] for start, _ in runs])
                 if len(runs) < len(contexts):
                     state = gen.fork(state, [n for _, n in runs])
+                held = max(held, state.cache.held_bytes() // len(contexts))
                 questions = np.stack([examples[i].prompt_ids[examples[i].context_len:] for i in batch])
                 if questions.shape[1]:
                     state, _ = gen.score(state, questions)
@@ -134,7 +137,8 @@ def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, de
             outputs[i] = tok.decode(tokens[:n])
     gen.close()
     if counts is not None:
-        counts.update(prompt_tokens=asked, prefilled_tokens=gen.prefilled_tokens, kv_bytes=kv_bytes)
+        counts.update(prompt_tokens=asked, prefilled_tokens=gen.prefilled_tokens, kv_bytes=kv_bytes,
+                      **({"held_kv_bytes": held} if protocol == "one_shot" else {}))
     return examples, outputs
 
 

@@ -16,7 +16,7 @@ from lcx.eval.stats import wilson_interval
 
 FIELDS = ("setting", "policy", "budget", "rope", "length", "depth", "metric", "value", "lo", "hi", "samples",
           "seconds", "task", "compression", "protocol", "prompt_tokens", "prefilled_tokens",
-          "kv_bytes")
+          "kv_bytes", "held_kv_bytes")
 MACRO = "macro average"
 
 
