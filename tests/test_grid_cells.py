@@ -263,3 +263,9 @@ def test_one_setting_in_two_entries_at_other_lengths_is_one_row_of_the_grid(monk
                                                       {"policy": "streaming", "lengths": [256]}]})
     with pytest.raises(ConfigError, match=r"settings \['streaming @64'\] appear twice"):
         grid.run_ablate(None, None, ev, overlap, Path("unused"))
+    # the layout is a setting of its own (its bytes differ): both layouts of one policy are two rows, not a clash
+    layouts = AblateConfig.from_mapping({"policies": [{"policy": "streaming"},
+                                                      {"policy": "streaming", "layout": "paged", "page_size": 64}]})
+    assert grid.run_ablate(None, None, ev, layouts, Path("unused")) == []
+    assert [grid.setting_label(s.cache(128)) for s in layouts.settings()] == [
+        "streaming @64", "streaming @64 layout=paged page_size=64"]

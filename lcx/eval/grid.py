@@ -44,15 +44,18 @@ _GRID_KEYS = ("policy", "budget", "interval", "prefill_chunk")
 
 def setting_label(cache: CacheConfig, rope: str = "trained", setting: Setting | None = None) -> str:
     """``policy @budget k=v ... [rope]``: the budget (or ``@c=ratio``, a compression ratio), every policy parameter
-    that differs from the policy's default and every cache field that differs from ``CacheConfig``'s, the protocol
-    when not streaming, and the RoPE variant."""
+    that differs from the policy's default and every cache field that differs from ``CacheConfig``'s (a paged cell's
+    page size too), the protocol when not streaming, and the RoPE variant. Two settings of a grid never share a
+    label: it names their cells' directories and their rows."""
     policy = cache.make_policy()
     defaults = {f.name: f.default for f in dataclasses.fields(policy) if f.default is not dataclasses.MISSING}
     extras = [f"{k}={v}" for k, v in sorted(cache.params.items()) if defaults.get(k, object()) != v]
     base = CacheConfig()
     extras += [f"{f}={getattr(cache, f)}" for f in ("budget_schedule", "dtype", "kv_dtype", "kv_group", "kv_residual",
-                                                    "max_bytes")
+                                                    "max_bytes", "layout")
                if getattr(cache, f) != getattr(base, f)]
+    if cache.layout == "paged":  # the page size of a paged cell (its bytes differ; contiguous cells have none)
+        extras.append(f"page_size={cache.page_size}")
     budget = f" @{cache.budget}" if policy.evicts and cache.budget is not None else ""
     if setting is not None and setting.compression is not None and policy.evicts:
         budget = f" @c={setting.compression:g}"
