@@ -83,20 +83,20 @@ def attend_view(impl: str, q: jax.Array, view: KVView, spec: AttentionSpec, *,
     backend = kernels.backend(impl)
     extra = kernels.spec_kwargs(spec)
     counted = stat_weights is not None
+    lowbit_decode, lowbit_chunk = backend.lowbit_ops()
     if view.lowbit is not None and q.shape[1] != 1:
-        if backend.lowbit_chunk is None or counted:
+        if lowbit_chunk is None or counted:
             raise ValueError(f"a bit-packed KVView (lowbit) is read by one-query calls, and by the chunks of a backend "
                              f"with a lowbit_chunk op without statistics (pallas); a chunk of {q.shape[1]} queries on "
                              f"{backend.name!r} reads the layer dequantized (lcx.cache.lowbit_slots.float_kv)")
-        return backend.lowbit_chunk(q, view.k, view.v, view.lowbit, q_offsets=view.offsets, kv_lengths=view.lengths,
+        return lowbit_chunk(q, view.k, view.v, view.lowbit, q_offsets=view.offsets, kv_lengths=view.lengths,
                                     sm_scale=spec.sm_scale, softcap=spec.softcap, residuals=residuals)
     if q.shape[1] == 1:
         if view.valid is None:
             raise ValueError("a one-query attend needs KVView.valid (the slots the query sees)")
         if view.lowbit is not None:  # on the codes: fused XLA, or the Pallas kernel (the backend's lowbit_decode)
-            res = backend.lowbit_decode(q[:, 0], view.k, view.v, view.lowbit, valid=view.valid,
-                                        sm_scale=spec.sm_scale, softcap=spec.softcap, weights=counted,
-                                        residuals=residuals)
+            res = lowbit_decode(q[:, 0], view.k, view.v, view.lowbit, valid=view.valid,
+                                sm_scale=spec.sm_scale, softcap=spec.softcap, weights=counted, residuals=residuals)
         else:
             res = backend.decode(q[:, 0], view.k, view.v, valid=view.valid, sm_scale=spec.sm_scale,
                                  weights=counted, residuals=residuals,

@@ -130,7 +130,7 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     lowbit = None
     counted = stat_weights is not None and observes.attention is not None
     # a chunk on the codes where the backend has the kernel (pallas) and no statistic is asked of it
-    codes_chunk = kernels.backend(config.attention.impl).lowbit_chunk is not None and not counted
+    codes_chunk = kernels.backend(config.attention.impl).lowbit_ops()[1] is not None and not counted
     if getattr(kind, "lowbit", False) and (q.shape[1] == 1 or codes_chunk) and mode == "original":  # codes + window
         k_att, v_att, k_scale, v_scale = layer.k, layer.v, None, None
         lowbit = lowbit_slots.decode_view(layer, kind.quant, kind.group, kind.residual)

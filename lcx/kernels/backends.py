@@ -63,6 +63,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from lcx.kernels.mode import resolve_interpret
 from lcx.kernels.names import IMPLS
 from lcx.kernels.attended import Attended, attended
 from lcx.kernels.decode import decode_attention
@@ -91,10 +92,19 @@ class Backend:
     paged_decode: Callable | None = None  # None: gather the pages and call ``decode``
     lowbit_decode: Callable = decode_lowbit  # ``decode`` on a bit-packed cache's codes (default: fused XLA)
     lowbit_chunk: Callable | None = None  # ``chunk`` on the codes (None: the caller dequantizes the layer)
+    # Whether the two ops above also run compiled (Triton, on a GPU); False: only in the Pallas interpreter, and a
+    # compiled run takes the fused XLA decode and dequantizes a chunk's layer (``lowbit_ops``)
+    lowbit_compiles: bool = True
 
     def __post_init__(self):
         if self.paged_decode is None:
             object.__setattr__(self, "paged_decode", _gathered_paged_decode(self.decode))
+
+    def lowbit_ops(self) -> tuple[Callable, Callable | None]:
+        """``(decode on the codes, chunk on the codes or None)`` as they run here (decided at trace time)."""
+        if self.lowbit_compiles or resolve_interpret(None):
+            return self.lowbit_decode, self.lowbit_chunk
+        return decode_lowbit, None
 
 
 def _compute_dtype(*xs):
@@ -269,7 +279,11 @@ BACKENDS: dict[str, Backend] = {
                                       softcap=softcap),
                       chunk=_chunk_op(_pallas_chunk), decode=_decode_op(_pallas_decode),
                       column_sums=_pallas_column_sums, paged_decode=_pallas_paged_decode,
-                      lowbit_decode=decode_lowbit_tiles, lowbit_chunk=chunk_lowbit_tiles),
+                      lowbit_decode=decode_lowbit_tiles, lowbit_chunk=chunk_lowbit_tiles,
+                      # Compiled with Triton (an H200, jax 0.11.2) some shapes do not lower yet - a ``slice`` in the
+                      # decode kernel's loop, non-power-of-two blocks in the chunk kernel - so a GPU run takes the
+                      # fused XLA formulation; the kernels are checked in the interpreter, and benchmarked directly
+                      lowbit_compiles=False),
 }
 if IMPLS != ("auto", *BACKENDS):  # the names config checks read (lcx.kernels.names) must list these backends
     raise RuntimeError(f"lcx.kernels.names.IMPLS={IMPLS} does not match the backends {list(BACKENDS)}")

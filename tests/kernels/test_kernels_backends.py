@@ -31,6 +31,21 @@ def test_backends_auto_is_xla_on_cpu_and_pallas_on_gpu():
     assert kernels.resolve("auto") == expected and kernels.backend("auto") is kernels.BACKENDS[expected]
 
 
+def test_backends_bit_packed_kernels_run_interpreted_and_a_compiled_run_takes_the_xla_ops(monkeypatch):
+    """The Pallas kernels on the codes are checked in the interpreter; compiled with Triton some shapes do not lower
+    yet, so a compiled run (a GPU) takes the fused XLA decode and dequantizes a chunk's layer."""
+    from lcx.kernels import backends
+    from lcx.kernels.lowbit_decode import decode_lowbit
+    from lcx.kernels.lowbit_pallas import chunk_lowbit_tiles, decode_lowbit_tiles
+
+    pallas = kernels.BACKENDS["pallas"]
+    monkeypatch.setattr(backends, "resolve_interpret", lambda interpret: True)
+    assert pallas.lowbit_ops() == (decode_lowbit_tiles, chunk_lowbit_tiles)
+    monkeypatch.setattr(backends, "resolve_interpret", lambda interpret: False)
+    assert pallas.lowbit_ops() == (decode_lowbit, None)
+    assert kernels.BACKENDS["xla"].lowbit_ops() == (decode_lowbit, None)
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="on a GPU the default is the compiled Pallas kernels")
 def test_backends_default_generation_on_cpu_runs_no_pallas_kernel():
     cfg = lcx.ModelConfig(vocab_size=40, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=32)
