@@ -242,9 +242,10 @@ def test_paged_lowbit_cache_generates_the_contiguous_tokens_and_shares_pages_of_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [{}, dict(kv_dtype="int4", kv_group=G, kv_residual=4)], ids=["float", "int4"])
+@pytest.mark.parametrize("kw", [dict(kv_dtype="int4", kv_group=G, kv_residual=4)], ids=["int4"])
 def test_kvzip_on_pages_gives_the_contiguous_tokens_and_then_holds_only_the_kept_pages(params, kw):
-    """KVzip on ``layout: paged`` (its reconstruction passes score the gathered view): the contiguous cache's tokens
+    """KVzip on bit-packed pages (its reconstruction passes score the gathered view; float pages: the one-shot
+    evaluation test in test_eval_checkpoint.py): the contiguous cache's tokens
     for two prompts forked into two rows each; after the compression a row holds the pages of its kept slots only
     (``held_bytes``), while ``cache_bytes`` is the peak (the whole prompt, prefilled before it is scored)."""
     from lcx.cache.reconstruct import Reconstruction
