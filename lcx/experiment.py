@@ -343,11 +343,23 @@ def _settings(cfg: ExperimentConfig, stage: str, info, variants: dict | None = N
            "tokenizer": cfg.data.tokenizer if cfg.data is not None else "auto"}
     if cfg.eval.depths and tokenizer is not None and tokenizer.spec != BYTES:
         out["prompt_fixes"] = ["eval.depths in the run's tokenizer"]  # byte ids before (CHANGELOG)
+    if tokenizer is not None and _dropped_bos(cfg, tokenizer):
+        # BOS first on every prompt before (CHANGELOG); not a prompt fix: the cells that changed say so themselves
+        # (their inputs record bos: false), so the others stay done
+        out["bos"] = "as the tokenizer adds it"
     if variants:
         out["variant_checkpoints"] = {name: v[2].to_dict() for name, v in sorted(variants.items())}
     out["cache" if stage == "eval" else "ablate"] = (cfg.cache.to_dict() if stage == "eval"
                                                      else cfg.ablate.to_dict())
     return json.loads(json.dumps(out, default=str))
+
+
+def _dropped_bos(cfg: ExperimentConfig, tokenizer) -> bool:
+    """Whether a task of the stage's grid lost the BOS its prompts began with before (``lcx.eval.grid.dropped_bos``)."""
+    from lcx.eval.grid import dropped_bos, grid_tasks
+
+    tasks, ppl_task = grid_tasks(cfg.eval, tokenizer)
+    return any(dropped_bos(t) for t in (*tasks.values(), ppl_task))
 
 
 def run_eval_stage(cfg: ExperimentConfig, stage: str = "eval", progress: bool = True, shard: Shard = ONE,

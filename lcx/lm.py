@@ -84,14 +84,19 @@ def auto_tokenizer(path: str | Path) -> str | None:
 
 
 def encode_prompt(tokenizer, config: ModelConfig, text: str, chat=None) -> list[int]:
-    """The prompt ids of ``text``: BOS (when the tokenizer has one in the model's vocabulary), then the text; with
-    ``chat`` (a ``lcx.data.haystack.ChatTemplate``) the text as the user's message of the template, the reply
-    opened. Pieces are encoded one by one, as ``Frame`` builds a task's prompt, so KVzip's repeat prompt of the
-    same frame (``Frame.reconstruction``, which skips the BOS and chat header) lines up with them."""
-    bos = tokenizer.bos_id is not None and tokenizer.bos_id < config.vocab_size
+    """The prompt ids of ``text``: BOS when the tokenizer adds one (``adds_bos``: a GGUF's ``add_bos_token``, a
+    tokenizer.json's post-processor, always for lcx's byte tokenizer - ``lcx.data.tokenizer.prompt_bos``) and it
+    is in the model's vocabulary, then the text; with ``chat`` (a ``lcx.data.haystack.ChatTemplate``) the text as
+    the user's message of the template, the reply opened, BOS only where the template writes it. Pieces are encoded
+    one by one, as ``Frame`` builds a task's prompt, so KVzip's repeat prompt of the same frame
+    (``Frame.reconstruction``, which skips the BOS and chat header) lines up with them."""
+    from lcx.data.tokenizer import prompt_bos
+
+    in_vocab = tokenizer.bos_id is not None and tokenizer.bos_id < config.vocab_size
     if chat is None:
-        return list(tokenizer.encode(text, bos=bos))
-    head = [tokenizer.bos_id] if bos and chat.has_bos else []
+        return list(tokenizer.encode(text, bos=in_vocab and prompt_bos(tokenizer)))
+    # the template's own BOS text, whatever the tokenizer adds to plain text (transformers renders it as text)
+    head = [tokenizer.bos_id] if in_vocab and chat.has_bos else []
     return head + [i for piece in (chat.head, text, chat.tail) for i in tokenizer.encode(piece, bos=False)]
 
 
@@ -256,9 +261,10 @@ class LM:
 
     def score(self, texts: str | Sequence[str], cache=None, *, prefix: int = 1) -> list[np.ndarray] | np.ndarray:
         """Log-probabilities (natural log) of each text's tokens under a cache policy: for the prompt ids ``x`` of a
-        text (``encode``: BOS first when the tokenizer has one, so the text's first token is scored too), a float32
-        array ``[len(x) - prefix]`` whose entry j is ``log p(x[prefix + j] | x[:prefix + j])``; a list, one array per
-        text (one string in: one array out). Sum it for the text's log-likelihood; ``exp(-mean)`` is perplexity.
+        text (``encode``: BOS first when the tokenizer adds one, so the text's first token is scored too; without
+        it the first token is prefilled, not scored), a float32 array ``[len(x) - prefix]`` whose entry j is
+        ``log p(x[prefix + j] | x[:prefix + j])``; a list, one array per text (one string in: one array out). Sum it
+        for the text's log-likelihood; ``exp(-mean)`` is perplexity.
 
         The first ``prefix`` tokens are prefilled, the rest teacher-forced through the cache (``Generator.score``: the
         eviction schedule of decoding, as ``lcx.eval`` measures perplexity). ``cache`` as in ``generate``; a policy

@@ -120,7 +120,11 @@ def test_chat_template_renders_as_transformers(tok):
 def test_prose_windows_any_tokenizer(tok):
     task = make_task("prose", {}).with_tokenizer(tok)
     windows = task.examples(0, 0, 3, 256, "validation")
-    assert all(len(w.ids) == 257 and w.ids[0] == tok.bos_id and w.loss_mask.all() for w in windows)
+    # BOS as the tokenizer adds it: this tokenizer.json's post-processor adds none
+    assert not tok.adds_bos and task.starts_with_bos is False
+    assert all(len(w.ids) == 257 and w.ids[0] != tok.bos_id and w.loss_mask.all() for w in windows)
+    forced = make_task("prose", {"bos": True}).with_tokenizer(tok).examples(0, 0, 3, 256, "validation")
+    assert all(w.ids[0] == tok.bos_id and list(w.ids[1:]) == list(v.ids[:-1]) for w, v in zip(forced, windows))
     assert len({tuple(w.ids) for w in windows}) == 3
     again = task.examples(0, 0, 3, 256, "validation")
     assert all(np.array_equal(a.ids, b.ids) for a, b in zip(windows, again))

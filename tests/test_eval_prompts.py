@@ -303,3 +303,57 @@ def test_a_stage_whose_prompts_the_fix_changed_reruns(ckpt, tok, tmp_path):
         cfg = load_experiment(path)
         assert ("prompt_fixes" in _settings(cfg, "eval", info, {}, tok)) == fixed
         assert "prompt_fixes" not in _settings(cfg, "eval", info, {}, TOKENIZER)  # byte-level runs: unchanged
+
+
+def test_bos_is_recorded_and_only_cells_whose_prompts_lost_it_rerun(ckpt, tok, tmp_path):
+    """Prompts begin with BOS as the tokenizer says (this tokenizer.json adds none): a cell whose prompts lost the
+    BOS they had before records ``bos: false`` in its inputs, so its old record is stale and it reruns - plain
+    prompts and prose windows; a chat prompt (its template's BOS text decides) and a byte-level run keep their
+    inputs and stay done. The stage's done.json says so where any cell changed; results carry a ``bos`` column, and
+    a results.csv from before the column reads back with it empty."""
+    from lcx.config import CacheConfig
+    from lcx.eval.config import AblateConfig, RopeVariant
+    from lcx.eval.report import FIELDS, read_csv, write_report
+    from lcx.experiment import _settings
+    from lcx.train.checkpoint import CheckpointInfo
+
+    model = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
+    inputs = {}
+    for chat in (False, True):
+        for name, tokenizer in (("bpe", tok), ("bytes", TOKENIZER)):
+            if chat and tokenizer is TOKENIZER:
+                continue
+            ev = EvalConfig.from_mapping({"task": "passkey", "lengths": [300], "samples": 1, "chat": chat,
+                                          "perplexity": {"task": "prose"}})
+            models = {"trained": (dataclasses.replace(model, vocab_size=tokenizer.vocab_size), None)}
+            cells = grid._plan(models, ev, [AblateConfig.of_cache(CacheConfig())], (RopeVariant("trained"),),
+                               tokenizer, {}).cells
+            inputs[name, chat] = {c.inputs["metric"]: c.inputs.get("bos") for c in cells}
+    assert not tok.adds_bos and TOKENIZER.adds_bos
+    assert inputs["bpe", False] == {"accuracy": False, "perplexity": False}
+    assert inputs["bpe", True] == {"accuracy": None, "perplexity": False}  # the template writes <|im_start|>
+    assert inputs["bytes", False] == {"accuracy": None, "perplexity": None}  # unchanged: old cells stay done
+    tasks, ppl_task = grid.grid_tasks(EvalConfig.from_mapping({"task": "passkey", "chat": True,
+                                                               "perplexity": {"task": "prose"}}), tok)
+    assert tasks["passkey"].starts_with_bos and not ppl_task.starts_with_bos  # chat: BOS text; prose: none
+    assert make_task("prose", {"bos": True}).with_tokenizer(tok).starts_with_bos  # explicit: as asked
+    assert not grid.dropped_bos(make_task("prose", {"bos": False}).with_tokenizer(tok))
+
+    info = CheckpointInfo(ckpt, 0, "sha256:0")
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump({"name": "x", "runs_dir": str(tmp_path), "checkpoint": str(ckpt),
+                                    "stages": ["eval"], "eval": {"task": "passkey"}}))
+    cfg = load_experiment(path)
+    assert _settings(cfg, "eval", info, {}, tok)["bos"] == "as the tokenizer adds it"
+    assert "bos" not in _settings(cfg, "eval", info, {}, TOKENIZER)  # a byte-level run's done.json: unchanged
+
+    assert FIELDS[-1] == "bos"  # appended: the columns before keep their order
+    row = {"setting": "full", "policy": "full", "budget": "", "rope": "trained", "length": 300, "depth": "",
+           "metric": "accuracy", "value": 1.0, "lo": 0.5, "hi": 1.0, "samples": 1, "seconds": 0.0, "task": "",
+           "compression": "", "protocol": "streaming"}
+    write_report([{**row, "bos": False}], tmp_path / "new", "eval")
+    assert read_csv(tmp_path / "new" / "results.csv")[0]["bos"] is False
+    assert "accuracy prompts without BOS first" in (tmp_path / "new" / "results.md").read_text()
+    old = tmp_path / "old.csv"  # written before the column
+    old.write_text(",".join(FIELDS[:-1]) + "\n" + ",".join(str(row.get(k, "")) for k in FIELDS[:-1]) + "\n")
+    assert read_csv(old)[0]["bos"] == "" and read_csv(old)[0]["value"] == 1.0

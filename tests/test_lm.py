@@ -31,9 +31,9 @@ NEW = 6
 _tokenizer = write_tokenizer  # the tiny chat model's BPE tokenizer and chat template
 
 
-def _write_gguf(path, hf_dir, tok):
+def _write_gguf(path, hf_dir, tok, add_bos: bool | None = None):
     """The HF directory's weights and tokenizer as llama.cpp's converter writes a llama GGUF (F32 tensors; q/k rows
-    permuted to interleaved RoPE pairs)."""
+    permuted to interleaved RoPE pairs); ``add_bos``: the file's ``tokenizer.ggml.add_bos_token`` (None: absent)."""
     gguf = pytest.importorskip("gguf")
     from safetensors.numpy import load_file
 
@@ -55,6 +55,8 @@ def _write_gguf(path, hf_dir, tok):
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_pad_token_id(0)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     w.add_chat_template(CHAT)
     parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -105,8 +107,8 @@ def _decoded(lm, result):
 @pytest.mark.slow
 def test_generate_equals_lcx_generate_on_the_encoded_prompts(lm):
     assert isinstance(lm, LM) and lm.source.startswith("hf ") and lm.eos_id == 2
-    ids = [lm.tokenizer.encode(t) for t in TEXTS]
-    assert [x[0] for x in ids] == [1, 1] and ids == [lm.encode(t) for t in TEXTS]  # BOS first
+    ids = [lm.encode(t) for t in TEXTS]
+    assert ids == [lm.tokenizer._tok.encode(t).ids for t in TEXTS]  # no BOS: its tokenizer.json adds none
     expected = _decoded(lm, lcx.generate(lm.config, lm.params, ids, max_new_tokens=NEW, eos_id=2))
     assert lm.generate(TEXTS, max_new_tokens=NEW) == expected
     sampled = lcx.generate(lm.config, lm.params, ids, max_new_tokens=NEW, eos_id=2, temperature=0.9, top_p=0.95,
@@ -199,6 +201,46 @@ def test_a_compression_ratio_sizes_the_cache_for_the_prompts(lm):
             lm.generate(LONG, max_new_tokens=NEW, cache=bad)
 
 
+def test_bos_as_the_tokenizer_says(lm, files, tmp_path):
+    """A plain prompt begins with BOS only when the tokenizer adds one - a tokenizer.json's post-processor, a GGUF's
+    tokenizer.ggml.add_bos_token - so lcx's ids are the tokenizers library's (transformers', llama.cpp's); the
+    eval frame, KVzip's repeat prompt and ``lcx generate`` follow; a chat prompt keeps its template's BOS text."""
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    from lcx.cli.generate import _tokenizer
+
+    text = TEXTS[0]
+    own = Tokenizer.from_file(str(files[0] / "tokenizer.json"))
+    plain = own.encode(text, add_special_tokens=False).ids
+    # no post-processor (SmolLM2's tokenizer.json adds no BOS either): the library's own encode, no BOS
+    assert not lm.tokenizer.adds_bos and lm.encode(text) == own.encode(text).ids == plain
+    assert _tokenizer(str(files[0]), lm.config)[0](text) == plain  # lcx generate --prompt
+    assert lm.encode(text, chat=True)[0] == 1  # the chat template writes <|im_start|>, the BOS token
+    assert Frame(lm.tokenizer).wrap(["ctx"], "q", "a")[0] == "ctx" and Frame(lm.tokenizer).reconstruction().skip == 0
+    # a post-processor that adds BOS (TemplateProcessing): BOS first, as the library's encode
+    own.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", pair="<|im_start|> $A $B:1",
+                                                       special_tokens=[("<|im_start|>", 1)])
+    folder = tmp_path / "with_bos"
+    folder.mkdir()
+    own.save(str(folder / "tokenizer.json"))
+    shutil.copy(files[0] / "tokenizer_config.json", folder)
+    with_bos = lcx.load(files[0], tokenizer=str(folder))
+    assert with_bos.tokenizer.adds_bos and with_bos.encode(text) == own.encode(text).ids == [1, *plain]
+    frame = Frame(with_bos.tokenizer)
+    assert frame.context_pieces(["ctx"]) == 2 and frame.reconstruction().skip == 1  # KVzip skips the BOS
+    assert list(frame.wrap(["ctx"], "q", "a")[0]) == [1]
+    # a GGUF: tokenizer.ggml.add_bos_token false / true (absent in a BPE file: llama.cpp's default, false)
+    for flag in (False, True, None):
+        path = tmp_path / f"bos_{flag}.gguf"
+        _write_gguf(path, files[0], own, add_bos=flag)
+        g = lcx.load(path)
+        assert g.tokenizer.adds_bos is bool(flag) and g.encode(text) == [1] * bool(flag) + plain, flag
+    # explicit callers keep encode(text, bos=...) as they ask
+    assert lm.tokenizer.encode(text, bos=True) == [1, *plain] and with_bos.tokenizer.encode(text, bos=False) == plain
+
+
 def test_bad_inputs_are_refused_naming_the_argument(lm, files, tmp_path):
     with pytest.raises(ConfigError, match="path='.*nowhere' does not exist"):
         lcx.load(tmp_path / "nowhere")
@@ -225,8 +267,8 @@ def test_bad_inputs_are_refused_naming_the_argument(lm, files, tmp_path):
             lm.generate(**{"texts": "ok", **kwargs})
     with pytest.raises(ConfigError, match="prefix=0 is invalid: must be a positive integer"):
         lm.score("ok", prefix=0)
-    with pytest.raises(ConfigError, match="texts\\[1\\]='' has 1 tokens: score needs more than prefix=1"):
-        lm.score(["ok", ""])
+    with pytest.raises(ConfigError, match="texts\\[1\\]='o' has 1 tokens: score needs more than prefix=1"):
+        lm.score(["ok", "o"])  # one character, one token: no BOS before it (the tokenizer adds none)
     with pytest.raises(ConfigError, match="texts\\[0\\]='' encodes to no tokens"):
         LM(lm.config, lm.params, ByteTokenizer(bos_id=None)).generate("")
 

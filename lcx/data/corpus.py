@@ -56,6 +56,10 @@ class Corpus(Task):
             raise ConfigError(f"{self.key('val_fraction')}={self.val_fraction!r} is invalid: must be in [0, 1)")
 
     @property
+    def starts_with_bos(self) -> bool | None:
+        return True if self.bos else None  # without it a window starts wherever the stream is cut
+
+    @property
     def root(self) -> Path:
         return Path(self.path).expanduser() if self.path is not None else Path(stdlib_path())
 

@@ -54,6 +54,10 @@ class Documents(Task):
     text_field: str = "text"
     val_fraction: float = 0.05
 
+    @property
+    def starts_with_bos(self) -> None:
+        return None  # every document starts with BOS, a window wherever the packed stream is cut
+
     def __post_init__(self):
         if not isinstance(self.path, str) or not self.path:
             raise ConfigError(f"{self.key('path')}={self.path!r} is invalid: the documents task needs a file or "

@@ -30,6 +30,7 @@ import numpy as np
 from lcx.cache.reconstruct import Reconstruction
 from lcx.config_base import ConfigError
 from lcx.data.example import Example
+from lcx.data.tokenizer import prompt_bos
 
 # The "noise" haystack of landmark attention and RULER: repetitive, so it carries no information to retrieve.
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -219,21 +220,26 @@ class Frame:
     tokenizer: object
     chat: ChatTemplate | None = None
 
+    @property
+    def bos(self) -> bool:
+        """Whether the prompt begins with the BOS id: plain, when the tokenizer adds one to a text (``adds_bos``);
+        in a chat template, when the template writes the BOS token's text (whatever the tokenizer adds)."""
+        if self.tokenizer.bos_id is None:
+            return False
+        return self.chat.has_bos if self.chat is not None else prompt_bos(self.tokenizer)
+
     def wrap(self, context: Sequence[Piece], question: str, prefix: str) -> list[Piece]:
-        """The prompt's pieces, BOS first (unless the chat template writes it); the first ``context_pieces`` of
-        them are the context, the rest the question."""
-        bos = self.tokenizer.bos_id
+        """The prompt's pieces, BOS first where ``bos`` says; the first ``context_pieces`` of them are the context,
+        the rest the question."""
+        head = [np.asarray([self.tokenizer.bos_id], np.int32)] if self.bos else []
         if self.chat is None:
-            head = [np.asarray([bos], np.int32)] if bos is not None else []
             ask = question + (" " + prefix if question and prefix else prefix)
             return [*head, *context, ask]
-        head = [np.asarray([bos], np.int32)] if bos is not None and self.chat.has_bos else []
         return [*head, self.chat.head, *context, question, self.chat.tail, prefix]
 
     def context_pieces(self, context: Sequence[Piece]) -> int:
         """How many leading pieces of ``wrap(context, ...)`` are the context (BOS and chat header included)."""
-        bos = self.tokenizer.bos_id is not None and (self.chat is None or self.chat.has_bos)
-        return int(bos) + (self.chat is not None) + len(context)
+        return int(self.bos) + (self.chat is not None) + len(context)
 
     def reconstruction(self) -> Reconstruction:
         """The repeat prompt of reconstruction scoring (KVzip; kvpress's wording) in this frame's tokens: the
@@ -241,8 +247,7 @@ class Frame:
         and ``skip`` - the tokens of the frame before the context (BOS, the chat header), not repeated."""
         tok = self.tokenizer
         ids = lambda text: tuple(piece_ids(tok, text).tolist())  # noqa: E731
-        bos = tok.bos_id is not None and (self.chat is None or self.chat.has_bos)
-        skip = int(bos) + (len(ids(self.chat.head)) if self.chat is not None else 0)
+        skip = int(self.bos) + (len(ids(self.chat.head)) if self.chat is not None else 0)
         return Reconstruction(first=ids("\n\nRepeat the previous context exactly."),
                               later=ids("\n\nRepeat the part of the previous context exactly, starting with"),
                               suffix=ids(self.chat.tail if self.chat is not None else "\n"), skip=skip)

@@ -5,7 +5,7 @@ Default text: the Python reference manual that the standard library ships as ``p
 ``path``. Documents are ranked by a CRC32 of their name and the first ``round(val_fraction * n)`` are the
 validation split. Each split is one token stream - the documents in name order, each ``text`` followed by a blank
 line, tokenized once with the run's tokenizer - cut into windows of ``seq_len + 1`` tokens at stride ``seq_len``
-(with ``bos``: BOS and ``seq_len`` tokens of text, as a pretrained model reads a document). Batch ``index`` takes the
+(with BOS: BOS and ``seq_len`` tokens of text, as a pretrained model reads a document). Batch ``index`` takes the
 next ``count`` windows of a shuffled order (``default_rng([seed, split_id, epoch])``); every token is a target.
 """
 
@@ -20,6 +20,7 @@ import numpy as np
 
 from lcx.config_base import ConfigError
 from lcx.data.task import Example, Task, register, split_id
+from lcx.data.tokenizer import prompt_bos
 
 _STREAMS: dict[tuple, np.ndarray] = {}
 
@@ -28,14 +29,15 @@ _STREAMS: dict[tuple, np.ndarray] = {}
 @dataclasses.dataclass(frozen=True)
 class Prose(Task):
     """``path``: a text file or folder of them (``glob``; null: ``pydoc_data.topics``); ``val_fraction``: documents
-    held out as the validation split; ``bos``: each window starts with the tokenizer's BOS."""
+    held out as the validation split; ``bos``: each window starts with the tokenizer's BOS - null (the default):
+    when the tokenizer adds one to a text (``adds_bos``, as llama.cpp's perplexity starts its windows)."""
 
     name: ClassVar[str] = "prose"
     metric: ClassVar[str] = "perplexity"
     path: str | None = None
     glob: str = "**/*.txt"
     val_fraction: float = 0.25
-    bos: bool = True
+    bos: bool | None = None
 
     def __post_init__(self):
         if not 0.0 < self.val_fraction < 1.0:
@@ -90,10 +92,15 @@ class Prose(Task):
         return self._window(self.stream("train"), int(rng.integers(self.num_windows(seq_len, "train"))) * seq_len,
                             seq_len)
 
+    @property
+    def starts_with_bos(self) -> bool:
+        if self.tokenizer.bos_id is None:
+            return False
+        return prompt_bos(self.tokenizer) if self.bos is None else self.bos
+
     def _window(self, stream: np.ndarray, start: int, seq_len: int) -> Example:
-        bos = self.tokenizer.bos_id
-        if self.bos and bos is not None:
-            ids = np.concatenate([[bos], stream[start:start + seq_len]]).astype(np.int32)
+        if self.starts_with_bos:
+            ids = np.concatenate([[self.tokenizer.bos_id], stream[start:start + seq_len]]).astype(np.int32)
         else:
             ids = stream[start:start + seq_len + 1].astype(np.int32)
         return Example(ids, np.ones(len(ids), bool), "", (), "")

@@ -103,6 +103,13 @@ class Task(abc.ABC):
 
         return Frame(self.tokenizer, self.chat)
 
+    @property
+    def starts_with_bos(self) -> bool | None:
+        """Whether this task's prompts begin with the BOS id (results record it, the ``bos`` column): the frame's
+        rule - plain prompts when the tokenizer adds BOS, chat prompts when the template writes it; None where
+        it varies (windows cut from a stream of documents)."""
+        return self.frame.bos
+
     def with_tokenizer(self, tokenizer, *, chat: bool = False) -> "Task":
         """This task producing ids with ``tokenizer`` (``ConfigError`` for a byte-level task and another one);
         ``chat``: prompts framed as a user message of the tokenizer's chat template, the answer prefix opening

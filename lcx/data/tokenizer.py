@@ -1,8 +1,8 @@
 """Tokenizers: lcx's byte-level one, and a Hugging Face ``tokenizer.json`` read with the ``tokenizers`` package.
 
 Both offer the same small surface - ``encode(text, bos=, eos=)``, ``decode(ids)``, ``bos_id``, ``eos_id``, ``pad_id``,
-``vocab_size`` and ``spec`` (what a run records to find the tokenizer again). ``resolve_tokenizer`` turns the
-``data.tokenizer`` setting into one:
+``adds_bos``, ``vocab_size`` and ``spec`` (what a run records to find the tokenizer again). ``resolve_tokenizer`` turns
+the ``data.tokenizer`` setting into one:
 
 - ``bytes``: UTF-8 bytes plus PAD, BOS, EOS, SEP (260 ids);
 - a path: a ``tokenizer.json`` file, a directory holding one (a Hugging Face checkpoint), or a GGUF model file
@@ -11,6 +11,11 @@ Both offer the same small surface - ``encode(text, bos=, eos=)``, ``decode(ids)`
   ``tokenizer.json``, a GGUF file's own, or the tokenizer an lcx run recorded - else ``bytes``.
 
 The tokenizer must fit the model: more ids than ``model.vocab_size`` is an error, never a silent fallback to bytes.
+
+``adds_bos``: whether a text prompt begins with BOS - what the tokenizer itself does (a GGUF's
+``tokenizer.ggml.add_bos_token``, a tokenizer.json's post-processor; lcx's byte tokenizer: yes, its models were
+trained so), so that lcx's prompt ids are the ones transformers, vLLM and llama.cpp feed the same model.
+``encode(text, bos=...)`` still does what its caller asks; ``prompt_bos`` is the rule prompts follow.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from lcx.config_base import ConfigError
 
 BYTES = "bytes"
 AUTO = "auto"
+LONG_TEXT = 1 << 16  # characters past which encoding runs without the GIL (encode_batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +50,11 @@ class ByteTokenizer:
     def spec(self) -> str:
         return BYTES
 
+    @property
+    def adds_bos(self) -> bool:
+        """lcx's byte-level models were trained with BOS first: their prompts keep it."""
+        return self.bos_id is not None
+
     def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
         ids = list(text.encode("utf-8"))
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
@@ -57,11 +68,14 @@ class HFTokenizer:
     """A ``tokenizer.json`` (``tokenizers`` package). BOS/EOS/PAD ids come from the files beside it
     (``tokenizer_config.json``, then ``config.json``), else from the usual token names (``<s>``, ``</s>``,
     ``<|endoftext|>``, ...); ``encode`` adds BOS/EOS explicitly instead of running the file's post-processor, so that
-    ``bos=False`` means no BOS whatever the file says.
+    ``bos=False`` means no BOS whatever the file says. ``adds_bos``: whether the file's post-processor puts BOS
+    before a single text (``tokenizers`` encodes a probe with and without special tokens) - what prompts follow.
 
     A ``.gguf`` path: the tokenizer built from the GGUF metadata, with its BOS/EOS/PAD ids. ``chat_template``: the
     chat template (``chat_template.jinja`` or ``tokenizer_config.json`` beside the tokenizer.json, or the GGUF's
-    ``tokenizer.chat_template``), None when there is none."""
+    ``tokenizer.chat_template``), None when there is none. For a ``.gguf`` ``adds_bos`` is the file's
+    ``tokenizer.ggml.add_bos_token`` (absent: llama.cpp's default - SentencePiece vocabularies add BOS, BPE ones
+    do not)."""
 
     def __init__(self, path: str | Path):
         path = Path(path)
@@ -84,6 +98,7 @@ class HFTokenizer:
         self.file = file.resolve()
         ids = _special_ids(file.parent, self._tok)
         self._set_ids(ids["bos"], ids["eos"], ids["pad"])
+        self.adds_bos: bool = _post_processor_adds(self._tok, self.bos_id)
         self.chat_template: str | None = _chat_template(file.parent)
 
     def _from_gguf(self, path: Path) -> None:
@@ -93,6 +108,8 @@ class HFTokenizer:
         self._tok = info.tokenizer
         self.file = path.resolve()
         self._set_ids(info.bos_id, info.eos_id, info.pad_id)
+        # the file's flag itself (its post-processor, built from the same flag, would say the same)
+        self.adds_bos = bool(info.add_bos_token) and self.bos_id is not None
         self.chat_template = info.chat_template
 
     def _set_ids(self, bos: int | None, eos: int | None, pad: int | None) -> None:
@@ -109,7 +126,7 @@ class HFTokenizer:
 
     @property
     def _identity(self) -> tuple:
-        return (self.spec, self.bos_id, self.eos_id, self.pad_id)
+        return (self.spec, self.bos_id, self.eos_id, self.pad_id, self.adds_bos)
 
     @property
     def vocab_size(self) -> int:
@@ -120,7 +137,10 @@ class HFTokenizer:
         return str(self.file)
 
     def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # tokenizers' encode_batch releases the GIL (encode does not): a long text encoded on a worker thread (the
+        # server's) must not stall the other threads for seconds
+        ids = (self._tok.encode_batch([text], add_special_tokens=False)[0] if len(text) > LONG_TEXT else
+               self._tok.encode(text, add_special_tokens=False)).ids
         head = [self.bos_id] if bos and self.bos_id is not None else []
         tail = [self.eos_id] if eos and self.eos_id is not None else []
         return head + ids + tail
@@ -128,6 +148,19 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         special = {self.bos_id, self.eos_id, self.pad_id}
         return self._tok.decode([int(i) for i in ids if int(i) not in special], skip_special_tokens=True)
+
+
+def _post_processor_adds(tok, bos_id: int | None) -> bool:
+    """Whether ``tok``'s post-processor puts ``bos_id`` before a single sequence (TemplateProcessing,
+    RobertaProcessing, BertProcessing, a Sequence holding one, ...): asked of the library rather than read from the
+    JSON, so every processor type answers the same way. The probe text's own first id is compared too, so a text
+    that begins with the BOS token's text is not mistaken for an added one."""
+    if bos_id is None:
+        return False
+    probe = "a"
+    plain = tok.encode(probe, add_special_tokens=False).ids
+    framed = tok.encode(probe, add_special_tokens=True).ids
+    return len(framed) > len(plain) and framed[0] == bos_id and plain[:1] != [bos_id]
 
 
 _NAMES = {"bos": ("<s>", "<|begin_of_text|>", "<bos>", "<|endoftext|>"),
@@ -197,6 +230,14 @@ def resolve_tokenizer(setting: str, *, init_from: str | Path | None = None, voca
     return tok
 
 
+def prompt_bos(tokenizer) -> bool:
+    """Whether a text prompt in ``tokenizer``'s ids begins with its BOS: the tokenizer's ``adds_bos`` (an object
+    without it - a tokenizer written for lcx before it existed - keeps the old rule: BOS whenever there is an id)."""
+    if tokenizer.bos_id is None:
+        return False
+    return bool(getattr(tokenizer, "adds_bos", True))
+
+
 def describe(tokenizer) -> str:
     """A tokenizer as messages name it: lcx's byte tokenizer, or its file."""
     return "lcx's byte tokenizer" if tokenizer.spec == BYTES else str(tokenizer.spec)
@@ -259,4 +300,4 @@ def run_tokenizer(path: str | Path) -> str | None:
 
 
 __all__ = ["AUTO", "BYTES", "ByteTokenizer", "HFTokenizer", "Tokenizer", "check_model_tokens", "describe",
-           "resolve_tokenizer", "run_tokenizer"]
+           "prompt_bos", "resolve_tokenizer", "run_tokenizer"]

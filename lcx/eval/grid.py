@@ -273,11 +273,12 @@ def _plan(models, ev: EvalConfig, settings: list[Setting], ropes: tuple[RopeVari
                   for s in settings for v in ropes for n in ev.lengths if s.runs(v.name, n)}
     specs = list(_cells(settings, ropes, tasks, ev))
     tok = TOKENIZER if tokenizer is None else tokenizer
-    cells = [_cell(spec, caches, models, ev, per_task, ppl_task, tok, inputs) for spec in specs]
+    cells = [_cell(spec, caches, models, ev, tasks, per_task, ppl_task, tok, inputs) for spec in specs]
     return _Grid(tasks, ppl_task, per_task, max_new, caches, capacities, specs, cells)
 
 
-def _cell(spec, caches, models, ev: EvalConfig, per_task: dict, ppl_task: Task, tokenizer, inputs) -> Cell:
+def _cell(spec, caches, models, ev: EvalConfig, tasks: dict, per_task: dict, ppl_task: Task, tokenizer,
+          inputs) -> Cell:
     """The persisted identity of one cell: a readable name and everything its rows depend on - not the grid's
     other axes, so adding a length, task or policy leaves the other cells' inputs as they were."""
     setting, variant, name, length, depth, metric = spec
@@ -299,6 +300,8 @@ def _cell(spec, caches, models, ev: EvalConfig, per_task: dict, ppl_task: Task, 
                       {"task": ev.task, "params": dict(ev.params)}, ppl=args,
                       longest=max(ev.lengths) if args["tail"] else None)
         prompts_, scale = args["samples"], 1.0  # a window costs about a prompt (scored in chunks)
+    if dropped_bos(ppl_task if metric == "perplexity" else tasks[name]):
+        record["bos"] = False  # only here: a record from before, with BOS first, is stale; the others stay done
     full = not cache.make_policy().evicts
     cost = prompts_ * length * scale * (1.0 + length / 4096 if full else 1.0)
     return Cell(cell_name(label, name, length, "" if depth is None else f"d{depth:g}", metric), record, cost)
@@ -316,6 +319,8 @@ def _compute(grid: _Grid, spec, models, ev: EvalConfig) -> tuple[list[dict], lis
              if not cache.make_policy().evicts or setting.protocol == "one_shot" else None)
     t0 = time.perf_counter()
     counts = {}  # retrieval: the prompt tokens asked for and prefilled (shared contexts once); device KV bytes
+    # whether the prompts (windows) began with BOS - the tokenizer's rule; every prompt did before (CHANGELOG)
+    bos = {"bos": _bos_column((grid.ppl_task if metric == "perplexity" else tasks[name]).starts_with_bos)}
     rows, generations = [], []
     if metric == "perplexity":
         args = _ppl_args(ev)
@@ -332,7 +337,7 @@ def _compute(grid: _Grid, spec, models, ev: EvalConfig) -> tuple[list[dict], lis
                 rows.append({**_row(cache, variant, hi_edge, None, metric, math.exp(float(np.mean(part))),
                                     perplexity_interval(part), label, samples,
                                     time.perf_counter() - t0 if hi_edge == edges[-1] else 0.0, name, setting,
-                                    len(tasks)), **counts})
+                                    len(tasks)), **counts, **bos})
             return rows, generations
         value, (lo, hi) = math.exp(float(np.mean(nll))), perplexity_interval(nll)
     else:
@@ -348,7 +353,7 @@ def _compute(grid: _Grid, spec, models, ev: EvalConfig) -> tuple[list[dict], lis
                         for i, (ex, out, g) in enumerate(zip(examples, outputs, scores))]
         value, (lo, hi) = float(np.mean(scores)), wilson_interval(float(np.sum(scores)), len(scores))
     rows.append({**_row(cache, variant, length, depth, metric, value, (lo, hi), label, samples,
-                        time.perf_counter() - t0, name, setting, len(tasks)), **counts})
+                        time.perf_counter() - t0, name, setting, len(tasks)), **counts, **bos})
     return rows, generations
 
 
@@ -377,6 +382,20 @@ def _merge(store: CellStore, cells: list[Cell], out_dir: Path, title: str, foote
         if not missing:
             store.drop_locks()  # every cell done: no worker needs them (a late one re-creates, locks, finds it done)
     return None if missing else rows
+
+
+def dropped_bos(task: Task) -> bool:
+    """Whether ``task``'s prompts lost the BOS they began with before lcx followed the tokenizer (CHANGELOG): the
+    tokenizer has a BOS id but adds none to a text, and the prompts are plain (a chat template's own BOS text
+    still decides in a chat frame) and take no explicit ``bos`` parameter (``prose``'s; unchanged when given)."""
+    if task.tokenizer.bos_id is None or task.starts_with_bos is not False:
+        return False
+    return task.chat is None and getattr(task, "bos", None) is None
+
+
+def _bos_column(value: bool | None):
+    """A task's ``starts_with_bos`` as the ``bos`` column holds it: true / false, empty where it varies."""
+    return "" if value is None else bool(value)
 
 
 def _row(cache: CacheConfig, variant: RopeVariant, length: int, depth, metric: str, value: float, interval,

@@ -16,7 +16,7 @@ from lcx.eval.stats import wilson_interval
 
 FIELDS = ("setting", "policy", "budget", "rope", "length", "depth", "metric", "value", "lo", "hi", "samples",
           "seconds", "task", "compression", "protocol", "prompt_tokens", "prefilled_tokens",
-          "kv_bytes", "held_kv_bytes")
+          "kv_bytes", "held_kv_bytes", "bos")  # new columns go last: older files keep their order
 MACRO = "macro average"
 
 
@@ -47,6 +47,8 @@ def read_csv(path: Path) -> list[dict]:
         row["depth"] = "" if row["depth"] == "" else float(row["depth"])
         for key in ("task", "protocol"):
             row.setdefault(key, "")
+        # whether the prompts began with BOS; empty in files (and cells) from before the column: every prompt did
+        row["bos"] = {"True": True, "False": False}.get(row.get("bos") or "", "")
         row["compression"] = "" if row.get("compression") in (None, "") else float(row["compression"])
     return rows
 
@@ -276,9 +278,21 @@ def prefill_note(rows: list[dict]) -> str:
             f"{asked - run:,} ({(asked - run) / asked:.0%}).\n")
 
 
+def bos_note(rows: list[dict]) -> str:
+    """A line saying whether the prompts began with the BOS token (the ``bos`` column: the tokenizer's rule, or a
+    chat template's BOS text); empty when no row records it."""
+    words = {frozenset({True}): "with", frozenset({False}): "without", frozenset({True, False}): "with and without"}
+    parts = []
+    for metric in dict.fromkeys(r["metric"] for r in rows):
+        seen = frozenset(r.get("bos") for r in rows if r["metric"] == metric) - {"", None}
+        if seen:
+            parts.append(f"{metric} prompts {words[seen]} BOS first")
+    return f"\nBOS: {', '.join(parts)} (as the tokenizer adds it, or the chat template writes it).\n" if parts else ""
+
+
 def write_report(rows: list[dict], out_dir: Path, title: str) -> list[Path]:
     """results.csv, results.md and the plots in ``out_dir``; returns the written paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out_dir / "results.csv")
-    (out_dir / "results.md").write_text(markdown_table(rows, title) + prefill_note(rows))
+    (out_dir / "results.md").write_text(markdown_table(rows, title) + prefill_note(rows) + bos_note(rows))
     return [out_dir / "results.csv", out_dir / "results.md", *plot(rows, out_dir, title)]
