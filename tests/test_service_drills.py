@@ -32,7 +32,7 @@ openai = pytest.importorskip("openai")
 import httpx  # noqa: E402  (openai's own dependency)
 
 from lcx.data.haystack import NOISE  # noqa: E402
-from lcx.engine.kv_store import MAGIC, SUFFIX, chain  # noqa: E402
+from lcx.engine.kv_store import DIGEST, MAGIC, SUFFIX, chain  # noqa: E402
 
 PAGE = 8
 MAX_MODEL_LEN = 512
@@ -203,18 +203,20 @@ def whole_pages(n_prompt: int) -> int:
 
 
 def kvp_valid(path: Path) -> bool:
-    """``path`` is a whole page file: magic, header, payload of the recorded size and checksum."""
+    """``path`` is a whole page file of its own key (its name): magic, header, payload of the recorded size, and
+    the digest of all of it keyed by the key."""
     data = path.read_bytes()
-    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 8:
+    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 8 + DIGEST:
         return False
-    (size,) = struct.unpack_from("<Q", data, len(MAGIC))
+    body = data[:-DIGEST]
+    if hashlib.blake2b(body, digest_size=DIGEST, key=bytes.fromhex(path.stem)).digest() != data[-DIGEST:]:
+        return False
+    (size,) = struct.unpack_from("<Q", body, len(MAGIC))
     try:
-        header = json.loads(data[len(MAGIC) + 8:len(MAGIC) + 8 + size])
+        header = json.loads(body[len(MAGIC) + 8:len(MAGIC) + 8 + size])
     except ValueError:
         return False
-    payload = data[len(MAGIC) + 8 + size:]
-    return (len(payload) == header["nbytes"]
-            and hashlib.blake2b(payload, digest_size=16).hexdigest() == header["digest"])
+    return len(body) - len(MAGIC) - 8 - size == header["nbytes"]
 
 
 def page_files(store: Path) -> list[Path]:
@@ -344,7 +346,7 @@ def test_corrupt_store_files_are_recomputed_never_served(kill_drill, spawn, mode
     sizes = {x_file: x_file.stat().st_size, y_file: y_file.stat().st_size}
     x_file.write_bytes(x_file.read_bytes()[:sizes[x_file] // 2])
     data = bytearray(y_file.read_bytes())
-    data[-8:] = bytes(v ^ 0xFF for v in data[-8:])  # the payload: only the checksum tells
+    data[-DIGEST - 8:-DIGEST] = bytes(v ^ 0xFF for v in data[-DIGEST - 8:-DIGEST])  # the payload: only the digest tells
     y_file.write_bytes(bytes(data))
     assert not kvp_valid(x_file) and not kvp_valid(y_file)
 

@@ -3,7 +3,7 @@ history from them instead of prefilling it again.
 
     store = PageStore(namespace, page=16, host_bytes=1 << 30, directory="runs/kv", disk_bytes=8 << 30)
     n = store.match(tokens)                 # leading whole pages of ``tokens`` the store holds
-    loaded, arrays = store.get(tokens[:n * 16])   # {"k": [L, loaded, k, g, d], "v": ...}
+    loaded, arrays = store.get(tokens[:n * 16], layout)   # {"k": [L, loaded, k, g, d], "v": ...}
     store.put(tokens, missing_pages, arrays)
 
 Keys are deterministic: page ``i`` of a token sequence is keyed by a chain hash over the ``namespace`` (the model's
@@ -12,10 +12,26 @@ the tokens of pages ``0 .. i`` - the same key in every process, unlike a hash se
 every token before it (attention), which the chain captures; two prompts with the same first pages share them.
 
 Tiers: host memory (least recently used dropped first past ``host_bytes``) and, with a ``directory``, one file per
-page (written atomically: a temporary file renamed into place, so a killed process leaves whole files or none;
-each file carries a checksum of its contents; least recently used files deleted past ``disk_bytes``). A file that
-is truncated, corrupt or of another layout is detected on reading, deleted and reported as missing - the page is
-prefilled again, never served.
+page, ``<key>.kvp``: ``MAGIC``, the header's size, a JSON header (each array's name, dtype and shape; the payload's
+size), the payload, and a 16-byte BLAKE2b digest of everything before it keyed by the page's key. The digest binds
+the content to its name: a file copied under another page's name, or with its header edited, is as bad as a flipped
+bit (a plain checksum of the payload served both). It is no defence against someone who can write the directory:
+the key follows from the tokens. Files are written atomically (a temporary file renamed into place, so a killed
+process leaves whole files or none). A file that is truncated, corrupt, under another page's name, or of another
+layout than the caller expects (``get``'s ``layout``: each array's dtype and shape) is detected on reading, deleted,
+counted in ``corrupt`` and reported as missing - the page is prefilled again, never served. Files of an earlier
+format (another ``MAGIC``) are deleted when a store opens the directory: they are missing, not corrupt.
+
+The directory is bounded by ``disk_bytes``: least recently used files are deleted first, and a chain is used as a
+whole - every ``get`` and ``put`` stamps the pages of its tokens with one time, page ``i`` ``i`` microseconds older
+than page 0 - so the bound cuts a chain from its end. What stays is a prefix a later prompt can match (deleting the
+oldest file first deleted a conversation's first pages, and its other pages could never be matched again). The
+stamps need a filesystem with sub-millisecond modification times (ext4, xfs, btrfs, tmpfs); on a coarser one the
+pages of a chain tie and are deleted in any order.
+
+A failing disk (an unwritable, deleted or full directory) degrades the store, never its caller: the write is skipped,
+the page stays in host memory (or is prefilled again later), and ``disk_errors`` counts the failures;
+``disk_error`` holds the last one's message until a later write succeeds (then None): what a health check reports.
 """
 
 from __future__ import annotations
@@ -26,14 +42,18 @@ import json
 import os
 import struct
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
 from lcx.config_base import ConfigError
 
-MAGIC = b"LCXKVP1\n"
+MAGIC = b"LCXKVP2\n"  # 2: the digest covers the key, the header and the payload (1: the payload only)
+FAMILY = b"LCXKVP"  # what every format's magic starts with: a file of another version of it is stale, not corrupt
 SUFFIX = ".kvp"
+DIGEST = 16  # bytes of the trailing digest
+STAMP_STEP_NS = 1_000  # how much older page i + 1 of a chain is stamped than page i
 
 
 def chain(namespace: str, tokens: np.ndarray, page: int) -> list[str]:
@@ -47,9 +67,64 @@ def chain(namespace: str, tokens: np.ndarray, page: int) -> list[str]:
     return keys
 
 
+def page_digest(key: str, body: bytes) -> bytes:
+    """The digest a page file under ``key`` ends with: of ``body`` (everything before it), keyed by the key."""
+    return hashlib.blake2b(body, digest_size=DIGEST, key=bytes.fromhex(key)).digest()
+
+
+def encode_page(key: str, arrays: dict[str, np.ndarray]) -> bytes:
+    """The file contents of page ``key`` holding ``arrays``."""
+    payload = b"".join(np.ascontiguousarray(x).tobytes() for x in arrays.values())
+    header = json.dumps({"arrays": [[n, str(x.dtype), list(x.shape)] for n, x in arrays.items()],
+                         "nbytes": len(payload)}).encode()
+    body = MAGIC + struct.pack("<Q", len(header)) + header + payload
+    return body + page_digest(key, body)
+
+
+def decode_page(key: str, data: bytes) -> dict[str, np.ndarray]:
+    """The arrays of a page file's contents ``data`` read under ``key``; ``ValueError`` naming what is wrong."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for dtype names read back)
+
+    if not data.startswith(MAGIC):
+        raise ValueError("bad magic")
+    if len(data) < len(MAGIC) + 8 + DIGEST:
+        raise ValueError("truncated")
+    body = data[:-DIGEST]
+    # checked before the header is parsed: nothing of a file that is not this page's is trusted
+    if page_digest(key, body) != data[-DIGEST:]:
+        raise ValueError("checksum (a corrupt file, or another page's)")
+    try:
+        (size,) = struct.unpack_from("<Q", body, len(MAGIC))
+        start = len(MAGIC) + 8
+        header = json.loads(body[start:start + size])
+        payload = body[start + size:]
+        if len(payload) != header["nbytes"]:
+            raise ValueError("truncated")
+        out, at = {}, 0
+        for name, dtype, shape in header["arrays"]:
+            dt = np.dtype(dtype)
+            if any(not isinstance(s, int) or s < 0 for s in shape):
+                raise ValueError(f"shape {shape}")
+            n = int(np.prod(shape)) * dt.itemsize
+            out[name] = np.frombuffer(payload[at:at + n], dt).reshape(shape)
+            at += n
+    except (KeyError, TypeError, struct.error, json.JSONDecodeError) as err:
+        raise ValueError(f"header: {err}") from err
+    if at != len(payload):
+        raise ValueError("layout")
+    return out
+
+
+def layout_of(arrays: dict[str, np.ndarray]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A page's layout: each array's name -> (dtype name, shape)."""
+    return {n: (str(x.dtype), tuple(int(s) for s in x.shape)) for n, x in arrays.items()}
+
+
 class PageStore:
     """Host (and disk) tiers of KV pages keyed by ``chain``; see the module docstring. ``page``: tokens per page.
-    Counters: ``hits`` / ``misses`` (pages), ``corrupt`` (files found bad and deleted)."""
+    Counters: ``hits`` / ``misses`` (pages), ``corrupt`` (files found bad and deleted), ``disk_errors`` (disk
+    operations that failed: writes skipped, files unreadable). ``disk_error``: the last failure's message, or None
+    when there was none or a write has succeeded since - the disk tier's health."""
 
     def __init__(self, namespace: str, *, page: int, host_bytes: int = 1 << 30, directory: str | Path | None = None,
                  disk_bytes: int = 16 << 30):
@@ -60,16 +135,33 @@ class PageStore:
         self.host_bytes, self.disk_bytes = host_bytes, disk_bytes
         self._host: collections.OrderedDict[str, dict[str, np.ndarray]] = collections.OrderedDict()
         self._host_used = 0
+        self.hits = self.misses = self.corrupt = self.disk_errors = 0
+        self.disk_error: str | None = None
         self.directory = None if directory is None else Path(directory)
         if self.directory is not None:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
+                self._sweep()
             except OSError as err:
-                raise ConfigError(f"kv store directory {str(directory)!r} cannot be created: {err}") from err
-            for stale in self.directory.glob(f".tmp-*{SUFFIX}"):  # a write a killed process left unfinished
-                stale.unlink(missing_ok=True)
-        self.hits = self.misses = self.corrupt = 0
+                raise ConfigError(f"kv store directory {str(directory)!r} cannot be created or read: {err}") from err
         self._disk_used = self.disk_used()
+
+    def _sweep(self) -> None:
+        """Delete what no reader can use: writes a killed process left unfinished, files of an earlier format."""
+        for stale in self.directory.glob(f".tmp-*{SUFFIX}"):
+            stale.unlink(missing_ok=True)
+        for path in self._files():
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(len(MAGIC))
+            except FileNotFoundError:
+                continue  # deleted meanwhile (another process bounding the same directory)
+            if head.startswith(FAMILY) and head != MAGIC:
+                path.unlink(missing_ok=True)
+
+    def _failed(self, what: str, err: OSError) -> None:
+        self.disk_errors += 1
+        self.disk_error = f"kv store {what} failed: {err}"
 
     # ------------------------------------------------------------------------------------------- lookups
     def keys(self, tokens: np.ndarray) -> list[str]:
@@ -79,7 +171,15 @@ class PageStore:
         return self.directory / f"{key}{SUFFIX}"
 
     def _has(self, key: str) -> bool:
-        return key in self._host or (self.directory is not None and self._path(key).is_file())
+        if key in self._host:
+            return True
+        if self.directory is None:
+            return False
+        try:
+            return self._path(key).is_file()
+        except OSError as err:  # is_file answers False for a missing one; this is a disk that cannot say
+            self._failed("lookup", err)
+            return False
 
     def match(self, tokens: np.ndarray) -> int:
         """How many leading whole pages of ``tokens`` the store holds (files are checked when read)."""
@@ -94,30 +194,37 @@ class PageStore:
         """The indices of the whole pages of ``tokens`` the store lacks."""
         return [i for i, key in enumerate(self.keys(tokens)) if not self._has(key)]
 
-    def get(self, tokens: np.ndarray) -> tuple[int, dict[str, np.ndarray] | None]:
+    def get(self, tokens: np.ndarray, layout: dict[str, tuple[str, tuple[int, ...]]] | None = None
+            ) -> tuple[int, dict[str, np.ndarray] | None]:
         """``(n, arrays)``: the leading pages of ``tokens`` the store can give (a bad file ends the run: it is
-        deleted and the rest is prefilled), each array ``[L, n, ...]``; ``(0, None)`` if none."""
-        pages = []
-        for key in self.keys(tokens):
+        deleted and the rest is prefilled), each array ``[L, n, ...]``; ``(0, None)`` if none. ``layout``: what
+        one page must be (``layout_of``: names, dtypes and shapes, exactly); a file of another is bad."""
+        keys, pages = self.keys(tokens), []
+        for key in keys:
             arrays = self._host.get(key)
+            if arrays is not None and layout is not None and layout_of(arrays) != layout:
+                self._drop_host(key)  # not what the caller reads: as if it had never been kept
+                arrays = None
             if arrays is not None:
                 self._host.move_to_end(key)
             elif self.directory is not None:
-                arrays = self._read(key)
+                arrays = self._read(key, layout)
                 if arrays is not None:
                     self._keep(key, arrays)
             if arrays is None:
                 break
             pages.append(arrays)
         self.hits += len(pages)
-        self.misses += len(self.keys(tokens)) - len(pages)
+        self.misses += len(keys) - len(pages)
         if not pages:
             return 0, None
+        self._stamp(keys[:len(pages)])
         return len(pages), {n: np.stack([p[n] for p in pages], axis=1) for n in pages[0]}
 
     # ------------------------------------------------------------------------------------------- writes
     def put(self, tokens: np.ndarray, indices: list[int], arrays: dict[str, np.ndarray]) -> None:
-        """Keep pages ``indices`` of ``tokens``; ``arrays[name] [L, len(indices), ...]`` holds their contents."""
+        """Keep pages ``indices`` of ``tokens``; ``arrays[name] [L, len(indices), ...]`` holds their contents. The
+        disk tier's failures are counted (``disk_errors`` / ``disk_error``), never raised."""
         keys = self.keys(tokens)
         for j, i in enumerate(indices):
             one = {n: np.ascontiguousarray(x[:, j]) for n, x in arrays.items()}
@@ -125,6 +232,7 @@ class PageStore:
             if self.directory is not None:
                 self._write(keys[i], one)
         if self.directory is not None:
+            self._stamp(keys)  # the whole chain used now, its first pages the last to go
             self._bound_disk()
 
     def _keep(self, key: str, arrays: dict[str, np.ndarray]) -> None:
@@ -134,78 +242,110 @@ class PageStore:
         self._host[key] = arrays
         self._host_used += sum(x.nbytes for x in arrays.values())
         while self._host_used > self.host_bytes and self._host:
-            _, old = self._host.popitem(last=False)
-            self._host_used -= sum(x.nbytes for x in old.values())
+            self._drop_host(next(iter(self._host)))
+
+    def _drop_host(self, key: str) -> None:
+        self._host_used -= sum(x.nbytes for x in self._host.pop(key).values())
 
     def _write(self, key: str, arrays: dict[str, np.ndarray]) -> None:
-        path = self._path(key)
-        if path.is_file():
-            return
-        payload = b"".join(x.tobytes() for x in arrays.values())
-        header = json.dumps({"arrays": [[n, str(x.dtype), list(x.shape)] for n, x in arrays.items()],
-                             "digest": hashlib.blake2b(payload, digest_size=16).hexdigest(),
-                             "nbytes": len(payload)}).encode()
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=SUFFIX)
+        path, tmp = self._path(key), None
         try:
+            if path.is_file():
+                return
+            data = encode_page(key, arrays)
+            try:
+                fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=SUFFIX)
+            except FileNotFoundError:  # the directory was deleted under the server: make it again, once
+                self.directory.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=SUFFIX)
             with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + struct.pack("<Q", len(header)) + header + payload)
+                f.write(data)
             os.replace(tmp, path)  # atomic: readers (and a restart after kill -9) see a whole file or none
-            self._disk_used += len(MAGIC) + 8 + len(header) + len(payload)
-        except OSError:
-            Path(tmp).unlink(missing_ok=True)  # a full disk: the page stays in host memory only
+            self._disk_used += len(data)
+            self.disk_error = None
+        except OSError as err:  # unwritable, deleted, full: the page stays in host memory only
+            self._failed(f"write to {self.directory}", err)
+            if tmp is not None:
+                try:
+                    Path(tmp).unlink(missing_ok=True)
+                except OSError:
+                    pass  # the same disk failing again: counted once above
 
-    def _read(self, key: str) -> dict[str, np.ndarray] | None:
+    def _read(self, key: str, layout) -> dict[str, np.ndarray] | None:
         """The page's arrays, or None (missing; or bad: deleted and counted in ``corrupt``)."""
-        import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for dtype names read back)
-
         path = self._path(key)
         try:
             data = path.read_bytes()
-        except OSError:
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            self._failed(f"read of {path}", err)
             return None
         try:
-            if not data.startswith(MAGIC):
-                raise ValueError("bad magic")
-            (size,) = struct.unpack_from("<Q", data, len(MAGIC))
-            start = len(MAGIC) + 8
-            header = json.loads(data[start:start + size])
-            payload = data[start + size:]
-            if len(payload) != header["nbytes"]:
-                raise ValueError("truncated")
-            if hashlib.blake2b(payload, digest_size=16).hexdigest() != header["digest"]:
-                raise ValueError("checksum")
-            out, at = {}, 0
-            for name, dtype, shape in header["arrays"]:
-                dt = np.dtype(dtype)
-                n = int(np.prod(shape)) * dt.itemsize
-                out[name] = np.frombuffer(payload[at:at + n], dt).reshape(shape)
-                at += n
-            if at != len(payload):
-                raise ValueError("layout")
-        except (ValueError, KeyError, TypeError, struct.error, json.JSONDecodeError):
+            arrays = decode_page(key, data)
+            if layout is not None and layout_of(arrays) != layout:
+                raise ValueError(f"layout {layout_of(arrays)}, expected {layout}")
+        except ValueError:
             self.corrupt += 1
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as err:
+                self._failed(f"delete of {path}", err)
             return None
-        os.utime(path)  # recently used: the last to go when the directory is over its bound
-        return out
+        return arrays
+
+    def _stamp(self, keys: list[str]) -> None:
+        """Mark the pages ``keys`` (a chain, in order) used now: page i ``i`` steps older than page 0, so that the
+        bound deletes a chain from its end."""
+        if self.directory is None:
+            return
+        now = time.time_ns()
+        for i, key in enumerate(keys):
+            t = now - i * STAMP_STEP_NS
+            try:
+                os.utime(self._path(key), ns=(t, t))
+            except (FileNotFoundError, NotADirectoryError):
+                pass  # in host memory only (or no directory at all: the write said so)
+            except OSError as err:
+                self._failed(f"stamp of {self._path(key)}", err)
+                return
+
+    def _files(self) -> list[Path]:
+        return [p for p in self.directory.glob(f"*{SUFFIX}") if not p.name.startswith(".tmp-")]
 
     def _bound_disk(self) -> None:
         if self._disk_used <= self.disk_bytes:
             return
-        files = [(p.stat().st_mtime, p.stat().st_size, p) for p in self.directory.glob(f"*{SUFFIX}")
-                 if not p.name.startswith(".tmp-")]
-        used = sum(size for _, size, _ in files)
-        for _, size, path in sorted(files):
-            if used <= self.disk_bytes:
-                break
-            path.unlink(missing_ok=True)
-            used -= size
+        files = []
+        try:
+            for path in self._files():
+                try:
+                    st = path.stat()
+                except FileNotFoundError:
+                    continue  # deleted meanwhile (another process on the same directory)
+                files.append((st.st_mtime_ns, st.st_size, path))
+            used = sum(size for _, size, _ in files)
+            for _, size, path in sorted(files):
+                if used <= self.disk_bytes:
+                    break
+                path.unlink(missing_ok=True)
+                used -= size
+        except OSError as err:
+            self._failed(f"bound of {self.directory}", err)
+            return
         self._disk_used = used
 
     def disk_used(self) -> int:
+        """Bytes of the page files in the directory (0 without one, or when it cannot be read)."""
         if self.directory is None:
             return 0
-        return sum(p.stat().st_size for p in self.directory.glob(f"*{SUFFIX}") if not p.name.startswith(".tmp-"))
+        used = 0
+        for path in self._files():
+            try:
+                used += path.stat().st_size
+            except OSError:
+                continue  # deleted meanwhile; or a disk failing, which the next write reports
+        return used
 
 
-__all__ = ["PageStore", "chain"]
+__all__ = ["DIGEST", "MAGIC", "SUFFIX", "PageStore", "chain", "decode_page", "encode_page", "layout_of", "page_digest"]

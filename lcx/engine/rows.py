@@ -35,6 +35,13 @@ def kv_names(state: PagedState) -> list[str]:
             and getattr(state, n, None) is not None]
 
 
+def page_layout(state: PagedState) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """What one page's contents are (``kv_store.layout_of``): each pool buffer's name -> (dtype name, shape without
+    the pages axis)."""
+    return {n: (str(x.dtype), (x.shape[0],) + tuple(x.shape[2:]))
+            for n in kv_names(state) for x in [getattr(state, n)]}
+
+
 def gather(state: PagedState, index) -> PagedState:
     """``state`` with the rows ``index [n]`` of every per-row buffer (an index past the last row: an empty row);
     the pool (its pages) is the same arrays."""
@@ -105,5 +112,5 @@ def write_pages(state: PagedState, row, n, arrays: dict) -> PagedState:
     return state.replace(lengths=state.lengths.at[row].set(n * state.kind.page))
 
 
-__all__ = ["assign", "gather", "hold", "kv_names", "release", "reset_row", "row_fields", "rows_of", "scatter",
-           "write_pages"]
+__all__ = ["assign", "gather", "hold", "kv_names", "page_layout", "release", "reset_row", "row_fields", "rows_of",
+           "scatter", "write_pages"]
