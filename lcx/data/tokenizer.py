@@ -52,7 +52,7 @@ class ByteTokenizer:
 
     @property
     def adds_bos(self) -> bool:
-        """lcx's byte-level models were trained with BOS first: their prompts keep it."""
+        """Whether a text prompt begins with BOS - yes (with a BOS id), as lcx's byte-level models were trained."""
         return self.bos_id is not None
 
     def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
