@@ -48,6 +48,9 @@ def test_server_tokens_equal_generating_each_request_alone(params):
     refs = np.asarray(server.state.refs)
     assert np.all(np.asarray(server.state.table) == -1)
     assert refs.sum() == sum(len(p.pages) for p in server._prefixes.values()) and server.committed == 0
+    # ignore_eos: request 1 again runs past the EOS it emits third, to its limit, as generating without an EOS id
+    again = server.submit(PROMPTS[1], max_new_tokens=NEW[1], ignore_eos=True)
+    assert server.run()[again] == plain.tokens[1, :NEW[1]].tolist()
 
 
 def test_server_refuses_what_it_cannot_hold(params):

@@ -37,10 +37,13 @@ def _free_port() -> int:
 class Running:
     """A service on a uvicorn thread; ``url`` is its ``/v1`` base."""
 
-    def __init__(self, config: ServeConfig, lm):
+    def __init__(self, config: ServeConfig, lm, guarded: bool = False):
+        from lcx.service.run import uvicorn_config
+
         self.service = build_service(config, lm)
-        self.uv = uvicorn.Server(uvicorn.Config(create_app(self.service), host="127.0.0.1", port=config.port,
-                                                log_level="warning"))
+        uv_config = uvicorn_config(self.service, "127.0.0.1", config.port, "warning") if guarded else \
+            uvicorn.Config(create_app(self.service), host="127.0.0.1", port=config.port, log_level="warning")
+        self.uv = uvicorn.Server(uv_config)
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         self.thread.start()
         self.base = f"http://127.0.0.1:{config.port}"
@@ -182,6 +185,108 @@ def test_a_seeded_request_gives_the_same_text_alone_and_in_a_crowd(server):
     assert other != alone  # the seed matters (12 sampled tokens of a 320-token vocabulary)
 
 
+# --------------------------------------------------------------------------------------------------- the harness
+def _lm_eval_loglikelihood(out: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
+    """lm-evaluation-harness 0.4.13's ``LocalCompletionsAPI.parse_logprobs``, as it reads an answer."""
+    res = []
+    for choice, ctxlen in zip(sorted(out["choices"], key=lambda c: c["index"]), ctxlens):
+        lps = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        res.append((sum(lps), all(lp == max(top.values()) for lp, top in zip(lps, tops))))
+    return res
+
+
+def test_echo_logprobs_score_batched_id_prompts_as_lm_score_does_from_cache_too(server, lm):
+    texts = [SYSTEM[:200] + " and the answer is yes", SYSTEM[:200] + " or maybe not"]
+    ids = [lm.encode(t) for t in texts]
+    ctx = len(lm.encode(SYSTEM[:200]))
+    body = {"model": "tiny", "prompt": ids, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}  # what lm-eval's local-completions sends for loglikelihood requests
+    first = httpx.post(server.url + "/completions", json=body, timeout=60).json()
+    again = httpx.post(server.url + "/completions", json=body, timeout=60).json()  # prefix pages kept: cached
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    want = lm.score(texts)
+    for out in (first, again):
+        assert [c["index"] for c in out["choices"]] == [0, 1]
+        for choice, x, text, ref in zip(out["choices"], ids, texts, want):
+            lp = choice["logprobs"]
+            assert len(lp["token_logprobs"]) == len(x) + 1 and lp["token_logprobs"][0] is None
+            assert lp["top_logprobs"][0] is None
+            np.testing.assert_allclose(lp["token_logprobs"][1:len(x)], ref, atol=1e-5)
+            assert choice["text"].startswith(text) and "".join(lp["tokens"]) == choice["text"]
+            assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+            greedy = lp["token_logprobs"][-1]  # the generated token is the argmax: lm-eval's is_greedy holds
+            assert greedy == max(lp["top_logprobs"][-1].values())
+        scored = _lm_eval_loglikelihood(out, [ctx, ctx])
+        for (total, _), ref in zip(scored, want):
+            assert abs(total - float(np.sum(ref[ctx - 1:]))) < 1e-4
+    assert first["choices"][0]["logprobs"] == again["choices"][0]["logprobs"]
+    only = httpx.post(server.url + "/completions", timeout=60, json={"model": "tiny", "prompt": texts[0],
+                                                                     "max_tokens": 0, "echo": True,
+                                                                     "logprobs": 0}).json()
+    assert only["choices"][0]["text"] == texts[0] and only["usage"]["completion_tokens"] == 0
+    np.testing.assert_allclose(only["choices"][0]["logprobs"]["token_logprobs"][1:], want[0], atol=1e-5)
+
+
+def test_chat_logprobs_and_completion_limits(server, lm):
+    client = server.client()
+    r = client.chat.completions.create(model="tiny", messages=_chat("Say hi."), max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and "".join(c.token for c in content) == \
+        r.choices[0].message.content
+    for c in content:  # greedy: each token is its position's most likely
+        assert len(c.top_logprobs) == 3 and c.logprob == c.top_logprobs[0].logprob
+    r = client.completions.create(model="tiny", prompt="Here we go", temperature=0,
+                                  extra_body={"max_completion_tokens": 5})
+    assert r.usage.completion_tokens == 5  # not the default 16
+
+
+def test_tokenizer_endpoints_have_vllms_shapes(server, lm):
+    text = "Say hi, user and assistant"
+    r = httpx.post(server.base + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=10).json()
+    assert r["tokens"] == lm.tokenizer.encode(text, bos=False) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_LEN
+    r2 = httpx.post(server.base + "/tokenize", json={"model": "tiny", "prompt": text}, timeout=10).json()
+    assert r2["tokens"] == lm.encode(text)  # the tokenizer's own BOS setting
+    chat = httpx.post(server.base + "/tokenize", json={"messages": _chat("x")}, timeout=10).json()
+    assert chat["tokens"] == encode_chat(server.service, [_M(m["role"], m["content"]) for m in _chat("x")])
+    back = httpx.post(server.base + "/detokenize", json={"tokens": r["tokens"]}, timeout=10).json()
+    assert back == {"prompt": text}
+    info = httpx.get(server.base + "/tokenizer_info", timeout=10).json()
+    assert info["eos_token"] == "<|im_end|>" and info["chat_template"] == lm.tokenizer.chat_template
+    for path, body in (("/detokenize", {"tokens": [10 ** 6]}), ("/tokenize", {}), ("/tokenize", {"prompt": 5})):
+        bad = httpx.post(server.base + path, json=body, timeout=10)
+        assert bad.status_code == 400, bad.text
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
+    result = {}
+
+    def post():  # ~1 MB of text: seconds of tokenization, then refused as too long
+        result["r"] = httpx.post(server.url + "/completions", timeout=60,
+                                 json={"model": "tiny", "prompt": "and again " * 100_000})
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    waits = []
+    while thread.is_alive():
+        t0 = time.monotonic()
+        assert httpx.get(server.base + "/health", timeout=10).status_code == 200
+        waits.append(time.monotonic() - t0)
+    thread.join()
+    assert result["r"].status_code == 400 and "--max-model-len" in result["r"].json()["error"]["message"]
+    assert len(waits) > 3 and max(waits) < 1.0, waits  # other clients were answered meanwhile
+
+
+def test_a_declared_oversized_body_is_refused_unread(server):
+    with socket.create_connection(("127.0.0.1", server.service.config.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 999999999999\r\n\r\n{")
+        head = sock.recv(4096).decode("latin-1")
+    assert head.startswith("HTTP/1.1 413") and "max-body-bytes" in head
+
+
 def test_stop_strings_end_the_text_before_them(server, lm):
     client = server.client()
     full = client.completions.create(model="tiny", prompt="Here we go", max_tokens=24, temperature=0).choices[0]
@@ -208,7 +313,22 @@ BAD = [  # (body or raw text, status, what the message names)
     ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
-    ({"model": "tiny", "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 1, "stream": True}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"model": "tiny", "prompt": "x", "max_completion_tokens": MAX_LEN}, 400, "max_completion_tokens"),
+    ({"model": "tiny", "prompt": "x", "best_of": 3}, 400, "best_of"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "suffix": "end"}, 400, "suffix"),
+    ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"model": "tiny", "prompt": "x", "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"model": "tiny", "prompt": "x", "seed": 2 ** 64}, 400, "seed"),
+    ({"model": "tiny", "prompt": [[5, 6]] * 65}, 400, "at most 64"),
+    ({"model": "n" * 5000, "prompt": "x"}, 404, "does not exist"),
+    ('{"model": "tiny", "prompt": "\\ud800 x"}', 400, "unpaired surrogate"),
+    ('{"model": "tiny", "prompt": ' + "[" * 5000 + "]" * 5000 + "}", 400, "nested too deeply"),
+    ('{"model": "tiny", "prompt": ' + "[" * 40 + "]" * 40 + "}", 400, "nested too deeply"),
+    ('{"model": "tiny", "prompt": "x", "seed": ' + "9" * 4400 + "}", 400, "not valid JSON"),
     ({"model": "tiny", "prompt": "x", "stop": ["a"] * 5}, 400, "stop"),
     ({"model": "tiny", "prompt": ""}, 400, "prompt"),
     ({"model": "tiny", "prompt": [5, 100000]}, 400, "prompt token id 100000"),
@@ -225,6 +345,7 @@ def test_bad_completions_get_a_4xx_naming_the_field(server, body, status, names)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert names in error["message"] or names == error["param"], error
+    assert len(error["message"]) < 1000  # nothing the client sent is echoed in full
     assert httpx.get(server.base + "/health", timeout=5).status_code == 200
 
 
@@ -403,3 +524,27 @@ def test_a_prompt_the_budget_can_never_hold_is_refused_naming_a_policy_and_other
         assert peak <= 2 * -(-(budget + 16) // 8)  # two rows of budget + interval slots at most
     finally:
         streaming.stop()
+
+
+def test_half_sent_connections_are_capped_and_closed_and_others_are_served(model_dir, lm):
+    config = ServeConfig(model=str(model_dir), port=_free_port(), max_num_seqs=1, max_model_len=64, page_size=8,
+                         max_connections=4, header_timeout=0.5, served_model_name="tiny")
+    running = Running(config, lm, guarded=True)
+    try:
+        socks = [socket.create_connection(("127.0.0.1", config.port), timeout=5) for _ in range(6)]
+        start = time.monotonic()
+        for sock in socks:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # a head never finished
+        closed_at = []
+        for sock in socks:
+            sock.settimeout(5)
+            try:  # closed by the server, never answered (a reset: it closed with our head unread)
+                assert sock.recv(1) == b""
+            except ConnectionResetError:
+                pass
+            closed_at.append(time.monotonic() - start)
+            sock.close()
+        assert max(closed_at) < 3
+        assert httpx.get(running.base + "/health", timeout=5).json() == {"status": "ok"}
+    finally:
+        running.stop()

@@ -38,12 +38,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "restarts (full policy)")
     p.add_argument("--kv-store-size", default="16GiB", metavar="SIZE", help="disk bound of --kv-store "
                    "(default 16GiB; least recently used pages go first)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every path but "
+                   "/health and /metrics")
     p.add_argument("--served-model-name", default=None, help="the model's name in requests (default: MODEL's "
                    "file or directory name)")
     p.add_argument("--segment", type=int, default=8, help="decode steps between admissions (default 8)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per sequence and step "
                    "(default 256)")
+    p.add_argument("--max-body-bytes", default="32MiB", metavar="SIZE", help="largest request body; larger ones "
+                   "get 413 unread (default 32MiB)")
+    p.add_argument("--max-connections", type=int, default=1024, help="open connections at most; more are closed "
+                   "at once (default 1024)")
+    p.add_argument("--header-timeout", type=float, default=10.0, help="seconds for a request head to arrive "
+                   "before the connection is closed (default 10)")
     p.add_argument("--dtype", default=None, help="parameter / compute dtype (default: the checkpoint's)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     p.set_defaults(func=run)
@@ -66,7 +73,9 @@ def config_of(args: argparse.Namespace):
                        cache_params=tuple(params), kv_dtype=args.kv_dtype, kv_store=args.kv_store,
                        kv_store_bytes=parse_bytes(args.kv_store_size, "--kv-store-size"), api_key=args.api_key,
                        served_model_name=args.served_model_name, segment=args.segment,
-                       prefill_chunk=args.prefill_chunk, dtype=args.dtype)
+                       prefill_chunk=args.prefill_chunk, dtype=args.dtype,
+                       max_body_bytes=parse_bytes(args.max_body_bytes, "--max-body-bytes"),
+                       max_connections=args.max_connections, header_timeout=args.header_timeout)
 
 
 def run(args: argparse.Namespace) -> int:

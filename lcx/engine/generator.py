@@ -419,6 +419,19 @@ class Generator:
         statistics), so the log-probabilities equal decoding's up to float32 summation order; cache types that
         cannot chunk go one token per step.
         """
+        state, logprobs, _, _ = self._score(state, tokens, progress, 0)
+        return state, logprobs
+
+    def score_top(self, state: DecodeState, tokens, top: int) -> tuple[DecodeState, np.ndarray, np.ndarray,
+                                                                        np.ndarray]:
+        """``score`` that also returns each position's ``top`` most likely tokens: ``(state, logprobs [b, n],
+        top_logprobs [b, n, top], top_ids [b, n, top])`` (most likely first; a given token that is the most likely
+        has exactly its top log-probability - the same float32 expression)."""
+        if not is_int(top) or top < 1:
+            raise ConfigError(f"top={top!r} is invalid: must be a positive integer (use score for none)")
+        return self._score(state, tokens, False, top)
+
+    def _score(self, state: DecodeState, tokens, progress: bool, top: int):
         tokens = np.asarray(tokens, np.int32)
         rows = tokens.shape[0]
         if state.rows is not None and rows == state.rows:  # a mesh's padding rows score copies of the last row
@@ -436,7 +449,7 @@ class Generator:
         width = self.kind.score_width(total)
         bar = tqdm(total=total * batch, disable=not progress, unit="tok", unit_scale=True, desc="score",
                    dynamic_ncols=True)
-        logprobs = []
+        logprobs, tops, top_ids = [], [], []
         lo = 0
         while lo < total:
             if width is None:  # one token per step, in fixed-size compiled scans (the cache type syncs between)
@@ -445,8 +458,9 @@ class Generator:
                 chunk = np.zeros((batch, segment), np.int32)
                 chunk[:, :n] = tokens[:, lo:lo + n]
                 with sharding.use_mesh(self.mesh):
-                    cache, logits, part = self.programs.forced_loop(self.params, state.cache, state.logits,
-                                                                    self._put(chunk), self._put(np.int32(n), False))
+                    cache, logits, part, best, best_ids = self.programs.forced_loop(
+                        self.params, state.cache, state.logits, self._put(chunk), self._put(np.int32(n), False),
+                        top=top)
             else:
                 room = self.kind.score_room(state.cache)
                 n = min(width, total - lo, width if room is None else room)
@@ -454,15 +468,18 @@ class Generator:
                 chunk[:, :n] = tokens[:, lo:lo + n]
                 weights = self.kind.score_weights(n, width, batch)
                 with sharding.use_mesh(self.mesh):
-                    cache, logits, part = self.programs.forced_chunk(
+                    cache, logits, part, best, best_ids = self.programs.forced_chunk(
                         self.params, state.cache, state.logits, self._put(chunk), self._put(np.int32(n), False),
-                        None if weights is None else self._put(weights))
+                        None if weights is None else self._put(weights), top=top)
             state = state.replace(cache=self.kind.sync(cache), logits=logits)
             logprobs.append(sharding.to_host(part)[:, :n])
+            tops.append(sharding.to_host(best)[:, :n])
+            top_ids.append(sharding.to_host(best_ids)[:, :n])
             bar.update(n * batch)
             lo += n
         bar.close()
-        return state, np.concatenate(logprobs, axis=1)[:rows]
+        return (state, np.concatenate(logprobs, axis=1)[:rows], np.concatenate(tops, axis=1)[:rows],
+                np.concatenate(top_ids, axis=1)[:rows])
 
     def result(self, state: DecodeState) -> GenerateResult:
         rows = slice(state.rows)  # the requested rows (a mesh's padding dropped)

@@ -32,11 +32,23 @@ class Programs:
     prefill_chunk: Callable  # (params, cache, ids, ok, last_index, last_logits, stat_weights, positions=None)
     end_prefill: Callable  # (cache) -> cache compressed after the prompt
     decode_loop: Callable  # (params, state, limit, sampled) -> state after sampling up to step ``limit``
-    forced_loop: Callable  # (params, cache, logits, tokens, n) -> teacher forcing one token per step
-    forced_chunk: Callable  # (params, cache, logits, tokens, n, stat_weights) -> teacher forcing as one chunk
+    forced_loop: Callable  # (params, cache, logits, tokens, n, top) -> teacher forcing one token per step
+    forced_chunk: Callable  # (params, cache, logits, tokens, n, stat_weights, top) -> teacher forcing as one chunk
     probe_chunk: Callable  # (params, cache, ids, ok, lo, hi) -> a reconstruction pass scored into the cache
-    serve_segment: Callable  # (params, cache, token, active, left, rows, steps, n_steps, sampled) -> decode steps
+    serve_segment: Callable  # (params, cache, token, active, left, eos_stops, rows, steps, n_steps, sampled) -> steps
     model: Decoder
+
+
+def logprob_top(logits, ids, top: int):
+    """``(log p(ids), the top log-probabilities, their ids)`` of ``logits [..., V]``: the gathered logit minus the
+    log-sum-exp (no log-softmax over the vocabulary is materialized); ``top`` = 0 gives empty ``[..., 0]`` arrays."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    logprob = jnp.take_along_axis(logits, ids[..., None], axis=-1)[..., 0] - lse
+    if top == 0:
+        empty = logits[..., :0]
+        return logprob, empty, empty.astype(jnp.int32)
+    values, best = jax.lax.top_k(logits, top)
+    return logprob, values - lse[..., None], best.astype(jnp.int32)
 
 
 @functools.lru_cache(maxsize=128)
@@ -104,23 +116,30 @@ def programs(config: ModelConfig, eos_id: int | None, pad_id: int, kind: CacheKi
         state = jax.lax.while_loop(cond, body, state.replace(cache=split(state.cache)))
         return state.replace(cache=state.cache.stack_layers())
 
-    def forced_loop(params, cache, logits, tokens, n):
+    def forced_loop(params, cache, logits, tokens, n, top: int = 0):
         """Teacher forcing of the first ``n`` of ``tokens [b, width]`` (the rest padding: one compiled program for
-        every segment length): the log-probability of each given token, then append it (evicting as decode does)."""
+        every segment length): the log-probability of each given token, then append it (evicting as decode does).
+        ``top``: also the ``top`` most likely tokens at each position (``[b, width, top]`` log-probabilities, ids)."""
         def body(carry):
-            i, cache, logits, logprobs = carry
+            i, cache, logits, logprobs, best, best_ids = carry
             token = jax.lax.dynamic_index_in_dim(tokens, i, axis=1, keepdims=False)
-            logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)[:, 0]
+            logprob, values, ids = logprob_top(logits, token, top)
+            if top == 0:  # perplexity as it always was computed (the same float32 rounding)
+                logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)[:, 0]
             cache, logits = step(params, cache, token)
-            return i + 1, cache, logits, logprobs.at[:, i].set(logprob)
+            return (i + 1, cache, logits, logprobs.at[:, i].set(logprob), best.at[:, i].set(values),
+                    best_ids.at[:, i].set(ids))
 
-        start = (jnp.int32(0), split(cache), logits, jnp.zeros(tokens.shape, logits.dtype))
-        _, cache, logits, logprobs = jax.lax.while_loop(lambda c: c[0] < n, body, start)
-        return cache.stack_layers(), logits, logprobs
+        b, w = tokens.shape
+        start = (jnp.int32(0), split(cache), logits, jnp.zeros(tokens.shape, logits.dtype),
+                 jnp.zeros((b, w, top), logits.dtype), jnp.zeros((b, w, top), jnp.int32))
+        _, cache, logits, logprobs, best, best_ids = jax.lax.while_loop(lambda c: c[0] < n, body, start)
+        return cache.stack_layers(), logits, logprobs, best, best_ids
 
-    def forced_chunk(params, cache, logits, tokens, n, stat_weights):
+    def forced_chunk(params, cache, logits, tokens, n, stat_weights, top: int = 0):
         """Teacher forcing of ``n`` given tokens (``tokens [b, width]``, the rest padding) in one model call, like a
-        prefill chunk: the log-probability of each (from the logits before it) and the logits after the last."""
+        prefill chunk: the log-probability of each (from the logits before it) and the logits after the last;
+        ``top``: also each position's ``top`` most likely tokens (log-probabilities and ids, ``[b, width, top]``)."""
         width = tokens.shape[1]
         ok = jnp.broadcast_to(jnp.arange(width)[None, :] < n, tokens.shape)
         cache = kind.make_room(cache, n).replace(kind=forcing)
@@ -128,19 +147,18 @@ def programs(config: ModelConfig, eos_id: int | None, pad_id: int, kind: CacheKi
         cache = cache.replace(kind=kind)
         # Token i's distribution: the carried logits for the first, position i - 1's for the rest. Gathered logit
         # minus log-sum-exp, so no [b, width, V] log-softmax (or concatenated copy of the logits) is materialized.
-        def logprob(x, ids):
-            return jnp.take_along_axis(x, ids[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(x, axis=-1)
+        first = logprob_top(logits, tokens[:, 0], top)
+        rest = logprob_top(out[:, :-1], tokens[:, 1:], top)
+        logprobs, best, best_ids = (jnp.concatenate([a[:, None], b], axis=1) for a, b in zip(first, rest))
+        return (pin(cache), jax.lax.dynamic_index_in_dim(out, n - 1, axis=1, keepdims=False), logprobs, best,
+                best_ids)
 
-        logprobs = jnp.concatenate([logprob(logits, tokens[:, 0])[:, None], logprob(out[:, :-1], tokens[:, 1:])],
-                                   axis=1)
-        return pin(cache), jax.lax.dynamic_index_in_dim(out, n - 1, axis=1, keepdims=False), logprobs
-
-
-    def serve_segment(params, cache, token, active, left, rows: RowSampling, steps, n_steps: int,
+    def serve_segment(params, cache, token, active, left, eos_stops, rows: RowSampling, steps, n_steps: int,
                       sampled: bool = True):
         """``n_steps`` steps of a server's active rows (``lcx.engine.server``): append ``token [b]``, sample the next
-        one (``rows``; ``steps [b]``: each row's tokens so far, the key index of its next), stop a row at EOS or
-        when ``left [b]`` tokens are emitted. Returns ``(cache, tokens [S, b], emitted [S, b])``."""
+        one (``rows``; ``steps [b]``: each row's tokens so far, the key index of its next), stop a row at EOS (where
+        ``eos_stops [b]``: a request may ask to ignore it) or when ``left [b]`` tokens are emitted. Returns
+        ``(cache, tokens [S, b], emitted [S, b])``."""
         def body(carry, _):
             cache, token, active, left, steps = carry
             cache = kind.make_room(cache, active.astype(jnp.int32))
@@ -151,7 +169,7 @@ def programs(config: ModelConfig, eos_id: int | None, pad_id: int, kind: CacheKi
                                         stat_weights=weights)
             nxt = sample_rows(logits[:, 0], rows, steps) if sampled else greedy(logits[:, 0])
             left = left - active
-            stop = (left <= 0) | ((nxt == eos_id) if eos_id is not None else False)
+            stop = (left <= 0) | (((nxt == eos_id) & eos_stops) if eos_id is not None else False)
             return (cache, jnp.where(active, nxt, token), active & ~stop, left, steps + active), (nxt, active)
 
         carry = (split(cache), token, active, left, steps)
@@ -162,7 +180,8 @@ def programs(config: ModelConfig, eos_id: int | None, pad_id: int, kind: CacheKi
         prefill_chunk=jax.jit(prefill_chunk, donate_argnames=("cache",)),
         end_prefill=jax.jit(end_prefill, donate_argnames=("cache",)),
         decode_loop=jax.jit(decode_loop, static_argnames=("sampled",), donate_argnames=("state",)),
-        forced_loop=jax.jit(forced_loop), forced_chunk=jax.jit(forced_chunk),
+        forced_loop=jax.jit(forced_loop, static_argnames=("top",)),
+        forced_chunk=jax.jit(forced_chunk, static_argnames=("top",)),
         probe_chunk=jax.jit(probe_chunk, donate_argnames=("cache",)),
         serve_segment=jax.jit(serve_segment, static_argnames=("n_steps", "sampled"), donate_argnames=("cache",)),
         model=model)

@@ -19,10 +19,8 @@ their tokens wait for one chunk, not for the whole prompt. A row that emits EOS 
 (its pages back to the pool) and the next request takes it. Each request samples with its own settings and key
 (``lcx.engine.sampling``): under the full policy its tokens equal ``lcx.generate`` of its prompt alone with the same
 settings and seed (greedy by default). Under an evicting policy (the slot policies on pages,
-``lcx.cache.paged_slots``) a row's prompt ends with the policy's end-of-prefill eviction, as in ``Generator``; during
-decode the batch evicts together (the slot cache's rule: when one row would overflow, every row is cut to its
-budget), so a request's tokens can differ from generating it alone. The compiled functions are the configuration's
-``Programs``, shared with ``Generator``.
+``lcx.cache.paged_slots``) a row's prompt ends with the policy's end-of-prefill eviction, as in ``Generator``, and
+a row evicts when its own slots overflow. The compiled functions are the configuration's ``Programs``.
 
 Cancellation: ``Server.cancel(request_id)`` (between steps, or from inside ``on_token``) drops a waiting request, or
 ends a running one at once: its row and pages are released (its references gone, its committed pages back to
@@ -79,6 +77,7 @@ class _Request:
     read: int = 0  # prompt tokens in its cache so far (shared, loaded or prefilled)
     cached: int = 0  # prompt tokens it did not prefill (a kept prefix's pages or the store's)
     stored: tuple | None = None  # (pages, arrays) the store gave it, until loaded
+    ignore_eos: bool = False  # generate max_new_tokens whatever it samples (EOS included, as any token)
 
     @property
     def prefilling(self) -> bool:
@@ -158,10 +157,10 @@ class Server:
 
     # ----------------------------------------------------------------------------------------------- requests
     def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
-               seed: int | None = None) -> int:
+               seed: int | None = None, *, ignore_eos: bool = False) -> int:
         """Queue a request; returns its id. Refused (``CacheCapacityError``) if it exceeds ``max_len`` or needs
         more pages than the whole pool. ``sampling``: its settings (default greedy); ``seed``: its random stream
-        (default: its request id)."""
+        (default: its request id); ``ignore_eos``: EOS does not end it (``max_new_tokens`` are generated)."""
         prompt = np.asarray(prompt, np.int32)
         if prompt.ndim != 1 or prompt.size == 0:
             raise ConfigError("Server.submit: prompt must be a non-empty list of token ids")
@@ -175,7 +174,7 @@ class Server:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ConfigError(f"Server.submit: seed={seed!r:.60} is invalid: must be an integer or None")
         request = _Request(self._next_id, prompt, max_new_tokens, sampling=sampling or SamplingConfig(),
-                           key=request_key(self._next_id if seed is None else seed))
+                           key=request_key(self._next_id if seed is None else seed), ignore_eos=bool(ignore_eos))
         self._next_id += 1
         self._queue.append(request)
         return request.id
@@ -349,8 +348,10 @@ class Server:
             return 0
         if request.stored is None:
             n = self.store.match(request.prompt[:(request.prompt.size - 1) // self.page * self.page])
-            # reading checks each file: a bad one ends the run there (and may leave fewer pages than a kept prefix)
-            request.stored = self.store.get(request.prompt[:n * self.page]) if n > shared else (0, None)
+            # reading checks each file and its layout (the pool's: another failed the step, for every row): a bad
+            # one ends the run there (and may leave fewer pages than a kept prefix)
+            layout = rows.page_layout(self.state)
+            request.stored = self.store.get(request.prompt[:n * self.page], layout) if n > shared else (0, None)
         return request.stored[0]
 
     def _load(self, request: _Request) -> None:
@@ -376,12 +377,14 @@ class Server:
 
     def _drop_lru(self, keep) -> bool:
         """Release the least recently used kept prefix no running request reads (not ``keep``); False if none. Its
-        pages spill to the store first (host memory; they may serve a later request from there)."""
+        pages spill to the store first (host memory; they may serve a later request) and go back whatever it does."""
         for key, prefix in self._prefixes.items():
             if prefix.users == 0 and key != keep:
-                self._store_pages(np.asarray(key, np.int32), prefix.pages)
-                self.state = rows.hold(self.state, _padded(prefix.pages), jnp.int32(-1))
-                del self._prefixes[key]
+                try:
+                    self._store_pages(np.asarray(key, np.int32), prefix.pages)
+                finally:
+                    self.state = rows.hold(self.state, _padded(prefix.pages), jnp.int32(-1))
+                    del self._prefixes[key]
                 return True
         return False
 
@@ -408,9 +411,7 @@ class Server:
     def _store_pages(self, tokens: np.ndarray, pages) -> None:
         """Write the whole pages of ``tokens``, held in the pool pages ``pages`` (in order), that the store lacks."""
         n_pages = min(tokens.size // self.page, len(pages))
-        if self.store is None or n_pages == 0:
-            return
-        missing = self.store.missing(tokens[:n_pages * self.page])
+        missing = self.store.missing(tokens[:n_pages * self.page]) if self.store is not None and n_pages else []
         if not missing:
             return
         ids = _padded([int(pages[i]) for i in missing], fill=0)
@@ -503,7 +504,7 @@ class Server:
             return
         if self._running.get(request.row) is not request:
             return  # the callback cancelled it (Server.cancel)
-        if token == self.eos_id or len(request.tokens) >= request.max_new_tokens:
+        if (token == self.eos_id and not request.ignore_eos) or len(request.tokens) >= request.max_new_tokens:
             self._finish(request, done)
 
     def _finish(self, request: _Request, done) -> None:
@@ -530,16 +531,18 @@ class Server:
         active = np.zeros(self.rows, bool)
         left = np.zeros(self.rows, np.int32)
         steps = np.zeros(self.rows, np.int32)
+        eos_stops = np.ones(self.rows, bool)
         for row, request in self._running.items():
             if request.prefilling:
                 continue
             token[row], active[row] = request.tokens[-1], True
             left[row] = request.max_new_tokens - len(request.tokens)
             steps[row] = len(request.tokens)
+            eos_stops[row] = not request.ignore_eos
         held = max(r.prompt.size + len(r.tokens) for r in self._running.values() if not r.prefilling)
         narrow, wide = self._narrowed(self.state, self._width(held + self.segment))
         narrow, tokens, emitted = self.programs.serve_segment(
-            self.gen.params, narrow, jnp.asarray(token), jnp.asarray(active), jnp.asarray(left),
+            self.gen.params, narrow, jnp.asarray(token), jnp.asarray(active), jnp.asarray(left), jnp.asarray(eos_stops),
             jax.tree.map(jnp.asarray, self.sampling), jnp.asarray(steps), n_steps=self.segment,
             sampled=bool(np.any(self.sampling.temperature[active] > 0)))  # all greedy: the argmax-only program
         self.state = self.kind.sync(_widened(narrow, wide))

@@ -20,7 +20,9 @@ class ServeConfig:
     ``gpu_memory_utilization`` of the device's free memory after the weights; else every row at its largest.
     ``cache_params``: the policy's parameters (``--cache-param key=value``). ``kv_store``: a directory for pages
     that survive restarts (None: host memory only). ``segment``: decode steps between admissions;
-    ``prefill_chunk``: prompt tokens per row and step; ``idempotency_ttl``: seconds a key is remembered."""
+    ``prefill_chunk``: prompt tokens per row and step; ``idempotency_ttl``: seconds a key is remembered;
+    ``max_body_bytes``: the largest request body (413 past it, read no further); ``max_connections`` /
+    ``header_timeout``: open connections at most, seconds for a request head to arrive (``lcx.service.run``)."""
 
     model: str
     host: str = "127.0.0.1"
@@ -44,14 +46,21 @@ class ServeConfig:
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     idempotency_ttl: float = 600.0
     dtype: str | None = None
+    max_body_bytes: int = 32 << 20
+    max_connections: int = 1024
+    header_timeout: float = 10.0
 
     def __post_init__(self):
         for flag, value in (("--port", self.port), ("--max-num-seqs", self.max_num_seqs),
                             ("--max-model-len", self.max_model_len), ("--page-size", self.page_size),
                             ("--segment", self.segment), ("--prefill-chunk", self.prefill_chunk),
-                            ("--default-max-tokens", self.default_max_tokens)):
+                            ("--default-max-tokens", self.default_max_tokens),
+                            ("--max-body-bytes", self.max_body_bytes), ("--max-connections", self.max_connections)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{flag}={value!r} is invalid: must be a positive integer")
+        t = self.header_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ConfigError(f"--header-timeout={t!r} is invalid: must be a positive number of seconds")
         if self.port > 65535:
             raise ConfigError(f"--port={self.port} is invalid: must be in 1 .. 65535")
         if self.kv_memory is not None and self.gpu_memory_utilization is not None:

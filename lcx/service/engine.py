@@ -2,11 +2,14 @@
 is not thread-safe): one engine thread owns the ``Server`` and runs its steps; handlers hand it requests and
 cancellations through a queue, and receive text through the loop (``call_soon_threadsafe``).
 
-Per request (a ``Generation``) the engine thread turns tokens into text: the whole answer decoded again at each token
-(an incomplete UTF-8 character at its end is held back), stop strings searched in it - a match ends the request at
-once (``Server.cancel``: its pages return before the next segment) and cuts the text before the stop - and text that
-could be the start of a stop string held back until it cannot. Events go to every subscriber of the generation (an
-idempotent retry subscribes to the one already running, and replays what it missed).
+Per request (a ``Generation``) the engine thread turns tokens into text incrementally (``Detokenizer``: only the
+last tokens are decoded again; an incomplete UTF-8 character is held back), stop strings searched in the new text's
+reach only - a match ends the request at once (``Server.cancel``: its pages return before the next segment) and
+cuts the text before the stop - and text that could be the start of a stop string held back until it cannot.
+Events go to every subscriber of the generation (an idempotent retry subscribes to the one already running, and
+replays what it missed). A request that asks for log-probabilities is scored when it ends (``lcx.engine.scoring``:
+its prompt and answer teacher-forced, so cached or stored pages need no log-probabilities of their own), before its
+end is published; one with ``max_tokens`` 0 (echo) is only scored.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ import traceback
 import uuid
 from typing import Any
 
+import numpy as np
+
 from lcx.engine.sampling import SamplingConfig
+from lcx.engine.scoring import Scored, Scorer
 from lcx.engine.server import Server
 
 log = logging.getLogger("lcx.serve")
@@ -37,6 +43,11 @@ class Generation:
     seed: int | None
     stops: list[str]
     loop: asyncio.AbstractEventLoop
+    ignore_eos: bool = False
+    top: int | None = None  # alternatives per token to report; None: no log-probabilities wanted
+    echo: bool = False
+    prompt_text: str = ""  # what echo shows of the prompt
+    index: int = 0  # the choice's index in its request
     id: str = ""
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     arrival: float = dataclasses.field(default_factory=time.monotonic)
@@ -46,11 +57,14 @@ class Generation:
     text: str = ""  # the answer so far (cut before a stop string)
     sent: int = 0  # characters of ``text`` published
     cached_tokens: int = 0
+    scored: Scored | None = None  # log-probabilities of prompt + tokens (when ``top`` is not None)
+    detok: Any = None  # the engine's ``Detokenizer`` of the answer
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     last_token_at: float | None = None
     # loop side
-    events: list = dataclasses.field(default_factory=list)  # ("text", str) ... then ("done", None)
+    events: list = dataclasses.field(default_factory=list)  # ("text", str) ... then ("done", reason)
     subscribers: list = dataclasses.field(default_factory=list)
+    ended: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set with the "done" event
 
     def __post_init__(self):
         if not self.id:
@@ -74,6 +88,8 @@ class Generation:
 
     def _publish(self, event: tuple) -> None:  # loop side, via call_soon_threadsafe
         self.events.append(event)
+        if event[0] == "done":
+            self.ended.set()
         for queue in self.subscribers:
             queue.put_nowait(event)
 
@@ -87,14 +103,15 @@ class Engine:
     """The engine thread around ``server``; ``tokenizer`` decodes; ``metrics`` (``lcx.service.metrics.Metrics``)
     is updated after every step. ``draining``: set on SIGTERM (the app answers new requests 503)."""
 
-    def __init__(self, server: Server, tokenizer, metrics, *, eos_id: int | None):
+    def __init__(self, server: Server, tokenizer, metrics, *, eos_id: int | None, scorer: Scorer | None = None):
         self.server, self.tokenizer, self.metrics, self.eos_id = server, tokenizer, metrics, eos_id
+        self.scorer = scorer  # for requests that want log-probabilities (refused at parsing without one)
         self._cv = threading.Condition()
         self._pending: list[tuple[str, Generation]] = []
         self._by_request: dict[int, Generation] = {}
         self._closed = False
         self.draining = False
-        self.failed: str | None = None  # the engine thread's fatal error (health answers 503)
+        self.failed: str | None = None  # the serving loop's last failure (health answers 503 once it is set)
         self._thread = threading.Thread(target=self._run, name="lcx-engine", daemon=True)
         self._thread.start()
 
@@ -142,7 +159,7 @@ class Engine:
                 for request_id, tokens in done.items():
                     gen = self._by_request.get(request_id)
                     if gen is not None and not gen.finished:
-                        ended_by_eos = bool(tokens) and tokens[-1] == self.eos_id
+                        ended_by_eos = bool(tokens) and tokens[-1] == self.eos_id and not gen.ignore_eos
                         self._finish(gen, "stop" if ended_by_eos else "length")
             self.metrics.observe_server(self.server)
 
@@ -150,8 +167,13 @@ class Engine:
         if what == "submit":
             if gen.finished:  # cancelled before it was submitted
                 return
+            gen.detok = Detokenizer(self.tokenizer)
+            if gen.max_tokens == 0:  # echo of the prompt's log-probabilities: nothing to generate
+                self._finish(gen, "length")
+                return
             try:
-                gen.request_id = self.server.submit(gen.prompt, gen.max_tokens, gen.sampling, gen.seed)
+                gen.request_id = self.server.submit(gen.prompt, gen.max_tokens, gen.sampling, gen.seed,
+                                                    ignore_eos=gen.ignore_eos)
             except Exception:  # the handler checked it; a refusal here is a bug, and only this request's
                 log.error("request %s refused by the serving loop:\n%s", gen.id, traceback.format_exc())
                 self._finish(gen, "error")
@@ -177,16 +199,17 @@ class Engine:
         gen.last_token_at = now
         gen.tokens.append(token)
         self.metrics.generation_tokens.inc()
-        text = self.tokenizer.decode(gen.tokens)
-        stop_at = min((i for i in (text.find(s) for s in gen.stops) if i >= 0), default=-1)
+        before = len(gen.text)
+        gen.text += gen.detok.add(token)
+        # a stop string that ends in the new text begins at most (longest stop - 1) characters before it
+        reach = max(0, before - max((len(s) for s in gen.stops), default=1) + 1)
+        stop_at = min((i for i in (gen.text.find(s, reach) for s in gen.stops) if i >= 0), default=-1)
         if stop_at >= 0:
-            gen.text = text[:stop_at]
-            self._send(gen, len(gen.text))
+            gen.text = gen.text[:stop_at]
             self.server.cancel(request_id)  # ends it now: its pages are free for the next step
             self._finish(gen, "stop")
             return
-        gen.text = text
-        safe = len(text) - (1 if text.endswith("\ufffd") else 0)  # an incomplete character: wait for the rest
+        text, safe = gen.text, len(gen.text)
         for stop in gen.stops:  # text that may begin a stop string waits until it cannot
             for k in range(min(len(stop) - 1, len(text)), 0, -1):
                 if text.endswith(stop[:k]):
@@ -200,15 +223,34 @@ class Engine:
             gen.sent = upto
 
     def _finish(self, gen: Generation, reason: str) -> None:
+        if reason == "length" and gen.detok is not None:  # a trailing incomplete character becomes one U+FFFD
+            gen.text += gen.detok.flush()
+        if reason in ("stop", "length") and gen.top is not None and not self._score(gen):
+            reason = "error"
         if reason in ("stop", "length"):
-            self._send(gen, len(gen.text))  # all of it now: a trailing incomplete character stays one U+FFFD
+            self._send(gen, len(gen.text))
         gen.finish_reason = reason
         self.metrics.finished.labels(reason).inc()
         if gen.request_id is not None:
             self._by_request.pop(gen.request_id, None)
         gen.loop.call_soon_threadsafe(gen._publish, ("done", reason))
 
+    def _score(self, gen: Generation) -> bool:
+        """Score ``gen``'s prompt + tokens into ``gen.scored``; False if that failed (this request's failure, not
+        the loop's: it ends with an error, the others go on)."""
+        ids = list(gen.prompt) + list(gen.tokens)
+        if len(ids) < 2:  # a one-token prompt and nothing generated: no conditional probability to report
+            gen.scored = Scored(np.zeros(0, np.float32), np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int32))
+            return True
+        try:
+            gen.scored = self.scorer.score(ids)
+        except Exception:
+            log.error("scoring request %s failed:\n%s", gen.id, traceback.format_exc())
+            return False
+        return True
+
     def _fail(self, trace: str) -> None:
+        self.failed = trace.strip().splitlines()[-1][:200]
         log.error("the serving loop failed; its running requests end with an error:\n%s", trace)
         for gen in list(self._by_request.values()):
             if gen.request_id is not None:
@@ -219,4 +261,31 @@ class Engine:
             self._finish(gen, "error")
 
 
-__all__ = ["Engine", "Generation"]
+class Detokenizer:
+    """Text of a growing token list, decoding only its last tokens: ``add(token)`` returns the new text (empty
+    while it ends in an incomplete UTF-8 character), ``flush()`` what is held back. The window starts one step back,
+    so tokenizers whose decoding depends on the previous token (SentencePiece's leading space) decode as in the
+    whole; the concatenated text equals ``tokenizer.decode(tokens)``."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.prefix = self.read = 0  # window start; tokens already turned into text
+
+    def add(self, token: int) -> str:
+        self.tokens.append(int(token))
+        return self._new(final=False)
+
+    def flush(self) -> str:
+        return self._new(final=True)
+
+    def _new(self, final: bool) -> str:
+        done = self.tokenizer.decode(self.tokens[self.prefix:self.read])
+        text = self.tokenizer.decode(self.tokens[self.prefix:])
+        if len(text) <= len(done) or (text.endswith("\ufffd") and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.tokens)
+        return text[len(done):]
+
+
+__all__ = ["Detokenizer", "Engine", "Generation"]

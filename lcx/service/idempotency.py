@@ -30,7 +30,8 @@ class IdempotencyKeys:
         return hashlib.sha256(json.dumps([endpoint, what], sort_keys=True).encode()).hexdigest()
 
     def get(self, key: str, digest: str):
-        """The live generation of ``key`` (None if none); ``ApiError`` 422 if ``key`` came with another body."""
+        """The live generations of ``key`` (a list, one per choice; None if none); ``ApiError`` 422 if ``key`` came
+        with another body."""
         if not key or len(key) > MAX_KEY:
             raise ApiError(400, f"Idempotency-Key of {len(key)} characters is invalid: must be 1 to {MAX_KEY}",
                            "Idempotency-Key")
@@ -40,17 +41,17 @@ class IdempotencyKeys:
         entry = self._entries.get(key)
         if entry is None:
             return None
-        seen, gen, _ = entry
+        seen, gens, _ = entry
         if seen != digest:
             raise ApiError(422, f"Idempotency-Key {key!r:.80} was used with a different request body; a retry must "
                            "send the same body (or use a new key)", "Idempotency-Key", code="idempotency_key_reused")
-        if gen.finish_reason in ("cancelled", "error"):
+        if any(gen.finish_reason in ("cancelled", "error") for gen in gens):
             del self._entries[key]
             return None
-        return gen
+        return gens
 
-    def put(self, key: str, digest: str, gen) -> None:
-        self._entries[key] = (digest, gen, time.monotonic() + self.ttl)
+    def put(self, key: str, digest: str, gens: list) -> None:
+        self._entries[key] = (digest, gens, time.monotonic() + self.ttl)
 
 
 __all__ = ["IdempotencyKeys"]
