@@ -226,13 +226,14 @@ class SlotCacheKind(CacheKind):
         return min(self.interval, max(128, 1 << max(tokens - 1, 1).bit_length()))
 
     def score_room(self, state: KVCache) -> int | None:
-        """One-token steps evict when a step finds some layer full (``make_room(1)``). A chunk that fills the cache
-        exactly, never past, leaves the same state; a chunk that starts on a full cache evicts first, as that step
-        would, and then has at least ``interval`` free slots (the capacity is the largest budget + ``interval``)."""
+        """One-token steps evict a row when a step finds one of its layers full (``make_room(1)``, per row). A
+        chunk that fills a row exactly, never past, leaves the same state; a row that starts the chunk full evicts
+        first, as that step would, and then has at least ``interval`` free slots (the capacity is the largest budget
+        + ``interval``). So the chunk is at most the room of the fullest row that is not full yet."""
         if self.budgets is None:
             return None
-        room = state.capacity - int(np.max(np.asarray(state.count)))
-        return room if room > 0 else self.interval
+        free = state.capacity - np.max(np.asarray(state.count), axis=(0, 2))  # [b]
+        return int(np.min(free[free > 0])) if np.any(free > 0) else self.interval
 
     def score_weights(self, n: int, width: int, batch: int) -> np.ndarray | None:
         """Every real query counts for a summed statistic (as every decode step adds its attention); for a
@@ -272,9 +273,20 @@ class SlotCacheKind(CacheKind):
         return layer.replace(k=k, v=v, **{n: None for n in lowbit_slots.STORED[2:]})
 
     # ------------------------------------------------------------------------------------------- eviction
-    def evict(self, state: KVCache):
+    def evict(self, state: KVCache, rows: jax.Array | None = None):
+        """Compact to the budgets: every row (``rows`` None: after the prompt), or only the rows ``rows [b]`` marks
+        (``make_room``: those that would overflow). The others keep every buffer as it was, to the bit - scores,
+        codes and windows included - so a row's tokens never depend on its batch-mates. One compiled program: the
+        eviction runs on every row and the unmarked rows take their old buffers back."""
         if self.budgets is None:
             return state, None
+        out, left = self._evict_rows(state)
+        if rows is None:
+            return out, left
+        return keep_rows(rows, out, state), left.replace(mask=left.mask & rows[None, :, None, None])
+
+    def _evict_rows(self, state: KVCache):
+        """Every row of ``state`` compacted to the budgets: ``(state, left)``."""
         budgets = jnp.asarray(self.budgets, jnp.int32)
         if not self.lowbit:
             return evict_cache(self.policy, state, budgets)
@@ -308,8 +320,11 @@ class SlotCacheKind(CacheKind):
             return state
         count = jnp.stack(state.count) if state.split else state.count  # [L, b, H]
         n = jnp.asarray(n)
-        full = jnp.any(count + (n[None, :, None] if n.ndim == 1 else n) > state.capacity)
-        return jax.lax.cond(full, lambda c: c.stacked(lambda s: self.evict(s)[0]), lambda c: c, state)
+        # Per row: a row is cut when one of its layers / keep heads would overflow, and only then - a row alone
+        # evicts at the same tokens as in any batch. No row over: the eviction is skipped (most decode steps).
+        over = jnp.any(count + (n[None, :, None] if n.ndim == 1 else n) > state.capacity, axis=(0, 2))  # [b]
+        return jax.lax.cond(jnp.any(over), lambda c: c.stacked(lambda s: self.evict(s, over)[0]), lambda c: c,
+                            state)
 
     def end_prefill(self, state: KVCache) -> KVCache:
         return self.evict(state)[0]
@@ -317,6 +332,20 @@ class SlotCacheKind(CacheKind):
     def fork(self, state: KVCache, n: int) -> KVCache:
         """Each row copied ``n`` times (its slots, positions and statistics): the rows continue independently."""
         return repeat_rows(state, n)
+
+
+def keep_rows(rows: jax.Array, new: CacheState, old: CacheState) -> CacheState:
+    """``new`` in the rows ``rows [b]`` marks and ``old`` in the others, buffer by buffer along the fields'
+    ``batch`` axes (both stacked, of one kind)."""
+    out = {}
+    for name, field in old.kind.fields().items():
+        a, b = getattr(new, name, None), getattr(old, name, None)
+        if "batch" not in field.axes or a is None or a is b:
+            continue
+        shape = [1] * a.ndim
+        shape[field.axes.index("batch")] = -1
+        out[name] = jnp.where(rows.reshape(shape), a, b)
+    return new.replace(**out)
 
 
 def repeat_rows(state: CacheState, n) -> CacheState:
@@ -361,4 +390,4 @@ def full_overflow(config: ModelConfig, needed: int, budget: int, batch: int, max
 
 
 __all__ = ["FIELDS", "KVCache", "QUERY_FIELDS", "SCALE_FIELDS", "SlotCacheKind", "full_kind", "full_overflow",
-           "init_cache", "kv_bytes", "repeat_rows"]
+           "init_cache", "keep_rows", "kv_bytes", "repeat_rows"]

@@ -9,8 +9,8 @@ decides, keeps and generates exactly what the contiguous layout does:
 
 - a layer call gathers each row's pages into the slot view, runs the slot cache's attention on it (write, position
   modes, statistics; ``lcx.cache.slot_attention``) and writes only the new tokens back into their pages;
-- ``make_room`` evicts as the slot cache does (on the gathered view) when a row would overflow, then hands every row
-  the pages its next tokens need;
+- ``make_room`` evicts as the slot cache does (on the gathered view) the rows that would overflow, and only those,
+  then hands every row the pages its next tokens need;
 - after an eviction the pages past a row's last occupied slot (in every layer and keep head: one table serves all
   layers) return to the pool, and a shared page whose slots the compaction changes is first copied for the row
   (copy-on-write). Rows forked from one compressed context (``Generator.fork`` after a one-shot SnapKV) share its
@@ -43,7 +43,7 @@ import numpy as np
 from lcx.cache import lowbit_pages, lowbit_slots, page_pool, paged, slot_attention
 from lcx.cache.base import register_kind
 from lcx.cache.kv_cache import FIELDS as SLOT_FIELDS, QUERY_FIELDS, KVCache, SlotCacheKind
-from lcx.cache.schedule import Left, evict_cache
+from lcx.cache.schedule import Left
 from lcx.cache import schema
 from lcx.cache.schema import Field
 from lcx.config_base import ConfigError
@@ -219,34 +219,32 @@ class PagedSlotKind(SlotCacheKind):
             for n in self._metadata()})
 
     # ------------------------------------------------------------------------------------------- between calls
-    def evict(self, state: PagedSlotCache) -> tuple[PagedSlotCache, Left]:
+    def evict(self, state: PagedSlotCache, rows: jax.Array | None = None) -> tuple[PagedSlotCache, Left]:
         """The slot cache's eviction on the gathered view, then the pages: those past each row's last occupied slot
         freed, shared ones the compaction rewrites copied for the row, and every page a row holds written from the
-        compacted view (unchanged shared pages with the values they hold)."""
+        compacted view (unchanged shared pages with the values they hold). ``rows [b]``: only the rows it marks
+        (``make_room``: those that would overflow; None: every row) - the others keep their metadata, their pages
+        and every byte in them."""
         if self.budgets is None:  # the full policy (a bit-packed paged cache keeps every token here)
             return state, None
         capacity, page, pages = state.capacity, self.page, state.n_pages
-        row_pages = state.table.shape[1]
+        cut = jnp.ones(state.table.shape[:1], bool) if rows is None else rows  # [b]
         view = jax.vmap(lambda pool: _slot_view(pool, state.table, capacity))  # [L, b, k, C, d]
         metadata = {n: getattr(state, n) for n in self._metadata()}
         if self.lowbit:  # the slot cache's bit-packed eviction (dequantize, evict, quantize the survivors again)
             stored = jax.vmap(lambda pools: self._lowbit_view(pools, state.table, capacity))(self._pools(state))
             before = KVCache(**stored, lengths=state.lengths, kind=self.slots, **metadata)
-            after, left = self.slots.evict(before)
-            return self._write_evicted(state, before, after), left
+            after, left = self.slots.evict(before, rows)
+            return self._write_evicted(state, before, after, cut), left
         scales = paged.scales_of(state)
         before = KVCache(k=view(state.k), v=view(state.v), lengths=state.lengths, kind=self.slots,
                          **{n: view(x) for n, x in scales.items()}, **metadata)
-        after, left = evict_cache(self.policy, before, jnp.asarray(self.budgets, jnp.int32))
-        need = -(-jnp.max(after.count, axis=(0, 2)) // page)  # [b] pages each row still holds
-        pad = ((0, 0), (0, 0), (0, 0), (0, row_pages * page - capacity))
-        moved = jnp.pad((after.pos != before.pos) | (after.valid != before.valid), pad)
-        changed = jnp.any(moved.reshape(*moved.shape[:3], row_pages, page), axis=(0, 2, 4))  # [b, T]
-        trimmed = page_pool.trim(state.pool, need)  # the pages past the last occupied slot: back to the pool
-        state = state.with_pool(page_pool.copy_on_write(trimmed, changed))  # each held page written from the view
-        ids = jnp.where(state.table >= 0, state.table, pages)  # [b, T]
+        after, left = self.slots.evict(before, rows)
+        state = self._repage(state, before, after, cut)  # each held page of a cut row written from the view
+        ids = jnp.where(cut[:, None] & (state.table >= 0), state.table, pages)  # [b, T]
+        pad = ((0, 0), (0, 0), (0, 0), (0, state.table.shape[1] * page - capacity))
 
-        def write(pool, x):  # x [L, b, k, C, ...] -> every held page of every row (scales: no head dim)
+        def write(pool, x):  # x [L, b, k, C, ...] -> every held page of every cut row (scales: no head dim)
             x = jnp.pad(x, (*pad, *[(0, 0)] * (x.ndim - 4)))
             x = einops.rearrange(x, "L b k (T g) ... -> L b T k g ...", g=page)
             return pool.at[:, ids].set(x.astype(pool.dtype), mode="drop")
@@ -255,19 +253,29 @@ class PagedSlotKind(SlotCacheKind):
                              count=after.count, score=after.score,
                              **{n: write(x, getattr(after, n)) for n, x in scales.items()}), left
 
-    def _write_evicted(self, state: PagedSlotCache, before: KVCache, after: KVCache) -> PagedSlotCache:
-        """A bit-packed ``state`` after the eviction ``before -> after`` (stacked views): pages past each row's
-        last occupied slot freed, shared pages the compaction rewrites copied for the row, and every page the row
-        alone holds written from the re-quantized view. (A shared page the compaction leaves alone keeps its bytes:
-        re-quantizing unchanged groups may round differently, and the rows sharing it must read one page.)"""
+    def _repage(self, state: PagedSlotCache, before: KVCache, after: KVCache, cut: jax.Array) -> PagedSlotCache:
+        """``state``'s pool after the eviction ``before -> after`` (stacked views) of the rows ``cut [b]`` marks:
+        their pages past the last occupied slot back to the pool, and the shared pages the compaction rewrites
+        copied for the row (copy-on-write). Other rows keep every page (``after`` equals ``before`` there)."""
         page, row_pages = self.page, state.table.shape[1]
-        need = -(-jnp.max(after.count, axis=(0, 2)) // page)  # [b] pages each row still holds
+        need = jnp.where(cut, -(-jnp.max(after.count, axis=(0, 2)) // page), row_pages)  # [b] pages each row holds
         pad = ((0, 0), (0, 0), (0, 0), (0, row_pages * page - state.capacity))
         moved = jnp.pad((after.pos != before.pos) | (after.valid != before.valid), pad)
         changed = jnp.any(moved.reshape(*moved.shape[:3], row_pages, page), axis=(0, 2, 4))  # [b, T]
-        pool = page_pool.copy_on_write(page_pool.trim(state.pool, need), changed)
-        state = state.with_pool(pool)
-        own = jnp.where((pool.table >= 0) & (pool.refs[jnp.maximum(pool.table, 0)] == 1), pool.table, -1)
+        return state.with_pool(page_pool.copy_on_write(page_pool.trim(state.pool, need), changed))
+
+    def _write_evicted(self, state: PagedSlotCache, before: KVCache, after: KVCache,
+                       cut: jax.Array) -> PagedSlotCache:
+        """A bit-packed ``state`` after the eviction ``before -> after`` (stacked views) of the rows ``cut [b]``
+        marks: their pages past the last occupied slot freed, shared pages the compaction rewrites copied for the
+        row, and every page the row alone holds written from the re-quantized view. (A shared page the compaction
+        leaves alone keeps its bytes: re-quantizing unchanged groups may round differently, and the rows sharing it
+        must read one page.) Rows not cut keep their pages as they are."""
+        page, row_pages = self.page, state.table.shape[1]
+        state = self._repage(state, before, after, cut)
+        pool = state.pool
+        own = jnp.where(cut[:, None] & (pool.table >= 0) & (pool.refs[jnp.maximum(pool.table, 0)] == 1),
+                        pool.table, -1)
         index = jnp.broadcast_to(jnp.arange(row_pages), (own.shape[0], state.k.shape[2], row_pages))
         units = lowbit_pages.per_page(self.quant, self.group, page)
         pools = {n: jax.vmap(lambda p, x, n=n: lowbit_pages.put_pages(p, x, n, units[n], own, index))(
@@ -276,8 +284,8 @@ class PagedSlotKind(SlotCacheKind):
                              **{n: getattr(after, n) for n in lowbit_pages.WINDOW})
 
     def make_room(self, state: PagedSlotCache, n) -> PagedSlotCache:
-        """Evict when some row would overflow (the slot cache's rule), then give every row the pages for its next
-        ``n`` slots in every layer and keep head."""
+        """Evict the rows that would overflow (the slot cache's rule, per row), then give every row the pages for its
+        next ``n`` slots in every layer and keep head."""
         state = super().make_room(state, n)
         count = jnp.stack(state.count) if state.split else state.count  # [L, b, H]
         return state.with_pool(page_pool.grant_upto(state.pool, -(-(jnp.max(count, axis=(0, 2)) + n) // self.page)))

@@ -20,7 +20,8 @@ keep head) at a time. Score-based policies may also spread a layer's budget unev
 
 When it runs (``lcx.generate``): after prefill (the prompt was attended in full, then compressed), between prefill
 chunks if the prompt exceeds the capacity, and during decode whenever a layer's cache would overflow
-``budget + interval`` slots - i.e. every ``interval`` steps, which amortizes the gather.
+``budget + interval`` slots - i.e. every ``interval`` steps, which amortizes the gather. Between chunks and during
+decode it runs per row: a row is compacted when its own cache would overflow, the others are left as they are.
 """
 
 from __future__ import annotations
