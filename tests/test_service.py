@@ -330,6 +330,7 @@ BAD = [  # (body or raw text, status, what the message names)
     ('{"model": "tiny", "prompt": ' + "[" * 40 + "]" * 40 + "}", 400, "nested too deeply"),
     ('{"model": "tiny", "prompt": "x", "seed": ' + "9" * 4400 + "}", 400, "not valid JSON"),
     ({"model": "tiny", "prompt": "x", "stop": ["a"] * 5}, 400, "stop"),
+    ({"model": "tiny", "prompt": "x", "stop": ["a" * 300]}, 400, "stop"),
     ({"model": "tiny", "prompt": ""}, 400, "prompt"),
     ({"model": "tiny", "prompt": [5, 100000]}, 400, "prompt token id 100000"),
     ({"model": "tiny", "prompt": "and again " * 400}, 400, "--max-model-len"),
@@ -354,9 +355,12 @@ def test_bad_chats_get_a_4xx_naming_the_field(server):
                         ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, "messages"),
                         ({"model": "tiny", "messages": "hello"}, "messages"),
                         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
-                         "max_tokens")):
+                         "max_tokens"),
+                        ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+                         "messages")):
         r = httpx.post(server.url + "/chat/completions", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == names, r.text
+        assert "not supported" not in r.json()["error"]["message"]  # a text part with a non-string text is no type
     with pytest.raises(openai.BadRequestError, match="top_p"):
         server.client().chat.completions.create(model="tiny", messages=_chat("x"), top_p=2.0)
     assert httpx.get(server.base + "/v1/nothing", timeout=5).status_code == 404
@@ -457,6 +461,47 @@ def test_clients_that_disconnect_cancel_their_requests_and_return_their_pages(se
     assert m["lcx_kv_pages_used"] == server.kept_pages() and server.service.server.committed == 0
 
 
+def test_a_non_streaming_client_that_leaves_while_tokens_flow_is_cancelled():
+    """The wait for a non-streaming answer notices a client gone within a poll, however fast text events come (it
+    looked only when none came for 50 ms, so a request whose tokens kept flowing ran to its end for nobody)."""
+    from lcx.service.app import DISCONNECT_POLL, _await_done
+    from lcx.service.engine import Generation
+
+    class Engine:
+        cancelled = []
+
+        def cancel(self, gen):
+            self.cancelled.append(gen)
+
+    class Service:
+        engine = Engine()
+
+    class Gone:  # a client that has disconnected
+        async def is_disconnected(self):
+            return True
+
+    async def drill():
+        gen = Generation(kind="completion", prompt=[1], max_tokens=10 ** 6, sampling=None, seed=None, stops=[],
+                         loop=asyncio.get_running_loop())
+
+        async def flow():  # a text event every 5 ms, never done
+            while True:
+                gen._publish(("text", "x"))
+                await asyncio.sleep(0.005)
+
+        feeder = asyncio.create_task(flow())
+        start = time.monotonic()
+        try:
+            answered = await asyncio.wait_for(_await_done(Service(), [gen], Gone()), 5)
+        finally:
+            feeder.cancel()
+        return answered, time.monotonic() - start, gen
+
+    answered, waited, gen = asyncio.run(drill())
+    assert answered is False and waited < 10 * DISCONNECT_POLL
+    assert Service.engine.cancelled == [gen]  # nobody else waits for it: cancelled, its pages return
+
+
 def test_the_api_key_is_required_when_set(model_dir, lm):
     running = Running(ServeConfig(model=str(model_dir), port=_free_port(), max_num_seqs=2, max_model_len=MAX_LEN,
                                   page_size=8, segment=4, prefill_chunk=64, api_key="sesame"), lm)
@@ -467,6 +512,12 @@ def test_the_api_key_is_required_when_set(model_dir, lm):
                           timeout=10).status_code == 401
         r = running.client(api_key="sesame").completions.create(model=str(model_dir), prompt="x", max_tokens=2)
         assert r.usage.completion_tokens >= 1
+        for path in ("/openapi.json", "/tokenizer_info"):  # every path but /health and /metrics
+            assert httpx.get(running.base + path, timeout=10).status_code == 401
+        assert httpx.get(running.base + "/health", timeout=10).status_code == 200
+        lower = httpx.post(running.base + "/tokenize", json={"prompt": "x"}, timeout=10,
+                           headers={"authorization": "bearer sesame"})  # the scheme in any case (RFC 7235)
+        assert lower.status_code == 200, lower.text
     finally:
         running.stop()
 
