@@ -7,8 +7,8 @@
 A sequence is scored as ``lcx.LM.score`` scores a text: its first token prefilled, the rest teacher-forced through a
 contiguous cache of the server's policy and KV dtype (``Generator.score_top``). So the numbers never depend on how
 the server got a prompt's keys and values - prefilled, shared from a kept prefix or loaded from the store - nor on
-its batch-mates. One generator per power-of-two length (at least ``MIN_BUCKET`` tokens) keeps the compiled programs
-few: a request of any length reuses its bucket's.
+its batch-mates. One generator per power-of-two length (at least ``MIN_BUCKET`` tokens), the tokens padded to it,
+keeps the compiled programs few: a request of any length reuses its bucket's.
 """
 
 from __future__ import annotations
@@ -45,26 +45,32 @@ class Scorer:
         self.cache = CacheConfig(**(cache.to_dict() | {"layout": "contiguous"}))
         self._generators: dict[int, Generator] = {}
 
-    def _generator(self, n: int) -> Generator:
+    def _generator(self, n: int) -> tuple[Generator, int]:
         bucket = min(max(MIN_BUCKET, 1 << max(n - 1, 1).bit_length()), self.max_len)
         gen = self._generators.get(bucket)
         if gen is None:
             gen = self._generators[bucket] = Generator(self.config, self.params, max_new_tokens=bucket,
                                                        cache=self.cache, eos_id=self.eos_id)
-        return gen
+        return gen, bucket
 
     def score(self, ids) -> Scored:
         """``ids`` (at least 2 tokens, at most ``max_len``) scored after their first token."""
         ids = np.asarray(ids, np.int32)
         if ids.ndim != 1 or not 2 <= ids.size <= self.max_len:
             raise ConfigError(f"Scorer.score: ids must be 2 to {self.max_len} token ids, got shape {ids.shape}")
-        gen = self._generator(ids.size - 1)
+        n = ids.size - 1
+        gen, bucket = self._generator(n)
+        # The tokens padded to the bucket: the chunk widths, and so the compiled programs, are the bucket's whatever
+        # the length (a harness's prompts of every length compile once). Causal attention and an eviction schedule
+        # counted in tokens keep the real tokens' numbers those of scoring them alone.
+        forced = np.zeros((1, bucket), np.int32)
+        forced[0, :n] = ids[1:]
         try:
             state = gen.prefill([ids[:1]])
-            _, logprobs, top, top_ids = gen.score_top(state, ids[None, 1:], MAX_TOP)
+            _, logprobs, top, top_ids = gen.score_top(state, forced, MAX_TOP)
         finally:
             gen.close()
-        return Scored(logprobs=logprobs[0], top_logprobs=top[0], top_ids=top_ids[0])
+        return Scored(logprobs=logprobs[0, :n], top_logprobs=top[0, :n], top_ids=top_ids[0, :n])
 
 
 __all__ = ["MAX_TOP", "MIN_BUCKET", "Scored", "Scorer"]

@@ -58,6 +58,7 @@ class Generation:
     sent: int = 0  # characters of ``text`` published
     cached_tokens: int = 0
     scored: Scored | None = None  # log-probabilities of prompt + tokens (when ``top`` is not None)
+    top_done: bool = False  # ``scored`` is final (a greedy one-token request scored without the server)
     detok: Any = None  # the engine's ``Detokenizer`` of the answer
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     last_token_at: float | None = None
@@ -171,6 +172,9 @@ class Engine:
             if gen.max_tokens == 0:  # echo of the prompt's log-probabilities: nothing to generate
                 self._finish(gen, "length")
                 return
+            if gen.top is not None and gen.max_tokens == 1 and gen.sampling.temperature == 0:
+                self._score_one_greedy(gen)
+                return
             try:
                 gen.request_id = self.server.submit(gen.prompt, gen.max_tokens, gen.sampling, gen.seed,
                                                     ignore_eos=gen.ignore_eos)
@@ -225,7 +229,7 @@ class Engine:
     def _finish(self, gen: Generation, reason: str) -> None:
         if reason == "length" and gen.detok is not None:  # a trailing incomplete character becomes one U+FFFD
             gen.text += gen.detok.flush()
-        if reason in ("stop", "length") and gen.top is not None and not self._score(gen):
+        if reason in ("stop", "length") and gen.top is not None and not gen.top_done and not self._score(gen):
             reason = "error"
         if reason in ("stop", "length"):
             self._send(gen, len(gen.text))
@@ -248,6 +252,28 @@ class Engine:
             log.error("scoring request %s failed:\n%s", gen.id, traceback.format_exc())
             return False
         return True
+
+    def _score_one_greedy(self, gen: Generation) -> None:
+        """A greedy one-token request with log-probabilities (a harness's log-likelihood request) in one scoring
+        pass, without the server: the prompt's last position scored with a placeholder after it gives the greedy
+        token (its most likely) and that token's log-probability (position i's distribution does not depend on
+        token i). The token is the scorer's argmax; the numbers are those of scoring prompt + token."""
+        gen.tokens = [0]
+        if not self._score(gen):
+            self._finish(gen, "error")
+            return
+        s = gen.scored
+        token = int(s.top_ids[-1, 0])
+        s.logprobs[-1] = s.top_logprobs[-1, 0]
+        gen.tokens = [token]
+        self.metrics.generation_tokens.inc()
+        gen.text = gen.detok.add(token) + gen.detok.flush()
+        stop_at = min((i for i in (gen.text.find(x) for x in gen.stops) if i >= 0), default=-1)
+        if stop_at >= 0:
+            gen.text = gen.text[:stop_at]
+        ended = stop_at >= 0 or (token == self.eos_id and not gen.ignore_eos)
+        gen.top_done = True
+        self._finish(gen, "stop" if ended else "length")
 
     def _fail(self, trace: str) -> None:
         self.failed = trace.strip().splitlines()[-1][:200]
