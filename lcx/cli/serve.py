@@ -51,6 +51,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "at once (default 1024)")
     p.add_argument("--header-timeout", type=float, default=10.0, help="seconds for a request head to arrive "
                    "before the connection is closed (default 10)")
+    p.add_argument("--warmup", default=None, metavar="PROMPT_TOKENS[:NEW_TOKENS][@SHARED_TOKENS],...",
+                   help="before accepting connections, run dummy chats of these prompt lengths (sharing the chat "
+                   "template's opening, or their first SHARED_TOKENS) at every concurrency up to --max-num-seqs, so "
+                   "the programs they use are compiled and the first requests pay no compile (default: none; "
+                   "minutes on a CPU, printed)")
     p.add_argument("--dtype", default=None, help="parameter / compute dtype (default: the checkpoint's)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     p.set_defaults(func=run)
@@ -75,7 +80,8 @@ def config_of(args: argparse.Namespace):
                        served_model_name=args.served_model_name, segment=args.segment,
                        prefill_chunk=args.prefill_chunk, dtype=args.dtype,
                        max_body_bytes=parse_bytes(args.max_body_bytes, "--max-body-bytes"),
-                       max_connections=args.max_connections, header_timeout=args.header_timeout)
+                       max_connections=args.max_connections, header_timeout=args.header_timeout,
+                       warmup=args.warmup)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,7 +93,11 @@ def run(args: argparse.Namespace) -> int:
     config = config_of(args)
     config.cache()  # a policy the server cannot run: refused before the model loads
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if config.warmup:
+        print(f"lcx serve: warming up --warmup {config.warmup} once the model is loaded", flush=True)
     service = build_service(config)
+    if service.warmup is not None:
+        print(f"lcx serve: {service.warmup.line()}", flush=True)
     for line in service.plan.lines():
         print(f"lcx serve: {line}", flush=True)
     print(f"lcx serve: {config.name} on http://{config.host}:{config.port}/v1", flush=True)

@@ -42,7 +42,7 @@ PUBLIC = ("/health", "/metrics")  # paths served without the API key
 @dataclasses.dataclass
 class Service:
     """What an app serves: the model (``lcx.lm.LM``), the serving loop and its engine thread, the metrics, the
-    pool's plan and the idempotency keys."""
+    pool's plan, the idempotency keys and what the warm-up ran (``lcx.service.warmup.WarmupReport``, or None)."""
 
     config: ServeConfig
     lm: Any
@@ -51,6 +51,7 @@ class Service:
     metrics: Metrics
     plan: Any
     keys: IdempotencyKeys
+    warmup: Any = None
 
     def close(self) -> None:
         self.engine.close()
@@ -66,6 +67,7 @@ def build_service(config: ServeConfig, lm=None) -> Service:
     from lcx.parallel.device_memory import free_bytes
     from lcx.plan.inference import weight_bytes
     from lcx.plan.serving import serve_plan
+    from lcx.service.warmup import chat_head, parse_warmup, warm_up
 
     cache = config.cache()
     lm = lm or lcx.load(config.model, dtype=config.dtype)
@@ -89,11 +91,14 @@ def build_service(config: ServeConfig, lm=None) -> Service:
     server = Server(lm.config, lm.params, max_num_seqs=config.max_num_seqs, max_len=config.max_model_len,
                     pages=plan.pages, cache=cache, eos_id=lm.eos_id, segment=config.segment,
                     prefill_chunk=config.prefill_chunk, prefix_entries=config.prefix_entries, store=store)
+    # before the engine thread and the metrics exist: the dummies leave neither a trace
+    warmed = (warm_up(server, parse_warmup(config.warmup), head=chat_head(lm, encode_chat)) if config.warmup
+              else None)
     metrics = Metrics(page_bytes=plan.page_bytes, pages_total=plan.pages)
     scorer = Scorer(lm.config, lm.params, cache, eos_id=lm.eos_id, max_len=config.max_model_len)
     engine = Engine(server, lm.tokenizer, metrics, eos_id=lm.eos_id, scorer=scorer)
     return Service(config=config, lm=lm, server=server, engine=engine, metrics=metrics, plan=plan,
-                   keys=IdempotencyKeys(config.idempotency_ttl))
+                   keys=IdempotencyKeys(config.idempotency_ttl), warmup=warmed)
 
 
 # --------------------------------------------------------------------------------------------------- prompts

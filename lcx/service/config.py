@@ -22,7 +22,8 @@ class ServeConfig:
     that survive restarts (None: host memory only). ``segment``: decode steps between admissions;
     ``prefill_chunk``: prompt tokens per row and step; ``idempotency_ttl``: seconds a key is remembered;
     ``max_body_bytes``: the largest request body (413 past it, read no further); ``max_connections`` /
-    ``header_timeout``: open connections at most, seconds for a request head to arrive (``lcx.service.run``)."""
+    ``header_timeout``: open connections at most, seconds for a request head to arrive (``lcx.service.run``);
+    ``warmup``: prompt lengths whose programs are compiled before serving (``--warmup``, ``lcx.service.warmup``)."""
 
     model: str
     host: str = "127.0.0.1"
@@ -49,6 +50,7 @@ class ServeConfig:
     max_body_bytes: int = 32 << 20
     max_connections: int = 1024
     header_timeout: float = 10.0
+    warmup: str | None = None
 
     def __post_init__(self):
         for flag, value in (("--port", self.port), ("--max-num-seqs", self.max_num_seqs),
@@ -69,6 +71,9 @@ class ServeConfig:
         u = self.gpu_memory_utilization
         if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
             raise ConfigError(f"--gpu-memory-utilization={u!r} is invalid: must be a fraction in (0, 1]")
+        from lcx.service.warmup import parse_warmup
+
+        parse_warmup(self.warmup)  # a bad --warmup is refused before the model loads
 
     @property
     def name(self) -> str:
