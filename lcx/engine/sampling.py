@@ -133,7 +133,11 @@ def sample_rows(logits: jax.Array, rows: RowSampling, steps: jax.Array) -> jax.A
     When every row is greedy only the argmax runs."""
     def draw():
         t = rows.temperature[:, None]
-        scaled = filter_rows(logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0), rows.top_k, rows.top_p)
+        scaled = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)
+        # filter_rows sorts each row's vocabulary; with no top-k / top-p in the batch it returns its input, so skip
+        # it (the sort and the draw were ~40% of a sampled 8-row decode step of SmolLM2 on a 2-core CPU)
+        filters = jnp.any((rows.top_k > 0) | (rows.top_p < 1.0))
+        scaled = jax.lax.cond(filters, lambda x: filter_rows(x, rows.top_k, rows.top_p), lambda x: x, scaled)
         keys = jax.vmap(jax.random.fold_in)(rows.keys, jnp.broadcast_to(steps, rows.temperature.shape))
         drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
         return jnp.where(rows.temperature > 0, drawn, greedy(logits))
