@@ -56,9 +56,9 @@ def test_server_tokens_equal_generating_each_request_alone(params):
 def test_server_refuses_what_it_cannot_hold(params):
     with pytest.raises(ConfigError, match=r"cache.layout='contiguous' is invalid for Server"):
         Server(CFG, params, cache=lcx.CacheConfig())
-    with pytest.raises(ConfigError, match=r"cache.policy='kvzip' is invalid for Server: it scores by reconstruction "
-                                          r"passes.*allowed: .*h2o.*streaming"):
-        Server(CFG, params, cache=lcx.CacheConfig(layout="paged", policy="kvzip", budget=16))
+    with pytest.raises(ConfigError, match=r"cache.policy='duo' is invalid for Server: it calibrates.*allowed: "
+                                          r".*h2o.*kvzip.*streaming"):
+        Server(CFG, params, cache=lcx.CacheConfig(layout="paged", policy="duo", budget=16))
     with pytest.raises(ConfigError, match=r"Server pages=0 is invalid: must be a positive integer"):
         Server(CFG, params, max_len=32, pages=0, cache=lcx.CacheConfig(layout="paged", page_size=8))
     server = Server(CFG, params, max_len=32, cache=lcx.CacheConfig(layout="paged", page_size=8))
@@ -206,8 +206,6 @@ def test_an_evicting_policy_serves_prompts_past_its_pages_as_generate_does(param
                          cache=lcx.CacheConfig(**cache.to_dict() | {"prefill_chunk": server.chunk}))
     assert out[rid] == alone.tokens[0, :20].tolist()
     assert int(server.state.peak) <= server.row_pages and server.pages_used() == 0
-    with pytest.raises(ConfigError, match=r"cache.policy='kvzip' is invalid for Server"):
-        Server(CFG, params, cache=lcx.CacheConfig(layout="paged", policy="kvzip", budget=16))
 
 
 # --------------------------------------------------------------------------------------------------- the page store

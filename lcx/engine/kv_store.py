@@ -11,6 +11,10 @@ content fingerprint and the cache settings: a different model or page size or KV
 the tokens of pages ``0 .. i`` - the same key in every process, unlike a hash seeded per process. A page depends on
 every token before it (attention), which the chain captures; two prompts with the same first pages share them.
 
+Under an evicting policy a row's compressed state is one entry (``put_state`` / ``get_state``;
+``lcx.engine.store_io``), keyed by the namespace and every token the row has seen, its length in the key's last 8
+hex digits; ``get_state`` finds the longest state a prompt continues. It shares the tiers, files and checks below.
+
 Tiers: host memory (least recently used dropped first past ``host_bytes``) and, with a ``directory``, one file per
 page, ``<key>.kvp``: ``MAGIC``, the header's size, a JSON header (each array's name, dtype and shape; the payload's
 size), the payload, and a 16-byte BLAKE2b digest of everything before it keyed by the page's key. The digest binds
@@ -54,6 +58,7 @@ FAMILY = b"LCXKVP"  # what every format's magic starts with: a file of another v
 SUFFIX = ".kvp"
 DIGEST = 16  # bytes of the trailing digest
 STAMP_STEP_NS = 1_000  # how much older page i + 1 of a chain is stamped than page i
+STATE_KEY = 40  # hex digits of a row state's key (a page's has 32): the digest, then the token count
 
 
 def chain(namespace: str, tokens: np.ndarray, page: int) -> list[str]:
@@ -138,10 +143,12 @@ class PageStore:
         self.hits = self.misses = self.corrupt = self.disk_errors = 0
         self.disk_error: str | None = None
         self.directory = None if directory is None else Path(directory)
+        self._state_lengths: set[int] = set()  # token counts of the row states kept (get_state tries each)
         if self.directory is not None:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 self._sweep()
+                self._state_lengths = {int(p.stem[32:], 16) for p in self._files() if len(p.stem) == STATE_KEY}
             except OSError as err:
                 raise ConfigError(f"kv store directory {str(directory)!r} cannot be created or read: {err}") from err
         self._disk_used = self.disk_used()
@@ -220,6 +227,54 @@ class PageStore:
             return 0, None
         self._stamp(keys[:len(pages)])
         return len(pages), {n: np.stack([p[n] for p in pages], axis=1) for n in pages[0]}
+
+    # ------------------------------------------------------------------------------------------- row states
+    def state_key(self, tokens: np.ndarray) -> str:
+        """The key of a compressed row's state after ``tokens`` (hex, as a page's; its last 8 digits the length)."""
+        tokens = np.asarray(tokens, "<i4")
+        digest = hashlib.blake2b(b"state:" + self.namespace.encode() + tokens.tobytes(), digest_size=16)
+        return digest.hexdigest() + f"{tokens.size:08x}"
+
+    def put_state(self, tokens: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        """Keep the state a row reached after ``tokens`` (``lcx.engine.store_io.snapshot``), as one entry."""
+        key = self.state_key(tokens)
+        self._keep(key, arrays)
+        self._state_lengths.add(int(np.asarray(tokens).size))
+        if self.directory is not None:
+            self._write(key, arrays)
+            self._stamp([key])
+            self._bound_disk()
+
+    def get_state(self, tokens: np.ndarray) -> tuple[int, dict[str, np.ndarray] | None]:
+        """``(n, arrays)``: the state stored after the longest ``tokens[:n]`` (``n < tokens.size``: the rest is
+        the request's own), or ``(0, None)``. The caller checks its layout (``drop_state`` if it is not its own)."""
+        tokens = np.asarray(tokens)
+        for n in sorted((n for n in self._state_lengths if n < tokens.size), reverse=True):
+            key = self.state_key(tokens[:n])
+            arrays = self._host.get(key)
+            if arrays is not None:
+                self._host.move_to_end(key)
+            elif self.directory is not None:
+                arrays = self._read(key, None)
+                if arrays is not None:
+                    self._keep(key, arrays)
+            if arrays is not None:
+                self._stamp([key])
+                return n, arrays
+        return 0, None
+
+    def drop_state(self, tokens: np.ndarray) -> None:
+        """Forget the state after ``tokens`` (its layout is not the reader's): host copy and file deleted, counted
+        in ``corrupt``."""
+        key = self.state_key(tokens)
+        self.corrupt += 1
+        if key in self._host:
+            self._drop_host(key)
+        if self.directory is not None:
+            try:
+                self._path(key).unlink(missing_ok=True)
+            except OSError as err:
+                self._failed(f"delete of {self._path(key)}", err)
 
     # ------------------------------------------------------------------------------------------- writes
     def put(self, tokens: np.ndarray, indices: list[int], arrays: dict[str, np.ndarray]) -> None:

@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lcx.cache import page_pool
 from lcx.cache.paged import PagedState
@@ -112,5 +113,22 @@ def write_pages(state: PagedState, row, n, arrays: dict) -> PagedState:
     return state.replace(lengths=state.lengths.at[row].set(n * state.kind.page))
 
 
+def padded(pages, fill: int = -1) -> jax.Array:
+    """Page ids padded to a power of two (``fill``; -1: out of range, dropped): a few compiled shapes, not one per
+    page count."""
+    pages = list(pages)
+    return jnp.asarray(pages + [fill] * ((1 << max(len(pages) - 1, 0).bit_length()) - len(pages)), jnp.int32)
+
+
+take_pages = jax.jit(lambda pool, ids: jnp.take(pool, ids, axis=1))  # pool [L, P, ...] -> the pages ids [L, n, ...]
+
+
+def set_row(values: np.ndarray, row: int, value) -> np.ndarray:
+    """A copy of the host array ``values`` with row ``row`` set to ``value``."""
+    values = values.copy()
+    values[row] = value
+    return values
+
+
 __all__ = ["assign", "gather", "hold", "kv_names", "page_layout", "release", "reset_row", "row_fields", "rows_of",
-           "scatter", "write_pages"]
+           "padded", "scatter", "set_row", "take_pages", "write_pages"]

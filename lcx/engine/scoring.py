@@ -40,8 +40,10 @@ class Scorer:
     """Scores token sequences of at most ``max_len`` tokens under ``cache`` (its policy and KV dtype; the layout
     is contiguous whatever ``cache`` says). Not thread-safe: one caller (a server's engine thread)."""
 
-    def __init__(self, config: ModelConfig, params, cache: CacheConfig, *, eos_id: int | None, max_len: int):
+    def __init__(self, config: ModelConfig, params, cache: CacheConfig, *, eos_id: int | None, max_len: int,
+                 reconstruction=None):
         self.config, self.params, self.eos_id, self.max_len = config, params, eos_id, max_len
+        self.reconstruction = reconstruction  # KVzip's repeat prompt (a Generator of that policy needs one)
         self.cache = CacheConfig(**(cache.to_dict() | {"layout": "contiguous"}))
         self._generators: dict[int, Generator] = {}
 
@@ -50,7 +52,8 @@ class Scorer:
         gen = self._generators.get(bucket)
         if gen is None:
             gen = self._generators[bucket] = Generator(self.config, self.params, max_new_tokens=bucket,
-                                                       cache=self.cache, eos_id=self.eos_id)
+                                                       cache=self.cache, eos_id=self.eos_id,
+                                                       reconstruction=self.reconstruction)
         return gen, bucket
 
     def score(self, ids) -> Scored:

@@ -19,8 +19,11 @@ their tokens wait for one chunk, not for the whole prompt. A row that emits EOS 
 (its pages back to the pool) and the next request takes it. Each request samples with its own settings and key
 (``lcx.engine.sampling``): under the full policy its tokens equal ``lcx.generate`` of its prompt alone with the same
 settings and seed (greedy by default). Under an evicting policy (the slot policies on pages,
-``lcx.cache.paged_slots``) a row's prompt ends with the policy's end-of-prefill eviction, as in ``Generator``, and
-a row evicts when its own slots overflow. The compiled functions are the configuration's ``Programs``.
+``lcx.cache.paged_slots``) a row's prompt ends with the policy's end-of-prefill eviction, as in ``Generator`` -
+KVzip's after its reconstruction passes (``reconstruction``: the repeat prompt) - a row evicts when its own slots
+overflow, and from its compression on a row reserves only the pages it can still come to hold
+(``lcx.engine.prompt_end``): a one-shot policy's freed pages admit more requests. The compiled functions are the
+configuration's ``Programs``.
 
 Cancellation: ``Server.cancel(request_id)`` (between steps, or from inside ``on_token``) drops a waiting request, or
 ends a running one at once: its row and pages are released (its references gone, its committed pages back to
@@ -34,7 +37,9 @@ them without prefilling them (a request that shares more with a prompt still bei
 are kept). Kept prefixes are released least recently used first when a request needs their pages, and at most
 ``prefix_entries`` are kept. With a ``store`` (``lcx.engine.kv_store.PageStore``) the whole pages of every prompt,
 and of a finished request's prompt + answer, are also written to host memory (and disk); a request whose prompt
-extends stored pages further than any kept prefix loads them into its own pages instead of prefilling them.
+extends stored pages further than any kept prefix loads them into its own pages instead of prefilling them. Under an
+evicting policy (not KVzip) the store keeps a finished request's compressed state instead, and a prompt that
+continues it (the conversation's next turn) starts from it (``lcx.engine.store_io``).
 
 Shape letters: b rows (``max_num_seqs``), T pages per row, S decode steps per segment.
 """
@@ -53,8 +58,9 @@ from lcx.cache import paged
 from lcx.cache.base import CacheCapacityError, round_chunk
 from lcx.cache.config import CacheConfig
 from lcx.config_base import ConfigError
-from lcx.engine import rows
+from lcx.engine import rows, store_io
 from lcx.engine.generator import Generator
+from lcx.engine.prompt_end import compress_rows, pages_still_needed, pl2
 from lcx.engine.sampling import RowSampling, SamplingConfig, request_key, sample_rows
 from lcx.kernels.names import LOWBIT_DTYPES
 from lcx.model.config import ModelConfig
@@ -96,7 +102,8 @@ class Server:
     ``max_len``: the most tokens (prompt + new) of one request; ``pages``: the pool size (default: every row at its
     largest, i.e. no admission ever waits for pages); ``segment``: decode steps per jitted call (rows admitted
     between segments); ``prefill_chunk``: prompt tokens per row and step; ``prefix_entries``: prefixes kept across
-    requests (0: none; the full policy only); ``store``: a ``PageStore`` for prompt pages (the full policy only).
+    requests (0: none; the full policy only); ``store``: a ``PageStore`` (prompt pages; compressed states under
+    eviction); ``reconstruction``: KVzip's repeat prompt (one-shot: budget + interval >= ``max_len``).
 
     ``cancel(request_id)`` ends a request early (waiting or running; usable from inside ``on_token``); a request
     whose ``on_token`` raises an ``Exception`` is cancelled the same way. ``cancelled``: every cancelled request's id
@@ -104,7 +111,8 @@ class Server:
 
     def __init__(self, config: ModelConfig, params, *, max_num_seqs: int = 8, max_len: int = 4096,
                  pages: int | None = None, cache: CacheConfig | None = None, eos_id: int | None = None,
-                 segment: int = 16, prefill_chunk: int = 256, prefix_entries: int = 4, store=None):
+                 segment: int = 16, prefill_chunk: int = 256, prefix_entries: int = 4, store=None,
+                 reconstruction=None):
         cache = cache or CacheConfig(layout="paged")
         if cache.layout != "paged":
             raise ConfigError(f"cache.layout={cache.layout!r} is invalid for Server: it batches over a paged cache; "
@@ -115,18 +123,26 @@ class Server:
                 raise ConfigError(f"Server {name}={value!r} is invalid: must be a positive integer")
         policy = cache.make_policy()
         self.evicts = policy.evicts
-        if policy.observes.reconstructs or policy.observes.calibrates:
-            raise ConfigError(f"cache.policy={cache.policy!r} is invalid for Server: it "
-                              f"{'scores by reconstruction passes' if policy.observes.reconstructs else 'calibrates'}"
-                              f" over a contiguous cache; allowed: {', '.join(server_policies())}")
+        if policy.observes.calibrates:
+            raise ConfigError(f"cache.policy={cache.policy!r} is invalid for Server: it calibrates over a contiguous "
+                              f"cache; allowed: {', '.join(server_policies())}")
+        self.reconstruction = reconstruction if policy.observes.reconstructs else None
+        if policy.observes.reconstructs and reconstruction is None:
+            raise ConfigError(f"cache.policy={cache.policy!r} scores a prompt by asking the model to repeat it: pass "
+                              "Server(reconstruction=...) (lcx.data.haystack.Frame(tokenizer, chat).reconstruction())")
         cache = CacheConfig(**(cache.to_dict() | {"prefill_chunk": prefill_chunk}))
-        self.gen = Generator(config, params, max_new_tokens=1, cache=cache, eos_id=eos_id)
+        self.gen = Generator(config, params, max_new_tokens=1, cache=cache, eos_id=eos_id,
+                             reconstruction=self.reconstruction)
         self.kind, self.config, self.eos_id = self.gen.kind, config, eos_id
         self.cache_config = cache
         self.page = self.kind.page
         self.max_len = max_len
         # a row's slots: every token under the full policy, the policy's plan (budget + interval) under eviction
         slots = self.kind.plan(1, max_len, 0) if self.evicts else max_len
+        if self.reconstruction is not None and slots < max_len:  # it compresses a prompt once, having read it all
+            raise ConfigError(f"cache.policy={cache.policy!r} with budget + interval = {slots} < max_len={max_len}: "
+                              "it compresses a prompt once, after reading all of it; set cache.interval >= "
+                              f"{max_len - (slots - cache.interval)} (max_len - budget)")
         self.row_pages = -(-slots // self.page)
         self.pages = max_num_seqs * self.row_pages if pages is None else pages
         if isinstance(self.pages, bool) or not isinstance(self.pages, int) or self.pages < 1:
@@ -141,8 +157,11 @@ class Server:
             raise ConfigError(f"Server store= with cache.kv_dtype={cache.kv_dtype!r}: a bit-packed cache's pages "
                               "are not a prefix without the row's float window; allowed: store=None, or kv_dtype "
                               "'int8', 'fp8' or None")
+        if store is not None and self.reconstruction is not None:
+            raise ConfigError(f"Server store= with cache.policy={cache.policy!r}: its reconstruction passes score a "
+                              "fresh prompt, not a stored compressed state; allowed: store=None")
         self.prefix_entries = 0 if self.evicts or lowbit else prefix_entries
-        self.store = None if self.evicts else store
+        self.store = store
         self.state = paged.create(self.kind, self.rows, self.row_pages * self.page, self.pages)
         self._queue: collections.deque[_Request] = collections.deque()
         self._running: dict[int, _Request] = {}  # row -> request
@@ -333,10 +352,10 @@ class Server:
             self.state = rows.assign(self.state, jnp.int32(row), jnp.asarray(table), jnp.int32(shared * self.page))
             if stored:
                 self._load(request)
-            request.read = request.cached = max(shared, stored) * self.page
+            request.read = request.cached = stored if self.evicts else max(shared, stored) * self.page
             self.cached_tokens += request.cached
             one = RowSampling.build([request.sampling], request.key[None])
-            self.sampling = jax.tree.map(lambda all_, x: _set_row(all_, row, x[0]), self.sampling, one)
+            self.sampling = jax.tree.map(lambda all_, x: rows.set_row(all_, row, x[0]), self.sampling, one)
             self._running[row] = request
             admitted.append(request)
         return admitted
@@ -346,6 +365,8 @@ class Server:
         while it waits), when that is more than the ``shared`` pages of a kept prefix; else 0."""
         if self.store is None:
             return 0
+        if request.stored is None and self.evicts:  # the compressed state its prompt continues, if one is kept
+            request.stored = store_io.continued(self.store, self.state, request.prompt)
         if request.stored is None:
             n = self.store.match(request.prompt[:(request.prompt.size - 1) // self.page * self.page])
             # reading checks each file and its layout (the pool's: another failed the step, for every row): a bad
@@ -355,13 +376,14 @@ class Server:
         return request.stored[0]
 
     def _load(self, request: _Request) -> None:
-        """Row ``request.row`` (empty) gets fresh pages holding the store's pages of its prompt."""
-        n_pages, arrays = request.stored
+        """Row ``request.row`` (empty) gets fresh pages holding the store's pages of its prompt (full cache), or the
+        compressed state its prompt continues (evicting policy)."""
+        n, arrays = request.stored
         request.stored = None
-        width = pl2(n_pages)  # a few compiled widths: the rest is padding, never written
-        pad = lambda x: np.pad(x, [(0, 0), (0, width - n_pages)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-        self.state = rows.write_pages(self.state, jnp.int32(request.row), jnp.int32(n_pages),
-                                      {n: jnp.asarray(pad(x)) for n, x in arrays.items()})
+        if self.evicts:
+            self.state = store_io.restore(self.state, request.row, arrays)
+        else:
+            self.state = store_io.load_pages(self.state, request.row, n, arrays)
 
     def _narrow(self, key: tuple, shared: int) -> tuple:
         """The kept prefix of the first ``shared`` pages of ``key``'s, as an entry of its own when shorter (one more
@@ -371,7 +393,7 @@ class Server:
         short = key[:shared * self.page]
         if short not in self._prefixes:
             pages = self._prefixes[key].pages[:shared]
-            self.state = rows.hold(self.state, _padded(pages), jnp.int32(1))
+            self.state = rows.hold(self.state, rows.padded(pages), jnp.int32(1))
             self._prefixes[short] = _Prefix(pages)
         return short
 
@@ -383,7 +405,7 @@ class Server:
                 try:
                     self._store_pages(np.asarray(key, np.int32), prefix.pages)
                 finally:
-                    self.state = rows.hold(self.state, _padded(prefix.pages), jnp.int32(-1))
+                    self.state = rows.hold(self.state, rows.padded(prefix.pages), jnp.int32(-1))
                     del self._prefixes[key]
                 return True
         return False
@@ -396,7 +418,7 @@ class Server:
             return
         table = np.asarray(self.state.table[request.row])
         pages = [int(p) for p in table[:n_pages]]
-        self.state = rows.hold(self.state, _padded(pages), jnp.int32(1))
+        self.state = rows.hold(self.state, rows.padded(pages), jnp.int32(1))
         # the pages are no longer the request's alone: the kept prefix owns them from now on (the prefix it read is
         # exactly its shared pages: _narrow)
         shared_before = 0 if request.prefix is None else min(len(request.prefix) // self.page, n_pages)
@@ -410,14 +432,8 @@ class Server:
 
     def _store_pages(self, tokens: np.ndarray, pages) -> None:
         """Write the whole pages of ``tokens``, held in the pool pages ``pages`` (in order), that the store lacks."""
-        n_pages = min(tokens.size // self.page, len(pages))
-        missing = self.store.missing(tokens[:n_pages * self.page]) if self.store is not None and n_pages else []
-        if not missing:
-            return
-        ids = _padded([int(pages[i]) for i in missing], fill=0)
-        arrays = {n: np.asarray(_take_pages(getattr(self.state, n), ids))[:, :len(missing)]
-                  for n in rows.kv_names(self.state)}
-        self.store.put(tokens[:n_pages * self.page], missing, arrays)
+        if self.store is not None and not self.evicts:
+            store_io.store_pages(self.state, self.store, tokens, pages)
 
     def _row_pages(self, request: _Request) -> np.ndarray:
         return np.asarray(self.state.table[request.row])
@@ -457,9 +473,8 @@ class Server:
         sub = self.kind.sync(_widened(narrow, wide))
         ending = [i for i in range(len(reading)) if last_index[i] >= 0]
         if self.evicts and ending:  # the policy's end-of-prefill eviction, for the rows whose prompt ended only
-            at = jnp.asarray(ending + [batch] * (pl2(len(ending)) - len(ending)), jnp.int32)
-            ended = self.kind.sync(self.programs.end_prefill(rows.gather(sub, at)))
-            sub = rows.scatter(rows.rows_of(sub), ended, at, len(ending))
+            sub = compress_rows(self.kind, self.programs, self.gen.params, sub, ending,
+                                [reading[i].prompt for i in ending], self.reconstruction)
         self.state = rows.scatter(rows.rows_of(self.state), sub, index, len(row_ids))
         for i, r in enumerate(reading):
             r.read += int(ok[i].sum())
@@ -473,6 +488,10 @@ class Server:
             request = reading[i]
             if self._running.get(request.row) is not request:
                 continue  # cancelled from an earlier request's on_token
+            if self.evicts:  # compressed: reserved from now on only what it can still come to hold
+                need = pages_still_needed(self._row_pages(request), request.max_new_tokens, self.page, self.row_pages)
+                self.committed -= request.private - min(need, request.private)
+                request.private = min(need, request.private)
             self._keep_prefix(request)
             if self.store is not None and self.store.directory is not None:  # on disk now: a kill -9 keeps them
                 self._store_pages(request.prompt[:request.prompt.size - 1], self._row_pages(request))
@@ -512,7 +531,10 @@ class Server:
         # resent with this answer in its history reads these pages
         if self.store is not None:
             held = np.concatenate([request.prompt, np.asarray(request.tokens[:-1], np.int32)])
-            self._store_pages(held, self._row_pages(request))
+            if self.evicts:  # the compressed state: the conversation's next turn continues it
+                self.store.put_state(held, store_io.snapshot(self.state, request.row))
+            else:
+                self._store_pages(held, self._row_pages(request))
         self._end(request)
         done[request.id] = request.tokens
 
@@ -555,28 +577,14 @@ class Server:
 
 
 def server_policies() -> list[str]:
-    """The cache policies a ``Server`` runs: those of the paged slot cache that need no reconstruction pass and
-    no calibration."""
+    """The cache policies a ``Server`` runs: those of the paged slot cache that need no calibration."""
     from lcx.cache.policy import registered_where
 
-    return registered_where(lambda p: p.cache_type == "slots" and not (p.observes.reconstructs
-                                                                        or p.observes.calibrates))
-
-
-def pl2(n: int) -> int:
-    """The power of two at or above ``n`` (the sub-batch sizes a prefill compiles for)."""
-    return 1 << max(n - 1, 0).bit_length()
+    return registered_where(lambda p: p.cache_type == "slots" and not p.observes.calibrates)
 
 
 # --------------------------------------------------------------------------------------------------- jitted
 _first_tokens = jax.jit(lambda logits, rows: sample_rows(logits, rows, jnp.zeros_like(rows.top_k)))
-
-
-def _padded(pages, fill: int = -1) -> jax.Array:
-    """Page ids padded to a power of two (``fill``; -1: out of range, dropped): a few compiled shapes, not one per
-    page count."""
-    pages = list(pages)
-    return jnp.asarray(pages + [fill] * (pl2(len(pages)) - len(pages)), jnp.int32)
 
 
 def _widened(state, wide):
@@ -585,15 +593,6 @@ def _widened(state, wide):
     if wide is None:
         return state
     return state.replace(table=wide.at[:, :state.table.shape[1]].set(state.table))
-
-
-_take_pages = jax.jit(lambda pool, ids: jnp.take(pool, ids, axis=1))
-
-
-def _set_row(values: np.ndarray, row: int, value) -> np.ndarray:
-    values = values.copy()
-    values[row] = value
-    return values
 
 
 __all__ = ["Server", "server_policies"]

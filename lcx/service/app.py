@@ -81,24 +81,39 @@ def build_service(config: ServeConfig, lm=None) -> Service:
         raise ConfigError(f"--kv-store with --kv-dtype {cache.kv_dtype}: a bit-packed cache keeps each request's "
                           "most recent tokens in a float window beside its pages, so pages alone are not a prefix "
                           "(allowed: --kv-dtype int8, fp8 or none with --kv-store)")
-    if not cache.make_policy().evicts and not lowbit:
+    policy = cache.make_policy()
+    if policy.observes.reconstructs and config.kv_store is not None:
+        raise ConfigError(f"--kv-store with --cache-policy={cache.policy!r}: its reconstruction passes score a fresh "
+                          "prompt, not a stored compressed state (allowed: --cache-policy full or a policy without "
+                          "reconstruction, e.g. snapkv)")
+    if not lowbit and not policy.observes.reconstructs:  # pages (full) or compressed states (evicting)
         store = PageStore(store_namespace(lm.params, cache, lm.config), page=cache.page_size,
                           host_bytes=config.host_store_bytes, directory=config.kv_store,
                           disk_bytes=config.kv_store_bytes)
-    elif config.kv_store is not None:
-        raise ConfigError(f"--kv-store with --cache-policy={cache.policy!r}: stored pages are a full cache's; "
-                          "an evicting policy's compressed state is not stored yet (allowed: --cache-policy full)")
+    reconstruction = repeat_prompt(lm) if policy.observes.reconstructs else None
     server = Server(lm.config, lm.params, max_num_seqs=config.max_num_seqs, max_len=config.max_model_len,
                     pages=plan.pages, cache=cache, eos_id=lm.eos_id, segment=config.segment,
-                    prefill_chunk=config.prefill_chunk, prefix_entries=config.prefix_entries, store=store)
+                    prefill_chunk=config.prefill_chunk, prefix_entries=config.prefix_entries, store=store,
+                    reconstruction=reconstruction)
     # before the engine thread and the metrics exist: the dummies leave neither a trace
     warmed = (warm_up(server, parse_warmup(config.warmup), head=chat_head(lm, encode_chat)) if config.warmup
               else None)
     metrics = Metrics(page_bytes=plan.page_bytes, pages_total=plan.pages)
-    scorer = Scorer(lm.config, lm.params, cache, eos_id=lm.eos_id, max_len=config.max_model_len)
+    scorer = Scorer(lm.config, lm.params, cache, eos_id=lm.eos_id, max_len=config.max_model_len,
+                    reconstruction=reconstruction)
     engine = Engine(server, lm.tokenizer, metrics, eos_id=lm.eos_id, scorer=scorer)
     return Service(config=config, lm=lm, server=server, engine=engine, metrics=metrics, plan=plan,
                    keys=IdempotencyKeys(config.idempotency_ttl), warmup=warmed)
+
+
+def repeat_prompt(lm):
+    """KVzip's repeat prompt for the served model: in its chat frame when it has a chat template (chat requests are
+    what a server mostly gets; a plain completion's first tokens are then skipped as a chat header would be - the
+    policy's sinks keep them), else plain."""
+    from lcx.data.haystack import Frame
+
+    chat = lm.chat_template if getattr(lm.tokenizer, "chat_template", None) else None
+    return Frame(lm.tokenizer, chat).reconstruction()
 
 
 # --------------------------------------------------------------------------------------------------- prompts

@@ -91,8 +91,8 @@ class ServeConfig:
         cache = CacheConfig.from_mapping(spec, prefix="--cache-param")
         allowed = server_policies()
         if cache.policy not in allowed:
-            raise ConfigError(f"--cache-policy={cache.policy!r} cannot run in lcx serve (it needs reconstruction "
-                              f"passes, calibration or a cache type of its own); allowed: {', '.join(allowed)}")
+            raise ConfigError(f"--cache-policy={cache.policy!r} cannot run in lcx serve (it needs calibration or "
+                              f"a cache type of its own); allowed: {', '.join(allowed)}")
         return cache
 
 
