@@ -116,7 +116,27 @@ def test_a_conversation_continues_its_compressed_state_across_a_restart(params, 
     assert again == continued
     fresh = _alone(params, cache, first + answer + extra)
     assert again != fresh  # the session's state, not a fresh compression of the history (else the test proves less)
-    # a state of another layout (another pool's, or edited) is dropped and counted, never loaded: prefilled again
+    # a longer state of another layout (another server's pool) is skipped, never loaded: the longest that fits is
     store.put_state(np.asarray(first + answer + extra, np.int32), {"page.k": np.zeros((2, 1, 3), np.float32)})
     rid = two.submit(first + answer + extra + [5], max_new_tokens=NEW, ignore_eos=True)
-    assert len(two.run()[rid]) == NEW and store.corrupt == 1 and two.prefill_tokens == 1 + len(extra) + len(first + answer + extra) + 1
+    assert len(two.run()[rid]) == NEW and two.cached_tokens == 2 * (len(first) + NEW - 1)
+
+
+def test_decode_evictions_stay_within_the_lowered_reservation(params):
+    """Streaming with a small interval evicts while decoding (the row grows to budget + interval and back), so a
+    row that may still generate ``interval`` tokens keeps its whole table reserved: in a pool of two rows and a
+    half, two run at once, the third after - none past the pool, each with its tokens alone."""
+    cache = lcx.CacheConfig(layout="paged", page_size=4, policy="streaming", budget=12, interval=8, sinks=2)
+    server = Server(CFG, params, max_num_seqs=3, max_len=MAX_LEN, pages=10, segment=4, prefill_chunk=8,
+                    cache=cache)
+    prompts = _prompts()
+    ids = [server.submit(p, max_new_tokens=20, ignore_eos=True) for p in prompts]
+    done, together = {}, 0
+    while server.busy:
+        server.step(done=done)
+        together = max(together, server.running)
+    assert together == 2 and int(server.state.peak) <= 10 and server.committed == 0
+    for rid, prompt in zip(ids, prompts):
+        gen = Generator(CFG, params, max_new_tokens=20, cache=lcx.CacheConfig(**cache.to_dict() | {
+            "prefill_chunk": server.chunk}))
+        assert done[rid] == gen.result(gen.decode(gen.prefill([prompt]))).tokens[0].tolist()

@@ -125,6 +125,10 @@ def layout_of(arrays: dict[str, np.ndarray]) -> dict[str, tuple[str, tuple[int, 
     return {n: (str(x.dtype), tuple(int(s) for s in x.shape)) for n, x in arrays.items()}
 
 
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
+
+
 class PageStore:
     """Host (and disk) tiers of KV pages keyed by ``chain``; see the module docstring. ``page``: tokens per page.
     Counters: ``hits`` / ``misses`` (pages), ``corrupt`` (files found bad and deleted), ``disk_errors`` (disk
@@ -148,7 +152,8 @@ class PageStore:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 self._sweep()
-                self._state_lengths = {int(p.stem[32:], 16) for p in self._files() if len(p.stem) == STATE_KEY}
+                self._state_lengths = {int(p.stem[32:], 16) for p in self._files()
+                                       if len(p.stem) == STATE_KEY and _is_hex(p.stem)}
             except OSError as err:
                 raise ConfigError(f"kv store directory {str(directory)!r} cannot be created or read: {err}") from err
         self._disk_used = self.disk_used()
@@ -232,11 +237,21 @@ class PageStore:
     def state_key(self, tokens: np.ndarray) -> str:
         """The key of a compressed row's state after ``tokens`` (hex, as a page's; its last 8 digits the length)."""
         tokens = np.asarray(tokens, "<i4")
-        digest = hashlib.blake2b(b"state:" + self.namespace.encode() + tokens.tobytes(), digest_size=16)
-        return digest.hexdigest() + f"{tokens.size:08x}"
+        return self._state_keys(tokens, [tokens.size])[0]
+
+    def _state_keys(self, tokens: np.ndarray, lengths: list[int]) -> list[str]:
+        """The keys of the states after ``tokens[:n]`` for each ``n`` of ``lengths`` (ascending): one running hash."""
+        tokens = np.asarray(tokens, "<i4")
+        digest, done, keys = hashlib.blake2b(b"state:" + self.namespace.encode(), digest_size=16), 0, []
+        for n in lengths:
+            digest.update(tokens[done:n].tobytes())
+            done = n
+            keys.append(digest.copy().hexdigest() + f"{n:08x}")
+        return keys
 
     def put_state(self, tokens: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
-        """Keep the state a row reached after ``tokens`` (``lcx.engine.store_io.snapshot``), as one entry."""
+        """Keep the state a row reached after ``tokens`` (``lcx.engine.store_io.snapshot``), as one entry. Keyed
+        by the tokens only: a state reached by other turns over the same tokens is the same entry (the first kept)."""
         key = self.state_key(tokens)
         self._keep(key, arrays)
         self._state_lengths.add(int(np.asarray(tokens).size))
@@ -245,12 +260,13 @@ class PageStore:
             self._stamp([key])
             self._bound_disk()
 
-    def get_state(self, tokens: np.ndarray) -> tuple[int, dict[str, np.ndarray] | None]:
+    def get_state(self, tokens: np.ndarray, accept=None) -> tuple[int, dict[str, np.ndarray] | None]:
         """``(n, arrays)``: the state stored after the longest ``tokens[:n]`` (``n < tokens.size``: the rest is
-        the request's own), or ``(0, None)``. The caller checks its layout (``drop_state`` if it is not its own)."""
+        the request's own) that ``accept(arrays)`` takes (default: any), or ``(0, None)``. One it refuses (another
+        server's layout: another max_model_len shares the namespace) is skipped, not deleted."""
         tokens = np.asarray(tokens)
-        for n in sorted((n for n in self._state_lengths if n < tokens.size), reverse=True):
-            key = self.state_key(tokens[:n])
+        lengths = sorted(n for n in self._state_lengths if n < tokens.size)
+        for n, key in reversed(list(zip(lengths, self._state_keys(tokens, lengths)))):
             arrays = self._host.get(key)
             if arrays is not None:
                 self._host.move_to_end(key)
@@ -258,23 +274,12 @@ class PageStore:
                 arrays = self._read(key, None)
                 if arrays is not None:
                     self._keep(key, arrays)
-            if arrays is not None:
+            if arrays is not None and (accept is None or accept(arrays)):
+                self.hits += 1
                 self._stamp([key])
                 return n, arrays
+        self.misses += 1
         return 0, None
-
-    def drop_state(self, tokens: np.ndarray) -> None:
-        """Forget the state after ``tokens`` (its layout is not the reader's): host copy and file deleted, counted
-        in ``corrupt``."""
-        key = self.state_key(tokens)
-        self.corrupt += 1
-        if key in self._host:
-            self._drop_host(key)
-        if self.directory is not None:
-            try:
-                self._path(key).unlink(missing_ok=True)
-            except OSError as err:
-                self._failed(f"delete of {self._path(key)}", err)
 
     # ------------------------------------------------------------------------------------------- writes
     def put(self, tokens: np.ndarray, indices: list[int], arrays: dict[str, np.ndarray]) -> None:

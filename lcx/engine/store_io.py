@@ -72,13 +72,9 @@ def fits(state, arrays: dict[str, np.ndarray]) -> bool:
 
 
 def continued(store, state, prompt: np.ndarray) -> tuple[int, dict[str, np.ndarray] | None]:
-    """``(n, arrays)``: the compressed state ``store`` keeps after the longest ``prompt[:n]``, if it is of this
-    pool's layout (one of another is dropped, counted corrupt); else ``(0, None)``."""
-    n, arrays = store.get_state(prompt)
-    if n and not fits(state, arrays):
-        store.drop_state(prompt[:n])
-        return 0, None
-    return n, arrays
+    """``(n, arrays)``: the compressed state ``store`` keeps after the longest ``prompt[:n]`` that is of this
+    pool's layout (``fits``), or ``(0, None)``."""
+    return store.get_state(prompt, accept=lambda arrays: fits(state, arrays))
 
 
 def restore(state, row: int, arrays: dict[str, np.ndarray]):

@@ -86,7 +86,9 @@ def build_service(config: ServeConfig, lm=None) -> Service:
         raise ConfigError(f"--kv-store with --cache-policy={cache.policy!r}: its reconstruction passes score a fresh "
                           "prompt, not a stored compressed state (allowed: --cache-policy full or a policy without "
                           "reconstruction, e.g. snapkv)")
-    if not lowbit and not policy.observes.reconstructs:  # pages (full) or compressed states (evicting)
+    # pages (full: the same keys and values whoever computed them) or, asked for, compressed states (a session's
+    # state gives its next turn other tokens than a fresh compression: only with --kv-store)
+    if not lowbit and (not policy.evicts or (config.kv_store is not None and not policy.observes.reconstructs)):
         store = PageStore(store_namespace(lm.params, cache, lm.config), page=cache.page_size,
                           host_bytes=config.host_store_bytes, directory=config.kv_store,
                           disk_bytes=config.kv_store_bytes)
