@@ -34,8 +34,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", default=None, help="int8 / fp8: 8-bit KV codes; int4 / int2: bit-packed codes "
                    "in groups (--page-size a multiple of --cache-param kv_group=, default 64; kv_residual= keeps the "
                    "most recent tokens in float) (default: the model's dtype)")
-    p.add_argument("--kv-store", default=None, metavar="DIR", help="keep prompt pages on disk here: they survive "
-                   "restarts (full policy)")
+    p.add_argument("--kv-store", default=None, metavar="DIR", help="keep prompt pages (full) or each finished "
+                   "request's compressed state (an evicting policy but kvzip: its next turn continues it) on disk "
+                   "here: they survive restarts")
     p.add_argument("--kv-store-size", default="16GiB", metavar="SIZE", help="disk bound of --kv-store "
                    "(default 16GiB; least recently used pages go first)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every path but "
