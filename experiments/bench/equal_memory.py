@@ -88,7 +88,7 @@ def policy_flags(name: str, budget: int, max_len: int) -> list[str]:
     if name == "full":
         return []
     if name == "int4":
-        return ["--kv-dtype", "int4"]
+        return ["--kv-dtype", "int4", "--page-size", "64"]  # a page holds whole key groups (kv_group 64)
     interval = 256 if name == "streaming" else max_len - budget  # one-shot: nothing evicted after the prompt
     return ["--cache-policy", name, "--cache-param", f"budget={budget}", "--cache-param", f"interval={interval}"]
 
