@@ -213,16 +213,7 @@ class PageStore:
         one page must be (``layout_of``: names, dtypes and shapes, exactly); a file of another is bad."""
         keys, pages = self.keys(tokens), []
         for key in keys:
-            arrays = self._host.get(key)
-            if arrays is not None and layout is not None and layout_of(arrays) != layout:
-                self._drop_host(key)  # not what the caller reads: as if it had never been kept
-                arrays = None
-            if arrays is not None:
-                self._host.move_to_end(key)
-            elif self.directory is not None:
-                arrays = self._read(key, layout)
-                if arrays is not None:
-                    self._keep(key, arrays)
+            arrays = self._fetch(key, layout)
             if arrays is None:
                 break
             pages.append(arrays)
@@ -232,6 +223,21 @@ class PageStore:
             return 0, None
         self._stamp(keys[:len(pages)])
         return len(pages), {n: np.stack([p[n] for p in pages], axis=1) for n in pages[0]}
+
+    def _fetch(self, key: str, layout) -> dict[str, np.ndarray] | None:
+        """Entry ``key`` from host memory (used now) or disk (kept in host memory), or None. ``layout``: what it
+        must be (a host copy of another is dropped, a file of another deleted by ``_read``); None: anything."""
+        arrays = self._host.get(key)
+        if arrays is not None and layout is not None and layout_of(arrays) != layout:
+            self._drop_host(key)  # not what the caller reads: as if it had never been kept
+            arrays = None
+        if arrays is not None:
+            self._host.move_to_end(key)
+        elif self.directory is not None:
+            arrays = self._read(key, layout)
+            if arrays is not None:
+                self._keep(key, arrays)
+        return arrays
 
     # ------------------------------------------------------------------------------------------- row states
     def state_key(self, tokens: np.ndarray) -> str:
@@ -267,13 +273,7 @@ class PageStore:
         tokens = np.asarray(tokens)
         lengths = sorted(n for n in self._state_lengths if n < tokens.size)
         for n, key in reversed(list(zip(lengths, self._state_keys(tokens, lengths)))):
-            arrays = self._host.get(key)
-            if arrays is not None:
-                self._host.move_to_end(key)
-            elif self.directory is not None:
-                arrays = self._read(key, None)
-                if arrays is not None:
-                    self._keep(key, arrays)
+            arrays = self._fetch(key, None)
             if arrays is not None and (accept is None or accept(arrays)):
                 self.hits += 1
                 self._stamp([key])
