@@ -17,15 +17,10 @@ the cache write) runs per shard (:func:`per_shard`, ``jax.shard_map``) with no c
 all-reduces of the row-parallel matmuls: after the output projection (heads contracted) and after the MLP down
 projection (mlp contracted). The vocabulary is not split: the embedding lookup and the logits need no collective.
 
-Topology (KV groups vs the model axis, :func:`check_topology`):
-
-- kv_heads a multiple of the model axis: "shard", each device owns kv_heads / model whole KV groups;
-- model axis a multiple of kv_heads (and a divisor of n_heads): "replicate", each KV head is repeated
-  r = model / kv_heads times after the K/V projection (:func:`replicate_kv_heads`), so the cache holds kv_heads x r
-  heads, one per device, each serving g / r query heads (as vLLM does). Cost: the cache and the K/V activations take
-  r x the bytes of an unreplicated cache over all devices (per device: one head, as ``lcx plan`` reports), and the
-  K/V projection weights, whose kv_heads axis cannot be split, are replicated on every model device;
-- neither: ``ConfigError`` naming kv_heads and the valid model-axis sizes.
+Topology (KV groups vs the model axis): ``lcx.parallel.topology`` decides "shard" or "replicate" from the head
+counts alone; :func:`mesh_topology`, :func:`cache_model_config` and :func:`replicate_kv_heads` apply it on a mesh.
+They read a model's head counts through ``HeadCounts`` (``n_heads``, ``n_kv_heads``): the parallel floor knows no
+model config.
 """
 
 from __future__ import annotations
@@ -33,11 +28,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import logging
 import math
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import einops
 import jax
@@ -45,11 +39,10 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from lcx.config_base import ConfigError
+from lcx.parallel.topology import (HeadCounts, check_topology, kv_replication, log_replication,
+                                   valid_model_axis_sizes)
 
-if TYPE_CHECKING:
-    from lcx.config import ModelConfig
-
-log = logging.getLogger("lcx")
+Heads = TypeVar("Heads", bound=HeadCounts)  # a config with head counts; cache_model_config returns its own type
 
 MESH_AXES = ("data", "seq", "model")
 
@@ -267,68 +260,19 @@ check_rules(LOGICAL_RULES)
 
 
 # --------------------------------------------------------------------------------------------------- topology
-def valid_model_axis_sizes(n_kv_heads: int, n_heads: int | None = None, limit: int | None = None) -> list[int]:
-    """Model-axis sizes attention splits without communication: divisors of kv_heads, and multiples of kv_heads
-    (up to ``limit``, default 8 x kv_heads) that divide n_heads (KV heads replicated)."""
-    limit = 8 * n_kv_heads if limit is None else limit
-    sizes = {m for m in range(1, n_kv_heads + 1) if n_kv_heads % m == 0}
-    sizes |= {n_kv_heads * r for r in range(2, limit // n_kv_heads + 1)
-              if n_heads is None or n_heads % (n_kv_heads * r) == 0}
-    return sorted(sizes)
-
-
-def check_topology(n_kv_heads: int, model_axis: int, n_heads: int | None = None) -> str:
-    """``"shard"`` (kv_heads a multiple of the model axis) or ``"replicate"`` (the model axis a multiple of
-    kv_heads: each KV head repeated model / kv_heads times); otherwise ``ConfigError`` naming the valid sizes."""
-    if model_axis < 1:
-        raise ConfigError(f"model axis={model_axis} is invalid: must be >= 1")
-    if n_kv_heads % model_axis == 0:
-        return "shard"
-    valid = valid_model_axis_sizes(n_kv_heads, n_heads, max(model_axis, 8 * n_kv_heads))
-    if model_axis % n_kv_heads == 0:
-        if n_heads is None or n_heads % model_axis == 0:
-            return "replicate"
-        raise ConfigError(f"model axis={model_axis} is invalid for n_heads={n_heads}, "
-                                  f"kv_heads={n_kv_heads}: replicating KV heads {model_axis // n_kv_heads}x needs "
-                                  f"n_heads divisible by the model axis; valid model-axis sizes: {valid}")
-    raise ConfigError(f"kv_heads={n_kv_heads} cannot be split over a model axis of {model_axis} devices: "
-                              f"the model axis must divide kv_heads (whole KV groups per device) or be a multiple "
-                              f"of it (KV heads replicated); valid model-axis sizes: {valid}")
-
-
-def kv_replication(n_kv_heads: int, model_axis: int, n_heads: int | None = None) -> int:
-    """Copies of each KV head over the model axis (1: sharded, no copies)."""
-    if check_topology(n_kv_heads, model_axis, n_heads) == "shard":
-        return 1
-    return model_axis // n_kv_heads
-
-
-_logged: set[tuple[int, int]] = set()
-
-
-def _log_replication(n_kv_heads: int, model_axis: int) -> None:
-    if (n_kv_heads, model_axis) in _logged:
-        return
-    _logged.add((n_kv_heads, model_axis))
-    r = model_axis // n_kv_heads
-    log.warning("kv_heads=%d on a model axis of %d devices: each KV head is replicated %dx (as vLLM does); the KV "
-                "cache takes %dx the memory of an unreplicated one over all devices (one head per device) and the "
-                "K/V projection weights are whole on every model device. A model axis of %d (or a divisor of it) "
-                "with a larger data axis avoids it.", n_kv_heads, model_axis, r, r, n_kv_heads)
-
-
-def mesh_topology(config: ModelConfig, mesh) -> str:
+def mesh_topology(config: HeadCounts, mesh) -> str:
     """:func:`check_topology` of ``config`` on ``mesh``'s model axis; logs a replication once."""
     m = axis_size(mesh, "model")
     topology = check_topology(config.n_kv_heads, m, config.n_heads)
     if topology == "replicate":
-        _log_replication(config.n_kv_heads, m)
+        log_replication(config.n_kv_heads, m)
     return topology
 
 
-def cache_model_config(config: ModelConfig, mesh) -> ModelConfig:
+def cache_model_config(config: Heads, mesh) -> Heads:
     """The config whose ``n_kv_heads`` is the number of KV heads the model stores under ``mesh`` (kv_heads x r when
-    replicated): build caches with it (``init_cache(cache_model_config(config, mesh), ...)``)."""
+    replicated): build caches with it (``init_cache(cache_model_config(config, mesh), ...)``). ``config``: a
+    frozen dataclass with ``n_heads`` and ``n_kv_heads`` (a ``ModelConfig``)."""
     r = kv_replication(config.n_kv_heads, axis_size(mesh, "model"), config.n_heads)
     if r == 1:
         return config
@@ -344,7 +288,7 @@ def replicate_kv_heads(key: jax.Array, val: jax.Array, n_heads: int) -> tuple[ja
     k, m = key.shape[2], axis_size(mesh, "model")
     if m == 1 or _manual(mesh) or check_topology(k, m, n_heads) == "shard":
         return key, val
-    _log_replication(k, m)
+    log_replication(k, m)
     repeat = functools.partial(einops.repeat, pattern="b t k d -> b t (k r) d", r=m // k)
     return repeat(key), repeat(val)  # [b, t, k*r, d]
 
@@ -451,7 +395,8 @@ def per_shard(fn: Callable, in_axes: Sequence[Any], out_axes: Any) -> Callable:
     return call
 
 
-__all__ = ["BHD", "BK", "BKS", "BKSD", "BSKD", "BT", "BTHD", "LOGICAL_RULES", "MESH_AXES", "ROWS", "MeshConfig",
+__all__ = ["BHD", "BK", "BKS", "BKSD", "BSKD", "BT", "BTHD", "LOGICAL_RULES", "MESH_AXES", "ROWS", "HeadCounts",
+           "MeshConfig",
            "abstract_mesh", "axis_size", "batch_sharding", "cache_model_config", "check_rules", "check_topology",
            "kv_replication", "sequence_sharding",
            "logical_to_mesh", "make_mesh", "mesh_topology", "named_sharding", "per_shard", "put",
