@@ -2,8 +2,10 @@
 per-layer ``AttentionSpec`` derived from them.
 
 Frozen dataclasses validated in ``__post_init__``: a bad value raises ``ConfigError`` naming the key, the value and
-what is allowed, at load time. RoPE types come from their registry (``lcx.model.rope_scaling``), attention
-implementations from the backend table (``lcx.kernels.backends``), so adding either needs no change here.
+what is allowed, at load time. ``RopeConfig`` lives with the RoPE registry it is checked against
+(``lcx.model.rope_scaling``, re-exported here), the family table in ``lcx.model.families``, attention
+implementations' names in ``lcx.kernels.names``: adding any of them needs no change here, and none of them imports
+this module.
 """
 
 from __future__ import annotations
@@ -13,62 +15,11 @@ import dataclasses
 from lcx.config_base import ConfigError, canonical_dtype, check, positive_int
 from lcx.parallel.names import STRATEGIES
 from lcx.kernels.names import IMPLS
-from lcx.model import rope_scaling
-from lcx.model.families import FAMILIES, Family
+from lcx.model.families import FAMILIES, Family, num_params
+from lcx.model.rope_scaling import RopeConfig
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)  # transformers' names
-
-# --------------------------------------------------------------------------------------------------- rope
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    """Rotary position embedding and its scaling variant (Hugging Face conventions, half-split layout).
-
-    ``original_max_position_embeddings`` defaults to the model's ``max_position_embeddings`` where a type needs it
-    (yarn, llama3, longrope), as transformers does.
-    """
-
-    type: str = "default"
-    theta: float = 10000.0
-    factor: float | None = None
-    partial_rotary_factor: float = 1.0
-    original_max_position_embeddings: int | None = None
-    # yarn
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
-    # llama3
-    low_freq_factor: float | None = None
-    high_freq_factor: float | None = None
-    # longrope: one factor per rotary frequency (rotary_dim / 2 values)
-    short_factor: tuple[float, ...] | None = None
-    long_factor: tuple[float, ...] | None = None
-
-    def __post_init__(self):
-        check(self.type in rope_scaling.rope_types(), "rope.type", self.type,
-              f"must be one of {list(rope_scaling.rope_types())}")
-        kind = rope_scaling.get(self.type)
-        check(self.theta > 0, "rope.theta", self.theta, "must be > 0")
-        check(0 < self.partial_rotary_factor <= 1, "rope.partial_rotary_factor", self.partial_rotary_factor,
-              "must be in (0, 1]")
-        for name in kind.required:
-            if getattr(self, name) is None:
-                raise ConfigError(f"rope.{name} is required for rope.type={self.type!r} (missing); "
-                                  f"{self.type} needs {list(kind.required)}")
-        if self.factor is not None:
-            check(self.factor >= 1.0 or self.type in ("default", "longrope"), "rope.factor", self.factor,
-                  "a scaling factor must be >= 1")
-            check(self.factor > 0, "rope.factor", self.factor, "must be > 0")
-        if kind.check is not None:
-            kind.check(self)
-        for name in ("short_factor", "long_factor"):
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, tuple(float(x) for x in value))
-
 
 # --------------------------------------------------------------------------------------------------- attention
 @dataclasses.dataclass(frozen=True)
@@ -257,8 +208,6 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Exact parameter count of this architecture (from the family's parameter table)."""
-        from lcx.model.families import num_params
-
         return num_params(self)
 
 

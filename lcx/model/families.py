@@ -12,18 +12,18 @@ meaning. Each family maps names to lcx's own (``attn_norm``, ``post_attn_norm``,
 and a checkpoint with tensors its family does not declare is refused.
 
 HF layouts: ``nn.Linear`` weights are ``[out, in]``; lcx keeps ``[in, ...out]`` with heads split out.
+
+The tables read a config through ``ModelShape`` (its family, sizes and biases): ``lcx.model.config`` builds on this
+module (``ModelConfig.block``, ``num_params``), not the other way round.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from lcx.model.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,35 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            embed_scale=True, qk_norm=True),
 )}
 ARCHITECTURES = {f.architecture: f.name for f in FAMILIES.values()}
+
+
+class ModelShape(Protocol):
+    """What the parameter table reads of a model config (``lcx.model.config.ModelConfig`` has all of it)."""
+
+    @property
+    def family(self) -> str: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def d_model(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def n_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int | None: ...
+    @property
+    def d_ff(self) -> int: ...
+    @property
+    def qkv_bias(self) -> bool: ...
+    @property
+    def o_bias(self) -> bool: ...
+    @property
+    def tie_embeddings(self) -> bool: ...
+    @property
+    def param_dtype(self) -> str: ...
 
 
 # --------------------------------------------------------------------------------------------------- tensors
@@ -96,7 +125,7 @@ KINDS = {
 }
 
 
-def layer_tensors(config: ModelConfig) -> tuple[Tensor, ...]:
+def layer_tensors(config: ModelShape) -> tuple[Tensor, ...]:
     """The tensors of one layer of ``config``'s family (lcx shapes without the layer axis)."""
     fam = FAMILIES[config.family]
     e, h, k, d, f = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff
@@ -127,7 +156,7 @@ def layer_tensors(config: ModelConfig) -> tuple[Tensor, ...]:
     return tuple(out)
 
 
-def global_tensors(config: ModelConfig) -> tuple[Tensor, ...]:
+def global_tensors(config: ModelShape) -> tuple[Tensor, ...]:
     """The tensors outside the layers: embedding, final norm and (untied) output head."""
     e, v = config.d_model, config.vocab_size
     out = [Tensor(("embed",), "model.embed_tokens.weight", (v, e), "same"),
@@ -142,13 +171,13 @@ def layer_name(i: int, tensor: Tensor) -> str:
     return f"model.layers.{i}.{tensor.hf}"
 
 
-def hf_names(config: ModelConfig) -> set[str]:
+def hf_names(config: ModelShape) -> set[str]:
     """Every HF tensor name a checkpoint of ``config`` holds."""
     return ({t.hf for t in global_tensors(config)}
             | {layer_name(i, t) for i in range(config.n_layers) for t in layer_tensors(config)})
 
 
-def num_params(config: ModelConfig) -> int:
+def num_params(config: ModelShape) -> int:
     return (sum(t.size for t in global_tensors(config))
             + config.n_layers * sum(t.size for t in layer_tensors(config)))
 
@@ -165,7 +194,7 @@ def _get(tree, path: tuple[str, ...]):
     return tree
 
 
-def assemble(config: ModelConfig, reader) -> dict:
+def assemble(config: ModelShape, reader) -> dict:
     """lcx params (NumPy, ``config.param_dtype``, layers stacked) from ``reader``: anything with ``get(name,
     hf_shape)`` returning HF-named tensors in HF layout (safetensors, GGUF)."""
     import jax.numpy as jnp
@@ -182,7 +211,7 @@ def assemble(config: ModelConfig, reader) -> dict:
     return params
 
 
-def to_hf_tensors(config: ModelConfig, params) -> dict[str, np.ndarray]:
+def to_hf_tensors(config: ModelShape, params) -> dict[str, np.ndarray]:
     """HF-named tensors in HF layout from lcx ``params`` (stacked layers)."""
     arr = lambda x: np.ascontiguousarray(np.asarray(x))  # noqa: E731
     out = {t.hf: arr(t.to_hf(np.asarray(_get(params, t.path)))) for t in global_tensors(config)}
@@ -193,5 +222,5 @@ def to_hf_tensors(config: ModelConfig, params) -> dict[str, np.ndarray]:
     return out
 
 
-__all__ = ["ARCHITECTURES", "FAMILIES", "Family", "Tensor", "assemble", "global_tensors", "hf_names", "layer_name",
+__all__ = ["ARCHITECTURES", "FAMILIES", "Family", "ModelShape", "Tensor", "assemble", "global_tensors", "hf_names", "layer_name",
            "layer_tensors", "num_params", "to_hf_tensors"]

@@ -1,4 +1,5 @@
-"""The RoPE scaling types: one function and one registry entry per type.
+"""The RoPE scaling types: one function and one registry entry per type, and ``RopeConfig`` (``rope:`` of a model
+config; ``lcx.model.config`` and ``lcx.config`` re-export it), checked against the registry.
 
 A type maps (RopeConfig, rotary dim d, max_position_embeddings, original context, sequence length) to inverse
 frequencies theta'_i (i = 0 .. d/2 - 1, float64) and an attention factor m that multiplies cos and sin (attention
@@ -21,14 +22,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from lcx.config_base import ConfigError
-
-if TYPE_CHECKING:
-    from lcx.model.config import RopeConfig
+from lcx.config_base import ConfigError, check
 
 InvFreq = Callable[["RopeConfig", int, int, int, "int | None"], "tuple[np.ndarray, float]"]
 
@@ -54,6 +52,57 @@ class RopeType:
 _REGISTRY: dict[str, RopeType] = {}
 
 
+# --------------------------------------------------------------------------------------------------- config
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding and its scaling variant (Hugging Face conventions, half-split layout).
+
+    ``original_max_position_embeddings`` defaults to the model's ``max_position_embeddings`` where a type needs it
+    (yarn, llama3, longrope), as transformers does.
+    """
+
+    type: str = "default"
+    theta: float = 10000.0
+    factor: float | None = None
+    partial_rotary_factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    # llama3
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    # longrope: one factor per rotary frequency (rotary_dim / 2 values)
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        check(self.type in rope_types(), "rope.type", self.type, f"must be one of {list(rope_types())}")
+        kind = get(self.type)
+        check(self.theta > 0, "rope.theta", self.theta, "must be > 0")
+        check(0 < self.partial_rotary_factor <= 1, "rope.partial_rotary_factor", self.partial_rotary_factor,
+              "must be in (0, 1]")
+        for name in kind.required:
+            if getattr(self, name) is None:
+                raise ConfigError(f"rope.{name} is required for rope.type={self.type!r} (missing); "
+                                  f"{self.type} needs {list(kind.required)}")
+        if self.factor is not None:
+            check(self.factor >= 1.0 or self.type in ("default", "longrope"), "rope.factor", self.factor,
+                  "a scaling factor must be >= 1")
+            check(self.factor > 0, "rope.factor", self.factor, "must be > 0")
+        if kind.check is not None:
+            kind.check(self)
+        for name in ("short_factor", "long_factor"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(float(x) for x in value))
+
+
+# --------------------------------------------------------------------------------------------------- registry
 def register(name: str, **entry) -> Callable[[InvFreq], InvFreq]:
     """Decorator: register the decorated frequency function as RoPE type ``name`` (keywords: ``RopeType`` fields)."""
     def wrap(fn: InvFreq) -> InvFreq:
@@ -233,4 +282,4 @@ def _longrope(rope, dim, max_pos, original, seq_len):
     return _longrope_table(rope, dim, long=seq_len is not None and seq_len > original), m
 
 
-__all__ = ["RopeType", "base_inv_freq", "exponents", "get", "hf_keys", "hf_types", "register", "rope_types"]
+__all__ = ["RopeConfig", "RopeType", "base_inv_freq", "exponents", "get", "hf_keys", "hf_types", "register", "rope_types"]
