@@ -1,8 +1,10 @@
 """The layers of lcx import downwards only: no module imports one that (directly or around a loop) imports it.
 
-The graph is read from the source (every ``import`` statement, function-level ones included; imports under ``if
-TYPE_CHECKING:`` never run and are left out; a module importing its own package's ``__init__`` is a re-export, not
-an edge). Cycles are the strongly connected components with more than one module.
+The graph is read from the source: every ``import`` statement (function-level ones and those under ``if
+TYPE_CHECKING:`` included - a type one module names from another is a dependency even when it is never imported at
+run time) and every ``importlib.import_module("lcx....")`` of a string constant (an import by another name). A module
+importing its own package's ``__init__`` is a re-export, not an edge. Cycles are the strongly connected components
+with more than one module.
 """
 
 from __future__ import annotations
@@ -21,32 +23,45 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
+def _is_import_module(node: ast.AST) -> bool:
+    """``importlib.import_module("...")`` or ``import_module("...")`` with a string constant."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)):
+        return False
+    fn = node.func
+    return (isinstance(fn, ast.Attribute) and fn.attr == "import_module") or (
+        isinstance(fn, ast.Name) and fn.id == "import_module")
+
+
+def import_targets(tree: ast.AST, package: str) -> set[str]:
+    """The dotted names a module's source imports: import statements anywhere (under ``if TYPE_CHECKING:`` too) and
+    string targets of ``importlib.import_module``."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+        elif _is_import_module(node):
+            out.add(node.args[0].value)
+    return out
+
+
 def import_graph() -> dict[str, set[str]]:
     mods = _modules()
     edges: dict[str, set[str]] = {m: set() for m in mods}
     for m, f in mods.items():
-        tree = ast.parse(f.read_text())
         package = m if f.name == "__init__.py" else m.rpartition(".")[0]
-        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                       and "TYPE_CHECKING" in ast.dump(node.test) for b in node.body for n in ast.walk(b)}
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")
-                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-                targets = [base] + [f"{base}.{a.name}" for a in node.names]
-            else:
-                continue
-            for t in targets:
-                while t and t not in mods:
-                    t = t.rpartition(".")[0]
-                if t and t != m and not (mods[t].name == "__init__.py" and m.startswith(t + ".")):
-                    edges[m].add(t)
+        for t in import_targets(ast.parse(f.read_text()), package):
+            while t and t not in mods:
+                t = t.rpartition(".")[0]
+            if t and t != m and not (mods[t].name == "__init__.py" and m.startswith(t + ".")):
+                edges[m].add(t)
     return edges
 
 
@@ -90,6 +105,34 @@ def test_import_graph_detects_a_cycle():
     # The check can fail: a two-module loop and a three-module loop are both found.
     edges = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "f": {"a"}}
     assert sorted(cycles(edges)) == [["a", "b"], ["c", "d", "e"]]
+
+
+def test_import_graph_sees_typing_and_importlib_edges():
+    # An import under ``if TYPE_CHECKING:`` (at module level or in a function) and a string target of
+    # ``importlib.import_module`` are edges, so loops made of them are found too.
+    source = """
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    from lcx.model.config import ModelConfig
+def load(path):
+    import importlib
+    return importlib.import_module("lcx.checkpoints.gguf").load_gguf(path)
+def other():
+    from importlib import import_module
+    if TYPE_CHECKING:
+        from . import sharding
+    return import_module("lcx.cache.base")
+def plugin(name):
+    import importlib
+    return importlib.import_module(name)  # not a constant: no edge
+"""
+    targets = import_targets(ast.parse(source), "lcx.parallel")
+    for t in ("lcx.model.config", "lcx.model.config.ModelConfig", "lcx.checkpoints.gguf", "lcx.cache.base",
+              "lcx.parallel.sharding"):
+        assert t in targets, (t, targets)
+    edges = {"lcx.parallel.sharding": {"lcx.config"}, "lcx.config": {"lcx.cache.config"},
+             "lcx.cache.config": {"lcx.cache.base"}, "lcx.cache.base": {"lcx.parallel.sharding"}}
+    assert cycles(edges) == [["lcx.cache.base", "lcx.cache.config", "lcx.config", "lcx.parallel.sharding"]]
 
 
 def test_import_graph_ground_floor_imports_nothing_from_lcx():

@@ -43,7 +43,7 @@ def source_config(path: str | Path, key: str = "checkpoint") -> ModelConfig:
         return read_hf_config(path)
     if kind == "gguf":
         from lcx.checkpoints.gguf import GGUFFile, hf_config
-        from lcx.checkpoints.hf import config_from_hf
+        from lcx.checkpoints.hf_config import config_from_hf
 
         return config_from_hf(hf_config(GGUFFile(path)), where=str(path))
     from lcx.train.checkpoint import checkpoint_config, run_checkpoint

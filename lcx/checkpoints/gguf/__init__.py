@@ -27,13 +27,12 @@ Supported:
 Anything else - another architecture, sliding-window attention or soft-capping outside Gemma, experts, partial
 rotary, an i-quant, an unknown tensor - is refused by name rather than loaded wrong.
 
-How: the metadata becomes a Hugging Face ``config.json`` dict, so ``lcx.checkpoints.hf.config_from_hf`` builds and
-validates
-the ``ModelConfig`` exactly as for a HF directory, and ``GGUFTensorReader`` serves the tensors under their HF names
-in HF layout, so ``lcx.checkpoints.hf._assemble`` does the reshapes. llama.cpp's converter permutes the rows of
-llama/mistral q
-and k per head (from the half-split RoPE layout to the interleaved pairs its kernel rotates); the reader undoes it.
-qwen2 / qwen3 files are written unpermuted (llama.cpp runs them with the half-split "NEOX" rotation).
+How: the metadata becomes a Hugging Face ``config.json`` dict, so ``lcx.checkpoints.hf_config.config_from_hf`` builds
+and validates the ``ModelConfig`` exactly as for a HF directory, and ``GGUFTensorReader`` serves the tensors under
+their HF names in HF layout, so ``lcx.model.families.assemble`` does the reshapes - the same two steps as
+``lcx.checkpoints.hf``, which takes nothing from this package but ``load_gguf`` (re-exported beside ``load_hf``).
+llama.cpp's converter permutes the rows of llama/mistral q and k per head (from the half-split RoPE layout to the
+interleaved pairs its kernel rotates); the reader undoes it. qwen2 / qwen3 files are written unpermuted (llama.cpp runs them with the half-split "NEOX" rotation).
 """
 
 from lcx.checkpoints.gguf.config import hf_config

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from lcx.config_base import ConfigError
-from lcx.checkpoints.hf import _assemble, config_from_hf, with_dtype
+from lcx.checkpoints.hf_config import config_from_hf, with_dtype
+from lcx.model import families
 from lcx.model.config import ModelConfig
 from lcx.model.families import hf_names
 from lcx.checkpoints.gguf.config import hf_config
@@ -150,7 +151,7 @@ def read_gguf_params(path: str | Path, dtype: str | None = None) -> tuple[ModelC
 def assemble(reader: GGUFTensorReader, dtype: str | None = None) -> tuple[ModelConfig, dict]:
     """Dequantize every tensor of ``reader`` into lcx params: ``(ModelConfig, params)`` with NumPy arrays."""
     config = with_dtype(reader.config, dtype)
-    return config, _assemble(config, reader)
+    return config, families.assemble(config, reader)
 
 
 def load_gguf(path: str | Path, dtype: str | None = None, mesh=None) -> tuple[ModelConfig, dict]:
