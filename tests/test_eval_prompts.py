@@ -292,7 +292,7 @@ def test_router_distillation_reads_the_model_tokens(tok, tmp_path):
 def test_a_stage_whose_prompts_the_fix_changed_reruns(ckpt, tok, tmp_path):
     """A done.json written before the fix records the same settings: ``prompt_fixes`` (only where the prompts
     changed - depths in a checkpoint's tokenizer) makes exactly those stages rerun, and no other."""
-    from lcx.experiment import _settings
+    from lcx.experiment.stages import _settings
     from lcx.train.checkpoint import CheckpointInfo
 
     info = CheckpointInfo(ckpt, 0, "sha256:0")
@@ -314,7 +314,7 @@ def test_bos_is_recorded_and_only_cells_whose_prompts_lost_it_rerun(ckpt, tok, t
     from lcx.config import CacheConfig
     from lcx.eval.config import AblateConfig, RopeVariant
     from lcx.eval.report import FIELDS, read_csv, write_report
-    from lcx.experiment import _settings
+    from lcx.experiment.stages import _settings
     from lcx.train.checkpoint import CheckpointInfo
 
     model = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
