@@ -24,7 +24,7 @@ from lcx.data.haystack import prose_text
 from lcx.data.task import TOKENIZER
 from lcx.data.tasks import PASSKEY_INSTRUCTION
 from lcx.data.tokenizer import HFTokenizer, check_model_tokens
-from lcx.eval import evaluate, grid
+from lcx.eval import cell_prompts, evaluate, grid
 from lcx.eval.config import EvalConfig
 from lcx.eval.evaluate import check_fits
 from lcx.eval.grid import check_prompts, prompts
@@ -143,7 +143,7 @@ def test_tokens_that_are_not_the_models_are_refused_before_anything_runs(tok, mo
     def lost(task, depth):  # the copy as it was: the parameters kept, the tokenizer and frame dropped
         return task if depth is None else make_task(task.name, {"depth": depth})
 
-    for module in (evaluate, grid):
+    for module in (evaluate, cell_prompts):
         monkeypatch.setattr(module, "with_depth", lost)
     ev = EvalConfig.from_mapping({"task": "passkey", "lengths": [300], "depths": [0.5], "samples": 1})
     model = dataclasses.replace(small, vocab_size=VOCAB)

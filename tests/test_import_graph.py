@@ -188,9 +188,17 @@ def test_import_graph_floor_rules_can_fail():
         assert edge in found
 
 
+MAX_LINES = 450
+
+# issue 61: split by the serving / storage work in progress - these modules may stay over MAX_LINES (never over the
+# old cap of 600) until that work lands; the lead removes this allowance then.
+_BEING_SPLIT = {"engine/server.py", "engine/generator.py", "service/app.py", "plan/inference.py"}
+
+
 def test_package_layout_limits():
-    """At most 8 modules loose in lcx/ beside the packages, and no module over 600 lines (split along seams)."""
+    """At most 8 modules loose in lcx/ beside the packages, and no module over 450 lines (split along seams)."""
     loose = sorted(f.name for f in ROOT.glob("*.py"))
     assert len(loose) <= 8, loose
-    long = {str(f.relative_to(ROOT)): n for f in ROOT.rglob("*.py") if (n := len(f.read_text().splitlines())) > 600}
+    lines = {f.relative_to(ROOT).as_posix(): len(f.read_text().splitlines()) for f in ROOT.rglob("*.py")}
+    long = {f: n for f, n in lines.items() if n > MAX_LINES and not (f in _BEING_SPLIT and n <= 600)}
     assert long == {}

@@ -2,7 +2,8 @@
 
 from lcx.eval.config import AblateConfig, EvalConfig, RopeVariant
 from lcx.eval.evaluate import grade, perplexity, retrieval_accuracy
-from lcx.eval.grid import CellPrompts, prompts, run_ablate, run_eval
+from lcx.eval.cell_prompts import CellPrompts, prompts
+from lcx.eval.grid import run_ablate, run_eval
 from lcx.eval.report import markdown_table, read_csv, write_report
 
 __all__ = ["AblateConfig", "CellPrompts", "EvalConfig", "RopeVariant", "grade", "markdown_table", "perplexity",

@@ -10,6 +10,9 @@ the RoPE variant, so two settings never share a label.
 Retrieval cells also leave each prompt's generation and grade in ``outputs.jsonl`` (one JSON object per prompt:
 setting, task, length, depth, sample, answer, output, grade), so two settings can be compared prompt by prompt - on
 the same prompts, a paired comparison - rather than only by their averages.
+
+The prompts themselves (tasks as the grid runs them, each cell's prompts and their checks) are
+``lcx.eval.cell_prompts``; this module re-exports its names.
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ from lcx.config import CacheConfig, ConfigError, ModelConfig, to_dict
 from lcx.eval.cells import (ONE, Cell, CellStore, Shard, assign, cell_name, count_done, order,
                              write_atomic)
 from lcx.eval.config import AblateConfig, EvalConfig, RopeVariant, Setting
-from lcx.data.task import TOKENIZER, Example, Task
-from lcx.data.tokenizer import describe
-from lcx.eval.evaluate import (answer_tokens, cell_examples, check_fits, grades, perplexity_windows,
-                               retrieval_outputs, window_nll, with_depth)
+from lcx.data.task import TOKENIZER, Task
+from lcx.eval.evaluate import grades, retrieval_outputs, window_nll
+from lcx.eval.cell_prompts import (CellPrompts, check_prompts, dropped_bos, grid_tasks, max_new_tokens,
+                                   perplexity_args, prompts)
 from lcx.eval.report import write_report
 from lcx.eval.stats import perplexity_interval, wilson_interval
 from lcx.engine import CacheCapacityError, plan_capacity, release_compiled
@@ -65,25 +68,10 @@ def setting_label(cache: CacheConfig, rope: str = "trained", setting: Setting | 
     return f"{cache.policy}{budget}" + "".join(f" {e}" for e in extras) + suffix
 
 
+_max_new = max_new_tokens  # its name before lcx.eval.cell_prompts (experiments/kvpress_eval.py imports it)
+
 # Slots a one-shot cell keeps free after compressing the context: the question and the answer (checked per task).
 ONE_SHOT_ROOM = 256
-
-
-def _max_new(ev: EvalConfig, tasks: Mapping[str, object]) -> dict[str, int]:
-    """New tokens per retrieval prompt of each task: ``max_new_tokens``, or the task's longest answer (of a few
-    examples at the longest length) + 2 - for a task with its own generation budget (RULER's) twice that + 8, at
-    most the budget, since a model may phrase the answer around the references; generation also stops at EOS."""
-    if ev.metric == "perplexity":
-        return {name: 0 for name in tasks}
-    if ev.max_new_tokens:
-        return {name: ev.max_new_tokens for name in tasks}
-    out = {}
-    for name, task in tasks.items():
-        n = answer_tokens(with_depth(task, (ev.depths or (None,))[0]).examples(
-            ev.seed, 0, min(ev.samples, 4), max(ev.lengths), "validation"), task.tokenizer)
-        budget = getattr(task, "max_new_tokens", None)  # RULER's generation budget: room for a wordier answer
-        out[name] = min(budget, 2 * n + 8) if budget else n
-    return out
 
 
 def _capacity(model: ModelConfig, cache: CacheConfig, ev: EvalConfig, max_new: int, length: int) -> int:
@@ -114,77 +102,6 @@ def _cells(settings, ropes, tasks, ev: EvalConfig):
                         yield setting, variant, name, length, None, "perplexity"
                 if ev.perplexity is not None and setting.protocol == "streaming":
                     yield setting, variant, "", length, None, "perplexity"
-
-
-def grid_tasks(ev: EvalConfig, tokenizer=None) -> tuple[dict[str, Task], Task]:
-    """The tasks of ``ev`` as the grid runs them - name -> task, and the perplexity task (``eval.perplexity``'s, or
-    the one task) - built with the run's ``tokenizer`` (None: lcx's byte tokenizer) and ``ev.chat``."""
-    tasks = {name: _tokenized(task, tokenizer, ev.chat) for name, task in ev.make_tasks().items()}
-    ppl_task = (_tokenized(ev.perplexity.make_task(), tokenizer, False) if ev.perplexity is not None
-                else next(iter(tasks.values())))
-    return tasks, ppl_task
-
-
-@dataclasses.dataclass(frozen=True, eq=False)  # arrays: compared by identity
-class CellPrompts:
-    """What one (task, length, depth) cell of a grid feeds the model, built by ``task`` - the task as the cell runs
-    it (the run's tokenizer and chat frame, the needle at ``depth``): ``examples`` (retrieval; none for perplexity)
-    and ``ids``, the token ids of each prompt or perplexity window. ``name``: the task's name in the results (empty
-    for ``eval.perplexity``'s)."""
-
-    name: str
-    length: int
-    depth: float | None
-    metric: str
-    task: Task
-    ids: tuple[np.ndarray, ...]
-    examples: tuple[Example, ...] = ()
-
-
-def _ppl_args(ev: EvalConfig) -> dict:
-    """How the grid scores perplexity: ``eval.perplexity``'s windows, or the evaluation's own (a text task)."""
-    pcfg = ev.perplexity
-    if pcfg is None:
-        return {"samples": ev.samples, "batch_size": ev.batch_size, "prefix": ev.ppl_prefix, "tail": None,
-                "buckets": ev.ppl_buckets}
-    return {"samples": pcfg.samples, "batch_size": pcfg.batch_size, "prefix": pcfg.prefix, "tail": pcfg.tail,
-            "buckets": ()}
-
-
-def prompts(ev: EvalConfig, tokenizer=None, *, samples: int | None = None) -> list[CellPrompts]:
-    """Every (task, length, depth) cell's prompts, built as the grid builds them, without a model: what a config
-    will feed the model can be read (``tokenizer.decode``) before anything runs, and the grid checks them before its
-    first cell. ``samples``: prompts per cell (None: the evaluation's; the first ``n`` are the same at any ``n``)."""
-    tasks, ppl_task = grid_tasks(ev, tokenizer)
-    out = []
-    for length in ev.lengths:
-        for name, task in (tasks.items() if ev.metric == "accuracy" else ()):
-            for depth in (ev.depths or (None,)):
-                examples = cell_examples(task, length=length, depth=depth, samples=samples or ev.samples,
-                                         seed=ev.seed)
-                out.append(CellPrompts(name, length, depth, "accuracy", with_depth(task, depth),
-                                       tuple(ex.prompt_ids for ex in examples), tuple(examples)))
-        if ev.metric == "perplexity" or ev.perplexity is not None:
-            args = _ppl_args(ev)
-            ids, _ = perplexity_windows(ppl_task, length=length, samples=samples or args["samples"], seed=ev.seed,
-                                        prefix=args["prefix"], tail=args["tail"], longest=max(ev.lengths))
-            name = "" if ev.perplexity is not None else next(iter(tasks))
-            out.append(CellPrompts(name, length, None, "perplexity", ppl_task, tuple(ids)))
-    return out
-
-
-def check_prompts(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, tokenizer=None) -> None:
-    """Before anything runs: every cell's task builds its prompts with the run's ``tokenizer`` (a copy that fell
-    back to lcx's byte tokenizer is an error, not a table of zeros) and in every model's vocabulary
-    (``evaluate.check_fits``), from the first prompt of each cell."""
-    expected = TOKENIZER if tokenizer is None else tokenizer
-    for cell in prompts(ev, tokenizer, samples=1):
-        if cell.task.tokenizer != expected:
-            raise ConfigError(f"eval cell (task {cell.name or cell.task.name!r}, length {cell.length}, depth "
-                              f"{cell.depth}) builds its prompts with {describe(cell.task.tokenizer)}, not the run's "
-                              f"{describe(expected)}")
-        for model, _ in models.values():
-            check_fits(cell.task, model, cell.ids)
 
 
 def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, settings: list[Setting],
@@ -262,7 +179,7 @@ class _Grid:
 def _plan(models, ev: EvalConfig, settings: list[Setting], ropes: tuple[RopeVariant, ...], tokenizer,
           inputs: Mapping[str, Any]) -> _Grid:
     tasks, ppl_task = grid_tasks(ev, tokenizer)
-    per_task = _max_new(ev, tasks)
+    per_task = max_new_tokens(ev, tasks)
     max_new = max(per_task.values())  # one compiled decode loop for every task
     # Preflight: every cell must fit before anything runs.
     caches = {(s, length): s.cache(length, ONE_SHOT_ROOM) for s in settings for length in ev.lengths}
@@ -295,7 +212,7 @@ def _cell(spec, caches, models, ev: EvalConfig, tasks: dict, per_task: dict, ppl
                       chat=ev.chat, max_new_tokens=per_task[name])
         prompts_, scale = samples, 1.0
     else:
-        args = _ppl_args(ev)
+        args = perplexity_args(ev)
         record.update(task=name, perplexity=ev.perplexity.to_dict() if ev.perplexity is not None else
                       {"task": ev.task, "params": dict(ev.params)}, ppl=args,
                       longest=max(ev.lengths) if args["tail"] else None)
@@ -323,7 +240,7 @@ def _compute(grid: _Grid, spec, models, ev: EvalConfig) -> tuple[list[dict], lis
     bos = {"bos": _bos_column((grid.ppl_task if metric == "perplexity" else tasks[name]).starts_with_bos)}
     rows, generations = [], []
     if metric == "perplexity":
-        args = _ppl_args(ev)
+        args = perplexity_args(ev)
         samples, buckets, prefix = args["samples"], args["buckets"], args["prefix"]
         nll = window_nll(model, params, grid.ppl_task, length=length, samples=samples,
                          batch_size=min(args["batch_size"], samples), seed=ev.seed, cache=cache, prefix=prefix,
@@ -384,15 +301,6 @@ def _merge(store: CellStore, cells: list[Cell], out_dir: Path, title: str, foote
     return None if missing else rows
 
 
-def dropped_bos(task: Task) -> bool:
-    """Whether ``task``'s prompts lost the BOS they began with before lcx followed the tokenizer (CHANGELOG): the
-    tokenizer has a BOS id but adds none to a text, and the prompts are plain (a chat template's own BOS text
-    still decides in a chat frame) and take no explicit ``bos`` parameter (``prose``'s; unchanged when given)."""
-    if task.tokenizer.bos_id is None or task.starts_with_bos is not False:
-        return False
-    return task.chat is None and getattr(task, "bos", None) is None
-
-
 def _bos_column(value: bool | None):
     """A task's ``starts_with_bos`` as the ``bos`` column holds it: true / false, empty where it varies."""
     return "" if value is None else bool(value)
@@ -405,13 +313,6 @@ def _row(cache: CacheConfig, variant: RopeVariant, length: int, depth, metric: s
             "value": value, "lo": interval[0], "hi": interval[1], "setting": label, "samples": samples,
             "seconds": round(seconds, 2), "task": task if n_tasks > 1 else "",
             "compression": "" if setting.compression is None else setting.compression, "protocol": setting.protocol}
-
-
-def _tokenized(task, tokenizer, chat: bool):
-    """``task`` building its examples with the run's tokenizer (lcx's byte tokenizer when None)."""
-    if tokenizer is None:
-        return task.with_tokenizer(task.tokenizer, chat=chat) if chat else task
-    return task.with_tokenizer(tokenizer, chat=chat)
 
 
 def _models(model: ModelConfig, params, ropes: tuple[RopeVariant, ...], checkpoints: Mapping[str, tuple] | None

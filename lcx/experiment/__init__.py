@@ -23,7 +23,12 @@ Rerunning a finished stage reuses its outputs: training resumes from its last ch
 reached ``steps``), eval, ablate and router are skipped when ``done.json`` records the same inputs - the settings
 they read and the exact checkpoint (step and content fingerprint) they evaluated, so more training, a new fine-tune
 or a replaced checkpoint reruns them. Within an eval / ablate grid the unit is the cell: a rerun computes only the
-cells whose recorded inputs differ from the current ones (or that are missing). ``results.md`` ends with the checkpoint it came from.
+cells whose recorded inputs differ from the current ones (or that are missing). ``results.md`` ends with the
+checkpoint it came from.
+
+Modules: ``config`` (``ExperimentConfig``, ``load_experiment``), ``stages`` (each stage and its ``done.json``); this
+package runs them in order (``run``) and adds the stage commands to the CLI. Every public name is importable from
+``lcx.experiment``.
 """
 
 from __future__ import annotations

@@ -162,8 +162,9 @@ def _settings(cfg: ExperimentConfig, stage: str, info, variants: dict | None = N
 
 
 def _dropped_bos(cfg: ExperimentConfig, tokenizer) -> bool:
-    """Whether a task of the stage's grid lost the BOS its prompts began with before (``lcx.eval.grid.dropped_bos``)."""
-    from lcx.eval.grid import dropped_bos, grid_tasks
+    """Whether a task of the stage's grid lost the BOS its prompts began with before
+    (``lcx.eval.cell_prompts.dropped_bos``)."""
+    from lcx.eval.cell_prompts import dropped_bos, grid_tasks
 
     tasks, ppl_task = grid_tasks(cfg.eval, tokenizer)
     return any(dropped_bos(t) for t in (*tasks.values(), ppl_task))

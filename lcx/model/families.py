@@ -222,5 +222,5 @@ def to_hf_tensors(config: ModelShape, params) -> dict[str, np.ndarray]:
     return out
 
 
-__all__ = ["ARCHITECTURES", "FAMILIES", "Family", "ModelShape", "Tensor", "assemble", "global_tensors", "hf_names", "layer_name",
-           "layer_tensors", "num_params", "to_hf_tensors"]
+__all__ = ["ARCHITECTURES", "FAMILIES", "Family", "ModelShape", "Tensor", "assemble", "global_tensors", "hf_names",
+           "layer_name", "layer_tensors", "num_params", "to_hf_tensors"]

@@ -282,4 +282,5 @@ def _longrope(rope, dim, max_pos, original, seq_len):
     return _longrope_table(rope, dim, long=seq_len is not None and seq_len > original), m
 
 
-__all__ = ["RopeConfig", "RopeType", "base_inv_freq", "exponents", "get", "hf_keys", "hf_types", "register", "rope_types"]
+__all__ = ["RopeConfig", "RopeType", "base_inv_freq", "exponents", "get", "hf_keys", "hf_types", "register",
+           "rope_types"]

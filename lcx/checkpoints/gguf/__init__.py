@@ -32,7 +32,8 @@ and validates the ``ModelConfig`` exactly as for a HF directory, and ``GGUFTenso
 their HF names in HF layout, so ``lcx.model.families.assemble`` does the reshapes - the same two steps as
 ``lcx.checkpoints.hf``, which takes nothing from this package but ``load_gguf`` (re-exported beside ``load_hf``).
 llama.cpp's converter permutes the rows of llama/mistral q and k per head (from the half-split RoPE layout to the
-interleaved pairs its kernel rotates); the reader undoes it. qwen2 / qwen3 files are written unpermuted (llama.cpp runs them with the half-split "NEOX" rotation).
+interleaved pairs its kernel rotates); the reader undoes it. qwen2 / qwen3 files are written unpermuted (llama.cpp
+runs them with the half-split "NEOX" rotation).
 """
 
 from lcx.checkpoints.gguf.config import hf_config
