@@ -31,7 +31,7 @@ import functools
 import math
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import einops
 import jax
@@ -41,8 +41,6 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from lcx.config_base import ConfigError
 from lcx.parallel.topology import (HeadCounts, check_topology, kv_replication, log_replication,
                                    valid_model_axis_sizes)
-
-Heads = TypeVar("Heads", bound=HeadCounts)  # a config with head counts; cache_model_config returns its own type
 
 MESH_AXES = ("data", "seq", "model")
 
@@ -269,10 +267,10 @@ def mesh_topology(config: HeadCounts, mesh) -> str:
     return topology
 
 
-def cache_model_config(config: Heads, mesh) -> Heads:
+def cache_model_config(config: HeadCounts, mesh) -> HeadCounts:
     """The config whose ``n_kv_heads`` is the number of KV heads the model stores under ``mesh`` (kv_heads x r when
     replicated): build caches with it (``init_cache(cache_model_config(config, mesh), ...)``). ``config``: a
-    frozen dataclass with ``n_heads`` and ``n_kv_heads`` (a ``ModelConfig``)."""
+    frozen dataclass with ``n_heads`` and ``n_kv_heads`` (a ``ModelConfig``); the result is of its type."""
     r = kv_replication(config.n_kv_heads, axis_size(mesh, "model"), config.n_heads)
     if r == 1:
         return config
