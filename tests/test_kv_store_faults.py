@@ -196,7 +196,7 @@ def _idle_pool_is_back(server: Server) -> None:
     """Every row released: the only references left are the kept prefixes'."""
     refs = np.asarray(server.state.refs)
     assert np.all(np.asarray(server.state.table) == -1) and server.committed == 0
-    assert refs.sum() == sum(len(p.pages) for p in server._prefixes.values()) == server.pages_used()
+    assert refs.sum() == sum(len(p.pages) for p in server.prefixes.entries.values()) == server.pages_used()
 
 
 def test_requests_beside_a_failing_store_directory_finish_as_without_a_store(params, reference, tmp_path):
@@ -230,12 +230,12 @@ def test_a_kept_prefix_is_released_even_when_its_spill_raises(params, reference)
     server = _server(params)
     rid = server.submit(PROMPTS[0], max_new_tokens=NEW)
     assert server.run()[rid] == reference["tokens"][0]
-    (prefix,) = server._prefixes.values()
+    (prefix,) = server.prefixes.entries.values()
     used = server.pages_used()
     server.store = _BrokenStore()
     with pytest.raises(RuntimeError, match="store broken"):
-        server._drop_lru(keep=None)
-    assert not server._prefixes and server.pages_used() == used - len(prefix.pages) == 0
+        server.prefixes.drop_lru(keep=None)
+    assert not server.prefixes.entries and server.pages_used() == used - len(prefix.pages) == 0
 
 
 def test_stored_pages_of_another_layout_are_recomputed_not_loaded(params, reference, tmp_path):

@@ -47,7 +47,7 @@ def test_server_tokens_equal_generating_each_request_alone(params):
     # every row released; the only references left are the kept prefixes'
     refs = np.asarray(server.state.refs)
     assert np.all(np.asarray(server.state.table) == -1)
-    assert refs.sum() == sum(len(p.pages) for p in server._prefixes.values()) and server.committed == 0
+    assert refs.sum() == sum(len(p.pages) for p in server.prefixes.entries.values()) and server.committed == 0
     # ignore_eos: request 1 again runs past the EOS it emits third, to its limit, as generating without an EOS id
     again = server.submit(PROMPTS[1], max_new_tokens=NEW[1], ignore_eos=True)
     assert server.run()[again] == plain.tokens[1, :NEW[1]].tolist()
@@ -76,12 +76,12 @@ def _pool(server: Server) -> dict:
     """What the server's pool and admission hold: references, free pages, committed pages, kept prefixes."""
     pool = server.state.pool
     return dict(refs=np.asarray(pool.refs).tolist(), free=int(pool.free()), committed=server.committed,
-                prefixes={k: (list(p.pages), p.users) for k, p in server._prefixes.items()})
+                prefixes={k: (list(p.pages), p.users) for k, p in server.prefixes.entries.items()})
 
 
 def _held_by_tables_and_prefixes(server: Server) -> np.ndarray:
     table = np.asarray(server.state.table)
-    kept = [p for prefix in server._prefixes.values() for p in prefix.pages]
+    kept = [p for prefix in server.prefixes.entries.values() for p in prefix.pages]
     return np.bincount(table[table >= 0], minlength=server.pages) + np.bincount(kept, minlength=server.pages)
 
 
@@ -112,7 +112,7 @@ def test_an_on_token_that_raises_cancels_its_request_and_returns_its_pages(param
         if request == victim and len(streamed[victim]) == 3:
             raise boom
         if victim in server.cancelled and not seen:
-            running = list(server._running.values())
+            running = list(server.scheduler.running.values())
             seen.append(dict(running=[r.id for r in running], table=np.asarray(server.state.table),
                              row=running[0].row, refs=np.asarray(server.state.refs),
                              held=_held_by_tables_and_prefixes(server), committed=server.committed,
@@ -146,7 +146,7 @@ def test_cancel_drops_a_waiting_request_and_ends_a_running_one_at_once(params):
     def on_token(request, token):
         seen.append(request)
         if request == a and seen.count(a) == 2:  # a cancels b (running beside it) from inside its callback
-            row = next(r for r in server._running.values() if r.id == b)
+            row = next(r for r in server.scheduler.running.values() if r.id == b)
             pools.append((np.asarray(server.state.table)[row.row], row.private, _pool(server)))
             pools.append(server.cancel(b))
             pools.append((np.asarray(server.state.table)[row.row], _pool(server)))
@@ -176,13 +176,13 @@ def test_a_long_prompt_arrives_a_chunk_per_step_while_the_others_decode(params):
     a = server.submit(short, max_new_tokens=40)
     out: dict[int, list[int]] = {}
     server.step(done=out)  # A prefilled (2 chunks of 16 would be 29 tokens: a step each) ...
-    while any(r.prefilling for r in server._running.values()):
+    while any(r.prefilling for r in server.scheduler.running.values()):
         server.step(done=out)
     b = server.submit(long, max_new_tokens=4)
     per_step = []
     while server.busy:
         got: list[int] = []
-        reading = [r for r in server._running.values() if r.id == b and r.prefilling]
+        reading = [r for r in server.scheduler.running.values() if r.id == b and r.prefilling]
         server.step(on_token=lambda request, token: got.append(request), done=out)
         if reading:
             per_step.append(got.count(a))
@@ -268,9 +268,9 @@ def test_a_request_pins_only_the_kept_pages_it_shares(params):
     need = server.pages_needed(len(a), 30)
     assert server.committed == 2 * (need - 3)  # each owns its pages less the 3 its kept prefix holds
     # a's 3 pages (read by a), b's 3 pages (by b), and page 0 alone (by b)
-    assert sorted((len(k) // 8, p.users) for k, p in server._prefixes.items()) == [(1, 1), (3, 1), (3, 1)]
+    assert sorted((len(p.tokens) // 8, p.users) for p in server.prefixes.entries.values()) == [(1, 1), (3, 1), (3, 1)]
     longer = tuple(a[:24])
-    assert server._prefixes[longer].users == 1  # its maker only: b pins the 1-page entry, not this one
+    assert server.prefixes.entry(longer).users == 1  # its maker only: b pins the 1-page entry, not this one
     out = server.run()
     alone = lcx.generate(CFG, params, [a, b], max_new_tokens=30)
     assert list(out.values()) == [alone.tokens[0].tolist(), alone.tokens[1].tolist()]

@@ -79,7 +79,7 @@ class Running:
 
     def kept_pages(self) -> int:
         """Pages the kept prefixes hold (what may stay in use once every request has ended)."""
-        return len(set().union(*(p.pages for p in self.service.server._prefixes.values())))
+        return len(set().union(*(p.pages for p in self.service.server.prefixes.entries.values())))
 
     def stop(self):
         self.uv.should_exit = True

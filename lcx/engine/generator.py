@@ -8,7 +8,8 @@ The cache is any cache type behind the contract of ``lcx.cache.base``: this modu
 ``kind.create``, ``kind.make_room`` before each model call, ``kind.end_prefill`` after the prompt and ``kind.sync``
 between jitted calls, and never looks inside. The capacity is planned on the host before anything runs
 (``lcx.engine.planning``): a prompt + new tokens that do not fit the budget or the memory limit are refused with the
-bytes needed, never truncated. The compiled functions come from ``lcx.engine.programs`` (shared with the server).
+bytes needed, never truncated. The compiled functions, the cache kind and the placed params are one
+``lcx.engine.runner.Runner`` (``build``), the same the server runs on.
 
 A ``DecodeState`` (cache + sampler state) can be saved with orbax after any step and restored in another process;
 continuing gives bit-identical tokens because a row's key at step s depends on (its request's key, s) only.
@@ -32,15 +33,11 @@ from lcx.cache.base import CacheCapacityError, CacheState
 from lcx.cache.config import CacheConfig
 from lcx.cache.reconstruct import Reconstruction
 from lcx.config_base import ConfigError, to_dict
-from lcx.engine.planning import (auto_prefill_chunk, cache_kind, check_positions,
-                                 choose_unroll, keep_unrolled, kept_unrolled, plan_capacity)
-from lcx.engine.programs import programs
+from lcx.engine.planning import check_positions, plan_capacity, shared_prefixes
+from lcx.engine.runner import build
 from lcx.engine.sampling import RowSampling, SamplingConfig, request_keys
 from lcx.engine.state import DecodeState, GenerateResult, is_int, pad_prompts
 from lcx.model.config import ModelConfig
-from lcx.model.decoder import is_unrolled
-from lcx.model.placement import shard_params
-from lcx.parallel import context as context_parallel
 from lcx.parallel import sharding
 
 SCORE_SEGMENT = 64  # tokens per compiled teacher-forcing scan (Generator.score of caches that cannot chunk)
@@ -78,79 +75,24 @@ class Generator:
         carries the measurement."""
         if not is_int(max_new_tokens) or max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive integer")
-        for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
-            if value is not None and not (is_int(value) and 0 <= value < config.vocab_size):
-                raise ConfigError(f"{name}={value!r} is invalid: must be a token id in [0, {config.vocab_size}) "
-                                  "(the model's vocabulary) or None")
-        self.strict = strict
-        self.config, self.params, self.mesh = config, params, mesh
-        if mesh is not None:
-            sharding.mesh_topology(config, mesh)  # raises for a model axis that cannot split the KV heads
-            if is_unrolled(params):
-                raise ConfigError("params are unrolled (layers_0, ...): on a mesh pass the stacked params; the "
-                                  "generator places them, then unrolls its own copy")
-            self.params = shard_params(params, config, mesh)
-        self.cache_config = cache or CacheConfig()
-        self.kind = cache_kind(config, self.cache_config, mesh)  # validates the policy against the model
-        self.policy = self.cache_config.make_policy()
-        observes = self.policy.observes  # what the policy needs beside positions (lcx.cache.observes)
-        reconstructs, calibrates = observes.reconstructs, observes.calibrates
-        self.kind.check_runs(self.policy)  # the kind's capabilities against that declaration (refuses by them)
-        if calibrates:
-            self.policy = self._calibrated(self.policy, params, calibration)
-        if mesh is not None and not self.kind.shardable:
-            raise ConfigError(f"cache.policy={self.cache_config.policy!r} (cache type {self.kind.name!r}) does not "
-                              "run on a device mesh yet; generate on one device or use an eviction policy")
-        self.seq = sharding.axis_size(mesh, "seq")
-        if self.seq > 1:
-            self._check_prefill_across_seq()
+        self.runner = build(config, params, cache=cache, eos_id=eos_id, pad_id=pad_id, mesh=mesh, unroll=unroll,
+                            reconstruction=reconstruction, calibration=calibration)
+        r = self.runner
+        self.config, self.params, self.mesh, self.cache_config = config, r.params, mesh, r.cache
+        self.kind, self.policy, self.programs = r.kind, r.policy, r.programs
+        self.seq, self.unrolled = r.seq, r.unrolled
+        self.reconstruction, self.pad_id, self._put = reconstruction, r.pad_id, r.put
+        self.strict, self.capacity = strict, capacity
         self._open: list = []  # handles of the host resources (e.g. stores) this generator's requests opened
         self.sampling = sampling or SamplingConfig()
-        self.capacity = capacity
         # prompt tokens asked for, and run through the model (shared pages of a paged cache are prefilled once)
         self.prompt_tokens = self.prefilled_tokens = 0
         self.max_new_tokens, self.eos_id, self.seed = max_new_tokens, eos_id, seed
-        self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
-        kept = kept_unrolled(self.params)
-        self.unrolled = choose_unroll(config, self.params, unroll) if kept is None or unroll is not None else True
-        if self.unrolled:
-            self.params = kept if kept is not None else keep_unrolled(self.params)
-        elif is_unrolled(self.params):
-            raise ConfigError("unroll=False needs stacked params (a 'layers' entry); these are unrolled")
-        self.programs = programs(config, eos_id, self.pad_id, self.kind, mesh, self.unrolled)
-        self.reconstruction = reconstruction
-        if reconstructs and reconstruction is None:
-            raise ConfigError(f"cache.policy={self.cache_config.policy!r} scores the prompt by asking the model to "
-                              "repeat it: pass Generator(reconstruction=...) - the repeat prompt's token ids, e.g. "
-                              "lcx.data.haystack.Frame(tokenizer, chat).reconstruction()")
 
     def _check_prefill_across_seq(self) -> None:
-        """A mesh with a ``seq`` axis splits each prompt's prefill over it (one chunk, attention across ``seq``, the
-        keys and values then written whole): the kind must take such a prompt (``kind.prefill_across_seq``) and the
-        policy observe nothing while prefilling (``Observes.prefill``) - ``CacheKind.check_runs`` asks both."""
+        """A mesh with a ``seq`` axis splits each prompt's prefill over it: the kind must take such a prompt and the
+        policy observe nothing while prefilling - ``CacheKind.check_runs`` asks both (``build`` calls it)."""
         self.kind.check_runs(self.policy, seq=self.seq)
-
-    def _calibrated(self, policy, params, calibration):
-        """``policy`` measured on this model (``EvictionPolicy.calibrate``), and the cache kind rebuilt with it."""
-        if not policy.calibrated:
-            if calibration is None:
-                raise ConfigError(f"cache.policy={policy.name!r} is calibrated on the model: pass Generator("
-                                  "calibration=token ids [rows, tokens], e.g. lcx.data.policy_inputs.calibration_ids("
-                                  "Frame(tokenizer)) - passkey prompts with their answers) or cache.scores")
-            if is_unrolled(params):
-                raise ConfigError("calibrating a policy needs the stacked params (a 'layers' entry)")
-            policy = policy.calibrate(self.config, params, calibration)
-        policy.check_calibration(self.config)
-        self.kind = dataclasses.replace(self.kind, policy=policy)
-        return policy
-
-    def _put(self, x, batch_axis: bool = True):
-        """A host value as a step input: split by rows over "data" (or replicated) on the mesh."""
-        if self.mesh is None:
-            return jnp.asarray(x)
-        x = np.asarray(x)
-        spec = sharding.batch_sharding(self.mesh, x.ndim) if batch_axis else sharding.replicated(self.mesh)
-        return sharding.put(x, spec)
 
     def _new_cache(self, batch: int, capacity: int) -> CacheState:
         self.close()  # a new request: release the host resources of the previous one
@@ -207,7 +149,7 @@ class Generator:
                     raise CacheCapacityError(f"capacity={self.capacity} is too small: this request needs {capacity} "
                                              f"cache slots (prompt {max_len} + max_new_tokens {self.max_new_tokens})")
                 capacity = self.capacity
-            groups = self._shared_prefixes(ids, lengths)
+            groups = shared_prefixes(self.kind, ids, lengths)
             if groups:  # runs of rows that start alike, in whole pages: each run's prefix prefilled once, shared
                 first, counts, shared = (np.asarray(x) for x in zip(*groups))
                 prefixes = np.zeros((len(groups), int(shared.max())), np.int32)
@@ -234,7 +176,7 @@ class Generator:
                    f"least the prompt length - budget"))
         cache, last_logits = self._chunks(ids, lengths, cache, capacity, progress)
         if reconstructs:
-            cache = self._reconstruct(cache, ids, lengths, progress)
+            cache = self.runner.reconstruct(cache, ids, lengths, progress)
         with sharding.use_mesh(self.mesh):
             cache = self.kind.sync(self.programs.end_prefill(cache))
         return DecodeState(
@@ -260,95 +202,10 @@ class Generator:
             keys = request_keys(self.seed, rows, seeds)
         return RowSampling.build(settings, keys)
 
-    def _shared_prefixes(self, ids: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int, int]] | None:
-        """With a paged cache, runs of consecutive rows whose prompts start with the same whole pages (a system
-        prompt; the questions of one haystack): ``(first row, rows, shared tokens)`` per run, every row in one, each
-        row keeping at least one token of its own (whose logits start its generation). None when nothing would be
-        shared (not a paged cache, or no run of two rows sharing a page) or a row is shorter than a page."""
-        if self.kind.name != "paged" or ids.shape[0] < 2:
-            return None
-        page = self.kind.page
-        own = (lengths - 1) // page * page  # each row's whole pages before its last token
-        if np.any(own == 0):
-            return None
-        groups, row = [], 0
-        while row < ids.shape[0]:
-            shared, end = int(own[row]), row + 1
-            while end < ids.shape[0]:
-                differ = np.flatnonzero(ids[row] != ids[end])
-                common = min(int(differ[0]) if differ.size else ids.shape[1], int(own[end]), shared) // page * page
-                if common == 0:
-                    break
-                shared, end = common, end + 1
-            groups.append((row, end - row, shared))
-            row = end
-        return groups if len(groups) < ids.shape[0] else None
-
     def _chunks(self, ids: np.ndarray, lengths: np.ndarray, cache: CacheState, capacity: int,
                 progress: bool) -> tuple[CacheState, jax.Array]:
-        """Prompts ``ids [b, n]`` (real tokens ``lengths [b]``) through the model into ``cache`` in chunks of one
-        compiled shape: ``(cache, logits of each row's last token)``."""
-        batch, max_len = ids.shape
-        if self.seq > 1:
-            return self._chunk_across_seq(ids, lengths, cache, capacity)
         self.prefilled_tokens += int(lengths.sum())
-        requested = self.cache_config.prefill_chunk or auto_prefill_chunk(self.config, batch, max_len)
-        chunk = self.kind.prefill_chunk(requested, max_len, capacity)
-        n_chunks = -(-max_len // chunk)
-        padded = np.zeros((batch, n_chunks * chunk), np.int32)
-        padded[:, :max_len] = ids
-        ok = np.arange(n_chunks * chunk)[None, :] < lengths[:, None]
-        weights = self.kind.prefill_weights(lengths, n_chunks * chunk)
-        last_logits = self._put(np.zeros((batch, self.config.vocab_size), np.float32))
-        bar = tqdm(total=n_chunks * chunk * batch, disable=not progress, unit="tok", unit_scale=True, desc="prefill",
-                   dynamic_ncols=True)
-        for c in range(n_chunks):
-            lo = c * chunk
-            last = lengths - 1 - lo
-            last_index = np.where((last >= 0) & (last < chunk), last, -1).astype(np.int32)
-            with sharding.use_mesh(self.mesh):
-                cache, last_logits = self.programs.prefill_chunk(
-                    self.params, cache, self._put(padded[:, lo:lo + chunk]), self._put(ok[:, lo:lo + chunk]),
-                    self._put(last_index), last_logits,
-                    None if weights is None else self._put(weights[:, lo:lo + chunk]))
-            cache = self.kind.sync(cache)
-            bar.update(chunk * batch)
-        bar.close()
-        return cache, last_logits
-
-    def _chunk_across_seq(self, ids: np.ndarray, lengths: np.ndarray, cache: CacheState,
-                          capacity: int) -> tuple[CacheState, jax.Array]:
-        """The prompts as one chunk split over the mesh's ``seq`` axis: padded to a multiple of ``2 x seq``, laid
-        out in zig-zag order (``lcx.parallel.context``), attention across ``seq``; the cache is then whole on every
-        ``seq`` device and decoding runs there as on a mesh without one."""
-        batch, max_len = ids.shape
-        width = -(-max_len // (2 * self.seq)) * (2 * self.seq)
-        if max_len > capacity:  # (padding is never written)
-            raise ConfigError(f"mesh.seq={self.seq} prefills a prompt in one chunk into a fresh cache: the prompt "
-                              f"({max_len} tokens) must fit the capacity ({capacity}) - raise "
-                              "cache.budget / cache.interval or prefill on a mesh without seq")
-        self.prefilled_tokens += int(lengths.sum())
-        padded = np.zeros((batch, width), np.int32)
-        padded[:, :max_len] = ids
-        ok = np.arange(width)[None, :] < lengths[:, None]
-        laid = context_parallel.layout_batch({"ids": padded, "ok": ok}, self.seq)
-        last_index = np.argsort(context_parallel.zigzag_order(width, self.seq))[lengths - 1].astype(np.int32)
-        put = lambda x: sharding.put(x, sharding.sequence_sharding(self.mesh, x.ndim))  # noqa: E731
-        with sharding.use_mesh(self.mesh):
-            cache, last_logits = self.programs.prefill_chunk(
-                self.params, cache, put(laid["ids"]), put(laid["ok"]), self._put(last_index),
-                self._put(np.zeros((batch, self.config.vocab_size), np.float32)), None, put(laid["positions"]))
-        return self.kind.sync(cache), last_logits
-
-    def _reconstruct(self, cache: CacheState, ids: np.ndarray, lengths: np.ndarray, progress: bool) -> CacheState:
-        """The reconstruction passes of a ``reconstructs`` policy over the prefilled prompts (``Reconstruction
-        .passes``): each scores the slots of its chunk; the cache keeps only the prompt."""
-        passes = self.reconstruction.passes(ids, lengths, self.policy.chunk)
-        for tokens, ok, lo, hi in tqdm(passes, disable=not progress, desc="reconstruct", unit="pass"):
-            with sharding.use_mesh(self.mesh):
-                cache = self.programs.probe_chunk(self.params, cache, self._put(tokens), self._put(ok),
-                                                  self._put(lo, False), self._put(hi))
-        return cache
+        return self.runner.chunks(ids, lengths, cache, capacity, progress)
 
     def _continued(self, state: DecodeState, batch: int, max_len: int) -> tuple[CacheState, int]:
         """The cache of ``state`` to append ``batch`` prompts of up to ``max_len`` tokens to, and its capacity."""

@@ -144,6 +144,30 @@ def keep_unrolled(params) -> dict:
     return unrolled
 
 
+def shared_prefixes(kind, ids: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int, int]] | None:
+    """With a paged cache (``kind``), runs of consecutive rows whose prompts start with the same whole pages (a
+    system prompt; the questions of one haystack): ``(first row, rows, shared tokens)`` per run, every row in one, each
+    row keeping at least one token of its own (whose logits start its generation). None when nothing would be
+    shared (not a paged cache, or no run of two rows sharing a page) or a row is shorter than a page."""
+    if kind.name != "paged" or ids.shape[0] < 2:
+        return None
+    page = kind.page
+    own = (lengths - 1) // page * page  # each row's whole pages before its last token
+    if np.any(own == 0):
+        return None
+    groups, row = [], 0
+    while row < ids.shape[0]:
+        shared, end = int(own[row]), row + 1
+        while end < ids.shape[0]:
+            differ = np.flatnonzero(ids[row] != ids[end])
+            common = min(int(differ[0]) if differ.size else ids.shape[1], int(own[end]), shared) // page * page
+            if common == 0:
+                break
+            shared, end = common, end + 1
+        groups.append((row, end - row, shared))
+        row = end
+    return groups if len(groups) < ids.shape[0] else None
+
 
 __all__ = ["CHUNK_MEMORY_SHARE", "PositionRangeWarning", "auto_prefill_chunk", "cache_kind", "check_positions",
-           "choose_unroll", "keep_unrolled", "kept_unrolled", "plan_capacity"]
+           "choose_unroll", "keep_unrolled", "kept_unrolled", "plan_capacity", "shared_prefixes"]

@@ -123,6 +123,14 @@ def padded(pages, fill: int = -1) -> jax.Array:
 take_pages = jax.jit(lambda pool, ids: jnp.take(pool, ids, axis=1))  # pool [L, P, ...] -> the pages ids [L, n, ...]
 
 
+class StateRef:
+    """The one paged state of a server, which its parts (``Scheduler``, ``PrefixCache``) replace in place: each
+    operation is a pure function of the state, and the reference keeps the latest even when one raises after it."""
+
+    def __init__(self, state: PagedState):
+        self.state = state
+
+
 def set_row(values: np.ndarray, row: int, value) -> np.ndarray:
     """A copy of the host array ``values`` with row ``row`` set to ``value``."""
     values = values.copy()
@@ -131,4 +139,4 @@ def set_row(values: np.ndarray, row: int, value) -> np.ndarray:
 
 
 __all__ = ["assign", "gather", "hold", "kv_names", "page_layout", "release", "reset_row", "row_fields", "rows_of",
-           "padded", "scatter", "set_row", "take_pages", "write_pages"]
+           "padded", "scatter", "set_row", "StateRef", "take_pages", "write_pages"]

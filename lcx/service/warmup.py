@@ -215,18 +215,18 @@ class _Saved:
     def restore(self, server) -> None:
         import jax.numpy as jnp
 
-        for request_id in range(server._next_id):  # what an error left running
+        for request_id in range(server.scheduler.next_id):  # what an error left running
             server.cancel(request_id)
-        while server._drop_lru(keep=None):  # the dummies' kept prefixes (spilled to the throwaway store)
+        while server.prefixes.drop_lru(keep=None):  # the dummies' kept prefixes (spilled to the throwaway store)
             pass
         server.store = self.store
         if self.scratch is not None:
             self.scratch.cleanup()
         server.state = server.state.replace(peak=jnp.asarray(self.peak))
         server.sampling = self.sampling
-        server._next_id = 0  # an unseeded request's stream is keyed by its number: as if no dummy had run
+        server.scheduler.next_id = 0  # an unseeded request's stream is keyed by its number: as if no dummy had run
         server.cancelled.clear()
-        server.prefill_tokens = server.cached_tokens = 0
+        server.prefill_tokens = server.scheduler.cached_tokens = 0
 
 
 class _CompileCounter:
