@@ -132,7 +132,9 @@ def plugin(name):
         assert t in targets, (t, targets)
     edges = {"lcx.parallel.sharding": {"lcx.config"}, "lcx.config": {"lcx.cache.config"},
              "lcx.cache.config": {"lcx.cache.base"}, "lcx.cache.base": {"lcx.parallel.sharding"}}
+    # the circle issue 61 broke: the mesh rules named the root config's ModelConfig under TYPE_CHECKING
     assert cycles(edges) == [["lcx.cache.base", "lcx.cache.config", "lcx.config", "lcx.parallel.sharding"]]
+    assert "lcx.parallel.sharding -> lcx.config: parallel imports only" in " | ".join(floor_violations(edges))
 
 
 def test_import_graph_ground_floor_imports_nothing_from_lcx():
