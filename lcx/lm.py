@@ -100,6 +100,34 @@ def encode_prompt(tokenizer, config: ModelConfig, text: str, chat=None) -> list[
     return head + [i for piece in (chat.head, text, chat.tail) for i in tokenizer.encode(piece, bos=False)]
 
 
+def encode_chat(tokenizer, messages: Sequence[Mapping], *, add_generation_prompt: bool = True) -> list[int]:
+    """A conversation (``{"role": ..., "content": ...}`` mappings) rendered with the tokenizer's chat template as
+    transformers renders it, the reply opened when ``add_generation_prompt``; the template's BOS text becomes the BOS
+    id. A ``ConfigError`` when the tokenizer has no template; a template that refuses the messages raises jinja2's
+    ``TemplateError``."""
+    from lcx.data.haystack import render_chat, token_text
+
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ConfigError("the tokenizer has no chat template (none in its tokenizer_config.json / "
+                          "chat_template.jinja or GGUF metadata): encode the prompt as text")
+    bos = token_text(tokenizer, tokenizer.bos_id) or ""
+    text = render_chat(template, [{"role": m["role"], "content": m["content"]} for m in messages], bos_token=bos,
+                       eos_token=token_text(tokenizer, tokenizer.eos_id) or "",
+                       add_generation_prompt=add_generation_prompt)
+    head = []
+    if bos and text.startswith(bos):
+        head, text = [tokenizer.bos_id], text[len(bos):]
+    return head + list(tokenizer.encode(text, bos=False))
+
+
+def special_tokens(tokenizer) -> dict[str, str | None]:
+    """The text of the tokenizer's ``bos`` / ``eos`` / ``pad`` tokens (None where it has none or cannot say)."""
+    from lcx.data.haystack import token_text
+
+    return {name: token_text(tokenizer, getattr(tokenizer, f"{name}_id", None)) for name in ("bos", "eos", "pad")}
+
+
 def as_cache(cache, key: str = "cache") -> CacheConfig:
     """A ``CacheConfig`` from ``cache``: None (the full cache), a ``CacheConfig``, a mapping of its fields and policy
     parameters (a YAML ``cache:`` section) or a policy name."""
@@ -317,6 +345,5 @@ def load(path: str | Path, *, tokenizer: str = "auto", dtype: str | None = None)
     return LM(config, params, tok, source=f"{kind} {path}")
 
 
-__all__ = ["CACHE_FORMS", "LM", "MAX_GENERATORS", "as_cache", "at_compression", "auto_tokenizer", "encode_prompt",
-           "load",
-           "load_weights"]
+__all__ = ["CACHE_FORMS", "LM", "MAX_GENERATORS", "as_cache", "at_compression", "auto_tokenizer", "encode_chat",
+           "encode_prompt", "load", "load_weights", "special_tokens"]

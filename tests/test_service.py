@@ -470,7 +470,7 @@ def test_clients_that_disconnect_cancel_their_requests_and_return_their_pages(se
 def test_a_non_streaming_client_that_leaves_while_tokens_flow_is_cancelled():
     """The wait for a non-streaming answer notices a client gone within a poll, however fast text events come (it
     looked only when none came for 50 ms, so a request whose tokens kept flowing ran to its end for nobody)."""
-    from lcx.service.app import DISCONNECT_POLL, _await_done
+    from lcx.service.serving import DISCONNECT_POLL, await_done as _await_done
     from lcx.service.engine import Generation
 
     class Engine:

@@ -155,9 +155,9 @@ class ChatTemplate:
         if not template:
             raise ConfigError(f"eval.chat=true, but the tokenizer {tokenizer.spec!r} has no chat template (none in "
                               "its tokenizer_config.json or GGUF metadata); set eval.chat=false")
-        bos = _token_text(tokenizer, tokenizer.bos_id)
+        bos = token_text(tokenizer, tokenizer.bos_id)
         rendered = render_chat(template, [{"role": "user", "content": _MARK}], bos_token=bos or "",
-                               eos_token=_token_text(tokenizer, tokenizer.eos_id) or "", add_generation_prompt=True)
+                               eos_token=token_text(tokenizer, tokenizer.eos_id) or "", add_generation_prompt=True)
         if rendered.count(_MARK) != 1:
             raise ConfigError(f"the chat template of {tokenizer.spec!r} does not render a user message once; "
                               "set eval.chat=false")
@@ -191,7 +191,9 @@ def render_chat(template: str, messages: Sequence[dict], **variables) -> str:
     return env.from_string(template).render(messages=list(messages), **variables)
 
 
-def _token_text(tokenizer, token_id: int | None) -> str | None:
+def token_text(tokenizer, token_id: int | None) -> str | None:
+    """The text of special token ``token_id`` (the BOS a chat template writes), or None when there is none or the
+    tokenizer cannot say (lcx's byte tokenizer)."""
     inner = getattr(tokenizer, "_tok", None)
     if token_id is None or inner is None:
         return None
@@ -284,4 +286,5 @@ def pieces_example(tokenizer, prompt: Sequence[Piece], answer_parts: Sequence[tu
 
 
 __all__ = ["ChatTemplate", "Frame", "Haystack", "NOISE", "encode_spans", "haystack", "nearest",
-           "pieces_example", "pieces_length", "prose_documents", "prose_text", "render_chat", "sentence_chars"]
+           "pieces_example", "pieces_length", "prose_documents", "prose_text", "render_chat", "sentence_chars",
+           "token_text"]

@@ -220,12 +220,12 @@ _first_tokens = jax.jit(lambda logits, rows: sample_rows(logits, rows, jnp.zeros
 # --------------------------------------------------------------------------------------------------- build
 def build(config: ModelConfig, params, *, cache: CacheConfig | None = None, eos_id: int | None = None,
           pad_id: int | None = None, mesh=None, unroll: bool | None = None, reconstruction=None, calibration=None,
-          kind=None) -> Runner:
+          kind=None, policy=None) -> Runner:
     """The ``Runner`` of ``config`` / ``params`` over ``cache`` (default: the full contiguous cache), checked once:
     ids in the vocabulary, the mesh's topology, the policy against the cache kind (``check_runs``), a calibrating
     policy measured on ``calibration``, KVzip's ``reconstruction`` present. ``unroll``: ``choose_unroll`` (None:
     when the copy of the layer weights fits; generators over the same params arrays share that copy). ``kind``: the
-    cache kind already made from ``cache`` (a ``ServeSetup``'s)."""
+    cache kind and ``policy`` already made from ``cache`` (a ``ServeSetup``'s)."""
     for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
         if value is not None and not (is_int(value) and 0 <= value < config.vocab_size):
             raise ConfigError(f"{name}={value!r} is invalid: must be a token id in [0, {config.vocab_size}) "
@@ -239,7 +239,7 @@ def build(config: ModelConfig, params, *, cache: CacheConfig | None = None, eos_
         placed = shard_params(params, config, mesh)
     cache = cache or CacheConfig()
     kind = kind or cache_kind(config, cache, mesh)  # validates the policy against the model
-    policy = cache.make_policy()
+    policy = policy if policy is not None else cache.make_policy()
     kind.check_runs(policy)  # the kind's capabilities against what the policy observes (refuses by them)
     if policy.observes.calibrates:
         policy = _calibrated(config, policy, params, calibration)

@@ -44,6 +44,7 @@ from lcx.cache import paged
 from lcx.cache.base import CacheCapacityError
 from lcx.cache.config import CacheConfig
 from lcx.engine import rows
+from lcx.engine import setup as setup_
 from lcx.engine.prefix_cache import PrefixCache
 from lcx.engine.runner import build
 from lcx.engine.sampling import RowSampling, SamplingConfig
@@ -67,16 +68,17 @@ class Server:
     whose ``on_token`` raises an ``Exception`` is cancelled the same way. ``cancelled``: every cancelled request's id
     -> the exception its ``on_token`` raised, or None when ``cancel`` ended it (kept across ``run`` calls)."""
 
-    def __init__(self, config: ModelConfig, params, *, max_num_seqs: int = 8, max_len: int = 4096,
-                 pages: int | None = None, cache: CacheConfig | None = None, eos_id: int | None = None,
-                 segment: int = 8, prefill_chunk: int = 256, prefix_entries: int = 8, store=None,
-                 reconstruction=None, setup: ServeSetup | None = None):
+    def __init__(self, config: ModelConfig, params, *, max_num_seqs: int = setup_.MAX_NUM_SEQS,
+                 max_len: int = setup_.MAX_LEN, pages: int | None = None, cache: CacheConfig | None = None,
+                 eos_id: int | None = None, segment: int = setup_.SEGMENT, prefill_chunk: int = setup_.PREFILL_CHUNK,
+                 prefix_entries: int = setup_.PREFIX_ENTRIES, store=None, reconstruction=None,
+                 setup: ServeSetup | None = None):
         s = setup or resolve(config, cache, max_num_seqs=max_num_seqs, max_len=max_len, pages=pages,
                              segment=segment, prefill_chunk=prefill_chunk, prefix_entries=prefix_entries,
                              store=store is not None, reconstruction=reconstruction)
         self.setup, self.config, self.eos_id = s, config, eos_id
         self.runner = build(config, params, cache=s.cache, eos_id=eos_id, reconstruction=s.reconstruction,
-                            kind=s.kind)
+                            kind=s.kind, policy=s.policy)
         self.kind, self.cache_config, self.evicts, self.reconstruction = s.kind, s.cache, s.evicts, s.reconstruction
         self.page, self.max_len, self.row_pages, self.pages, self.rows = s.page, s.max_len, s.row_pages, s.pages, \
             s.max_num_seqs
@@ -221,4 +223,4 @@ class Server:
             done[request.id] = request.tokens
 
 
-__all__ = ["Server", "server_policies"]
+__all__ = ["ServeSetup", "Server", "resolve", "server_policies"]

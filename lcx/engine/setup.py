@@ -16,6 +16,8 @@ from lcx.config_base import ConfigError
 from lcx.kernels.names import LOWBIT_DTYPES
 from lcx.model.config import ModelConfig
 
+# The defaults of a served configuration, one place: ``Server``'s and ``lcx serve``'s (``ServeConfig``) read these
+MAX_NUM_SEQS, MAX_LEN, SEGMENT, PREFILL_CHUNK, PREFIX_ENTRIES = 8, 4096, 8, 256, 8
 STORE_PAGES, STORE_STATES = "pages", "states"  # what a store keeps: prompt pages (full), compressed states (evicting)
 
 
@@ -79,9 +81,10 @@ def _positive(name: str, value) -> None:
         raise ConfigError(f"Server {name}={value!r} is invalid: must be a positive integer")
 
 
-def resolve(model: ModelConfig, cache: CacheConfig | None = None, *, max_num_seqs: int = 8, max_len: int = 4096,
-            pages: int | None = None, segment: int = 8, prefill_chunk: int = 256, prefix_entries: int = 8,
-            store: bool = False, reconstruction=None) -> ServeSetup:
+def resolve(model: ModelConfig, cache: CacheConfig | None = None, *, max_num_seqs: int = MAX_NUM_SEQS,
+            max_len: int = MAX_LEN, pages: int | None = None, segment: int = SEGMENT,
+            prefill_chunk: int = PREFILL_CHUNK, prefix_entries: int = PREFIX_ENTRIES, store: bool = False,
+            reconstruction=None) -> ServeSetup:
     """The ``ServeSetup`` of these settings, or a ``ConfigError`` naming the setting, the value and what is allowed.
     ``pages``: the pool (None: every row at its largest); ``store``: a store will be passed (refused where none may
     keep anything); ``reconstruction``: KVzip's repeat prompt, or a function making it (called only when the policy
@@ -134,4 +137,4 @@ def resolve(model: ModelConfig, cache: CacheConfig | None = None, *, max_num_seq
                       store=kept, reconstruction=reconstruction, settings=settings, make_store=bool(store))
 
 
-__all__ = ["STORE_PAGES", "STORE_STATES", "ServeSetup", "resolve", "server_policies", "store_kind"]
+__all__ = ["MAX_LEN", "MAX_NUM_SEQS", "PREFILL_CHUNK", "PREFIX_ENTRIES", "SEGMENT", "STORE_PAGES", "STORE_STATES", "ServeSetup", "resolve", "server_policies", "store_kind"]

@@ -1,6 +1,7 @@
 """What a ``lcx serve`` configuration holds: the page pool a KV budget buys, and how many sequences fit in it.
 
-One function for the server (it sizes its pool with it at start) and ``lcx plan --serve`` (it prints it): the pool is
+One function for the server (``ServeConfig.resolve`` sizes its pool with it at start) and ``lcx plan --serve`` (it
+prints it), both from the one resolved ``lcx.engine.setup.ServeSetup``: the pool is
 ``--kv-memory`` bytes, or ``--gpu-memory-utilization`` of the device's free memory after the weights (the planner's
 rule: a margin left to the runtime), in whole pages of ``page_size`` tokens over every layer, keys and values; it is
 never larger than every row at its largest (``max_num_seqs`` rows of ``max_model_len`` tokens under the full policy,
@@ -63,27 +64,21 @@ class ServePlan:
                  f"({format_bytes(self.row_bytes // self.max_num_seqs)} per sequence)"] if self.row_bytes else [])
 
 
-def serve_plan(model: ModelConfig, cache: CacheConfig, *, max_num_seqs: int, max_model_len: int,
-               kv_memory: int | None = None, free_bytes: int | None = None, utilization: float | None = None,
-               weight_bytes: int = 0) -> ServePlan:
-    """The pool of a serve configuration; see the module docstring. ``kv_memory``: the budget in bytes; else
-    ``utilization`` of ``free_bytes`` (the device's free memory before the weights) less ``weight_bytes``; else
-    every row at its largest."""
-    for name, value in (("--max-num-seqs", max_num_seqs), ("--max-model-len", max_model_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}={value!r} is invalid: must be a positive integer")
-    kind = cache.kind(model)
+def pool_plan(setup, *, kv_memory: int | None = None, free_bytes: int | None = None,
+              utilization: float | None = None, weight_bytes: int = 0) -> ServePlan:
+    """The pool of a resolved serve configuration (``lcx.engine.setup.ServeSetup``: its cache kind, a row's pages,
+    the rows); see the module docstring. ``kv_memory``: the budget in bytes; else ``utilization`` of ``free_bytes``
+    (the device's free memory before the weights) less ``weight_bytes``; else every row at its largest."""
+    kind, cache, rows = setup.kind, setup.cache, setup.max_num_seqs
     page_bytes = kind.page_nbytes()
-    slots = kind.plan(1, max_model_len, 0) if cache.make_policy().evicts else max_model_len
-    row_pages = -(-slots // cache.page_size)
-    most = max_num_seqs * row_pages
+    most = rows * setup.row_pages
     outside = {n: f for n, f in kind.fields().items() if "pages" not in f.axes}
-    row_bytes = schema.nbytes(outside, kind.sizes(max_num_seqs, slots), kind.kv_dtype, "kv")
+    row_bytes = schema.nbytes(outside, kind.sizes(rows, setup.slots), kind.kv_dtype, "kv")
     if kv_memory is not None:
         pages, source = (kv_memory - row_bytes) // page_bytes, "--kv-memory"
         if pages < 1:
             raise ConfigError(f"--kv-memory={kv_memory} bytes is invalid: one page of {cache.page_size} tokens takes "
-                              f"{page_bytes:,} bytes" + (f", after {row_bytes:,} bytes of the {max_num_seqs} rows' "
+                              f"{page_bytes:,} bytes" + (f", after {row_bytes:,} bytes of the {rows} rows' "
                                                          "float windows" if row_bytes else ""))
     elif utilization is not None and free_bytes is not None:
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
@@ -97,9 +92,27 @@ def serve_plan(model: ModelConfig, cache: CacheConfig, *, max_num_seqs: int, max
         pages, source = most, "every sequence at its largest"
     if pages > most:
         pages, source = most, f"{source}, capped at every sequence at its largest"
-    return ServePlan(page_size=cache.page_size, page_bytes=page_bytes, row_pages=row_pages, pages=int(pages),
-                     max_num_seqs=max_num_seqs, max_model_len=max_model_len, policy=cache.policy, source=source,
+    return ServePlan(page_size=cache.page_size, page_bytes=page_bytes, row_pages=setup.row_pages, pages=int(pages),
+                     max_num_seqs=rows, max_model_len=setup.max_len, policy=cache.policy, source=source,
                      row_bytes=row_bytes)
 
 
-__all__ = ["ServePlan", "serve_plan"]
+def serve_plan(model: ModelConfig, cache: CacheConfig, *, max_num_seqs: int, max_model_len: int,
+               kv_memory: int | None = None, free_bytes: int | None = None, utilization: float | None = None,
+               weight_bytes: int = 0) -> ServePlan:
+    """``pool_plan`` of the setup ``lcx serve`` resolves for these settings (``lcx plan --serve``: nothing runs, so
+    a policy's repeat prompt is not needed)."""
+    from lcx.engine.setup import resolve
+
+    for name, value in (("--max-num-seqs", max_num_seqs), ("--max-model-len", max_model_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r} is invalid: must be a positive integer")
+    setup = resolve(model, cache, max_num_seqs=max_num_seqs, max_len=max_model_len, reconstruction=_PLANNED)
+    return pool_plan(setup, kv_memory=kv_memory, free_bytes=free_bytes, utilization=utilization,
+                     weight_bytes=weight_bytes)
+
+
+_PLANNED = object()  # a stand-in for KVzip's repeat prompt: planning the pool runs no pass
+
+
+__all__ = ["ServePlan", "pool_plan", "serve_plan"]

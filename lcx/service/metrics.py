@@ -20,7 +20,8 @@ class Metrics:
     def __init__(self, page_bytes: int, pages_total: int):
         self.registry = CollectorRegistry()
         r, self.page_bytes = self.registry, page_bytes
-        self.pages_used = Gauge("lcx_kv_pages_used", "KV pages held by a sequence or a kept prefix", registry=r)
+        self.pages_used = Gauge("lcx_kv_pages_used", "KV pages held by a kept prefix or reserved by a sequence",
+                                registry=r)
         self.pages_total = Gauge("lcx_kv_pages_total", "KV pages in the pool", registry=r)
         self.bytes_used = Gauge("lcx_kv_bytes_used", "bytes of the KV pages in use", registry=r)
         self.running = Gauge("lcx_requests_running", "requests holding a row", registry=r)
@@ -37,6 +38,8 @@ class Metrics:
         self.pages_total.set(pages_total)
 
     def observe_server(self, server) -> None:
+        """The gauges from the server's host counts (``Server.pages_used``: kept prefix pages + the running
+        requests' reservations): no device read."""
         used = server.pages_used()
         self.pages_used.set(used)
         self.bytes_used.set(used * self.page_bytes)

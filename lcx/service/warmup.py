@@ -175,15 +175,14 @@ class _Prompts:
                 return np.concatenate([head, tail])
 
 
-def chat_head(lm, encode_chat) -> list[int]:
-    """The ids every chat prompt of ``lm`` begins with: two one-message chats rendered by ``encode_chat`` (the app's:
-    passed in, since the app imports this module), up to their first difference; [] without a chat template."""
-    from types import SimpleNamespace
+def chat_head(lm) -> list[int]:
+    """The ids every chat prompt of ``lm`` begins with: two one-message chats rendered by ``lcx.lm.encode_chat``,
+    up to their first difference; [] without a chat template."""
+    from lcx.lm import encode_chat
 
     if not getattr(lm.tokenizer, "chat_template", None):
         return []
-    stand_in = SimpleNamespace(lm=lm, config=SimpleNamespace(name="warm-up"))
-    a, b = (encode_chat(stand_in, [SimpleNamespace(role="user", text=lambda t=t: t)]) for t in ("Hi", "Yes"))
+    a, b = (encode_chat(lm.tokenizer, [{"role": "user", "content": t}]) for t in ("Hi", "Yes"))
     n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return a[:n]
 
