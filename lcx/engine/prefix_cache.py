@@ -126,8 +126,10 @@ class PrefixCache:
         """Keep the whole pages of ``request``'s prompt (pool pages ``table_row``) for later requests, read by
         their maker until it ends; the new entry's key, or None when nothing is kept (no entries, no whole page, or
         an entry already holds them)."""
+        if self.limit == 0:
+            return None
         keys = self.prompt_keys(request)
-        if self.limit == 0 or not keys or keys[-1] in self._holders:
+        if not keys or keys[-1] in self._holders:
             return None
         pages = [int(p) for p in table_row[:len(keys)]]
         key = self._add(request.prompt[:len(keys) * self.page], keys, pages, users=1)
