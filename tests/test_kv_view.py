@@ -11,6 +11,7 @@ import pytest
 
 from lcx import kernels
 from lcx.cache.kv_view import KVView, attend_view, packed_valid
+from lcx.cache.storage import FloatKV
 from lcx.kernels import Attended
 from lcx.kernels.reference import masked_attention_parts
 from lcx.model.config import AttentionSpec
@@ -43,7 +44,7 @@ def test_attend_view_chunk_and_decode_equal_the_masked_softmax(spec):
     spec = SPECS[spec]
     q, k, v = _qkv(T, seed=1)
     offsets = jnp.asarray([[3, 9], [14, 12]], jnp.int32)  # per row and KV head: each head keeps its own slots
-    view = KVView(k=k, v=v, lengths=offsets + T, offsets=offsets)
+    view = KVView(kv=FloatKV(k, v), lengths=offsets + T, offsets=offsets)
     weights = jnp.asarray([[0, 0, 1, 1, 1], [1, 0, 0, 1, 1]], jnp.float32)
     got = attend_view("xla", q, view, spec, stat_weights=weights, residuals=True)
     i, j = jnp.arange(T)[:, None], jnp.arange(S)[None, :]
@@ -78,9 +79,9 @@ def test_partial_views_merge_into_the_whole():
     q, k, v = _qkv(T, seed=2)
     spec = SPECS["plain"]
     work_len = jnp.asarray([10, 7], jnp.int32)
-    work = KVView(k=k[:, :, :12], v=v[:, :, :12], lengths=work_len, offsets=work_len - T)
+    work = KVView(kv=FloatKV(k[:, :, :12], v[:, :, :12]), lengths=work_len, offsets=work_len - T)
     n_rec = jnp.asarray([12, 4], jnp.int32)
-    rec = KVView(k=k[:, :, 12:], v=v[:, :, 12:], lengths=n_rec, offsets=jnp.zeros_like(n_rec),
+    rec = KVView(kv=FloatKV(k[:, :, 12:], v[:, :, 12:]), lengths=n_rec, offsets=jnp.zeros_like(n_rec),
                  valid=packed_valid(n_rec, 12), causal=False)
     merged, _, _ = kernels.merge_partials(attend_view("xla", q, work, spec, residuals=True),
                                           attend_view("xla", q, rec, spec, residuals=True))

@@ -170,7 +170,7 @@ def test_lowbit_every_eviction_policy_runs_and_keeps_its_budget(params, name):
 
 
 @pytest.mark.parametrize("cache, message", [
-    (dict(kv_dtype="int3"), "cache.kv_dtype='int3' is invalid: must be one of ['int8', 'fp8', 'int4', 'int2']"),
+    (dict(kv_dtype="int3"), "cache.kv_dtype='int3' is invalid: must be one of ['int8', 'fp8', 'int4', 'int2', 'fp4']"),
     (dict(kv_dtype="int4", kv_group=48), "cache.kv_group=48 is invalid: must be a power of two"),
     (dict(kv_dtype="int2", kv_group=2), "cache.kv_group=2 is invalid: must be >= 4 with cache.kv_dtype='int2'"),
     (dict(kv_dtype="int4", kv_residual=-1), "cache.kv_residual=-1 is invalid: must be a non-negative integer"),

@@ -442,7 +442,7 @@ BAD = [
     (["--context", "4096", "--gpu-mem", "80GiB", "--budget", "0"], "budget=0 is invalid"),
     (["--context", "4096", "--gpu-mem", "80GiB", "--kv-dtype", "int3"],
      "--kv-dtype='int3' is not a dtype lcx supports; allowed: ['bf16', 'bfloat16', 'f16', 'f32', 'float16', "
-     "'float32', 'fp16', 'fp32'], or quantized codes ['int8', 'fp8', 'int4', 'int2']"),
+     "'float32', 'fp16', 'fp32'], or quantized codes ['int8', 'fp8', 'int4', 'int2', 'fp4']"),
     (["--context", "4096", "--gpu-mem", "80GiB", "--weight-dtype", "fp8"],
      "--weight-dtype='fp8' is not a dtype lcx supports"),
     (["--context", "4096", "--gpu-mem", "80GiB", "--utilization", "1.5"],

@@ -47,7 +47,7 @@ def config(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp4"])
 def test_readme_custom_policy_registers_loads_and_generates(config, kv_dtype):
     assert config.cache.policy == "vnorm" and config.cache.params == {"sinks": 4}
     cache = lcx.CacheConfig(**config.cache.to_dict(), kv_dtype=kv_dtype)

@@ -70,7 +70,8 @@ def test_eviction_moves_codes_and_scales_together(params):
 
 
 @pytest.mark.parametrize("cache, message", [
-    (dict(kv_dtype="int3"), "cache.kv_dtype='int3' is invalid: must be one of ['int8', 'fp8', 'int4', 'int2'] or null"),
+    (dict(kv_dtype="int3"), "cache.kv_dtype='int3' is invalid: must be one of ['int8', 'fp8', 'int4', 'int2', "
+                            "'fp4'] or null"),
     (dict(kv_dtype="int8", policy="memory", layout="paged"), "cache.kv_dtype='int8' with cache.policy='memory' "
                                                              "and cache.layout='paged'"),
 ])

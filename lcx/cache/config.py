@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from lcx.cache.base import CacheKind, kind_class
 from lcx.cache.policy import CachePolicy, make_policy
 from lcx.config_base import ConfigError, canonical_dtype, check, coerce, positive_int
-from lcx.kernels.names import KV_DTYPES, LOWBIT_DTYPES
+from lcx.cache.storage import FORMATS, KVStorage, check_name, storage_of
 
 # The cache types that serve the global layers of a model with sliding-window layers (lcx.cache.hybrid); any other
 # type is built as it is and must handle every layer's spec itself.
@@ -99,41 +99,20 @@ class CacheConfig:
               "cache.page_size", self.page_size, "must be a positive integer (tokens per page)")
         if self.dtype is not None:
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "cache.dtype"))
-        check(self.kv_dtype is None or self.kv_dtype in KV_DTYPES, "cache.kv_dtype", self.kv_dtype,
-              f"must be one of {list(KV_DTYPES)} or null (keys and values in cache.dtype)")
+        check_name(self.kv_dtype)  # a registered storage format (lcx.cache.storage.FORMATS), or null
         check(positive_int(self.kv_group) and self.kv_group & (self.kv_group - 1) == 0, "cache.kv_group",
               self.kv_group, "must be a power of two (tokens per key scale, channels per value scale)")
         check(isinstance(self.kv_residual, int) and not isinstance(self.kv_residual, bool) and self.kv_residual >= 0,
               "cache.kv_residual", self.kv_residual, "must be a non-negative integer (recent tokens kept unquantized)")
-        lowbit = self.kv_dtype in LOWBIT_DTYPES
-        for key, default in (("kv_group", 64), ("kv_residual", 0)):
-            if getattr(self, key) != default and not lowbit:
+        storage = self.storage()
+        for key, default in (("kv_group", 64), ("kv_residual", 0)):  # the settings of the grouped formats
+            if getattr(self, key) != default and key not in storage.settings:
                 raise ConfigError(f"cache.{key}={getattr(self, key)} applies to the bit-packed caches only: set "
-                                  f"cache.kv_dtype to one of {list(LOWBIT_DTYPES)} (it is {self.kv_dtype!r}), or "
-                                  f"leave cache.{key} at {default}")
-        if lowbit:  # keys are packed along the slots: a key group fills whole bytes
-            per_byte = 8 // LOWBIT_DTYPES[self.kv_dtype]
-            check(self.kv_group >= per_byte, "cache.kv_group", self.kv_group,
-                  f"must be >= {per_byte} with cache.kv_dtype={self.kv_dtype!r} (a key group fills whole bytes of "
-                  f"{per_byte} codes)")
+                                  f"cache.kv_dtype to one of {[d for d, f in FORMATS.items() if key in f.settings]} "
+                                  f"(it is {self.kv_dtype!r}), or leave cache.{key} at {default}")
         policy = self.make_policy()  # validates the name and the policy's parameters
-        if lowbit and policy.cache_type not in ("slots", "memory"):
-            raise ConfigError(f"cache.kv_dtype={self.kv_dtype!r} with cache.policy={self.policy!r}: the bit-packed "
-                              "cache is built for the slot cache (full and every eviction policy, layout "
-                              "'contiguous' or 'paged') and the memory tier's long-term blocks; allowed here: "
-                              f"kv_dtype {[d for d in KV_DTYPES if d not in LOWBIT_DTYPES]} or null")
-        if lowbit and policy.cache_type == "memory" and self.kv_residual:
-            raise ConfigError(f"cache.kv_residual={self.kv_residual} is invalid with cache.policy='memory': the "
-                              "memory tier's working window is its float residual (cache.window); the bit-packed "
-                              "codes are its long-term blocks; allowed: kv_residual 0")
-        if lowbit and self.layout == "paged" and policy.cache_type == "slots":  # whole key groups per page
-            check(self.page_size % self.kv_group == 0, "cache.page_size", self.page_size,
-                  f"must be a multiple of cache.kv_group={self.kv_group} with cache.kv_dtype={self.kv_dtype!r} and "
-                  "layout 'paged' (a page holds whole key groups): raise page_size (e.g. "
-                  f"{max(self.kv_group, self.page_size) // self.kv_group * self.kv_group}) or lower kv_group to a "
-                  f"divisor of {self.page_size} (>= {8 // LOWBIT_DTYPES[self.kv_dtype]})")
-        if self.kv_dtype is not None and (policy.cache_type not in ("slots", "memory")
-                                          or (self.layout != "contiguous" and policy.cache_type != "slots")):
+        storage.check_config(self, policy, FORMATS)  # what the format needs (group sizes, whole groups per page)
+        if not storage.serves(policy.cache_type, self.layout):
             raise ConfigError(f"cache.kv_dtype={self.kv_dtype!r} with cache.policy={self.policy!r} and "
                               f"cache.layout={self.layout!r}: a quantized cache is built for the slot cache (every "
                               "eviction policy and full, layout 'contiguous' or 'paged') and the memory tier "
@@ -158,20 +137,26 @@ class CacheConfig:
     def make_policy(self) -> CachePolicy:
         return make_policy(self.policy, self.params)
 
+    def storage(self, dtype: str = "float32") -> KVStorage:
+        """The KV storage format of ``kv_dtype`` (``lcx.cache.storage``), its floats in ``dtype``."""
+        return storage_of(self, self.dtype or dtype)
+
     def kind(self, model: ModelConfig) -> CacheKind:
         """The cache type that implements this policy, for ``model`` (the KV heads the cache stores)."""
         policy = self.make_policy()
         name = policy.cache_type
+        storage = self.storage(model.dtype)
         if self.layout == "paged":
             # every token: lcx.cache.paged; an evicting policy: the slot cache's eviction over pages (paged_slots)
-            # (bit-packed codes: always the slot cache's pages, whose rows keep the float window)
-            name = "paged_slots" if policy.evicts or self.kv_dtype in LOWBIT_DTYPES else "paged"
+            # (a storage with per-row buffers, a bit-packed float window: always the slot cache's pages)
+            name = "paged_slots" if policy.evicts or storage.row_fields() else "paged"
         elif name in HYBRID_GLOBAL and any(s.window is not None for s in model.attention_specs()):
             name = "hybrid"  # sliding-window layers keep only their window (lcx.cache.hybrid)
-            if self.kv_dtype in LOWBIT_DTYPES:
+            if not storage.windowed_models:
                 raise ConfigError(f"cache.kv_dtype={self.kv_dtype!r}: the bit-packed cache is built for models whose "
                                   "layers are all global; this model has sliding-window layers (a hybrid cache); "
-                                  f"allowed here: kv_dtype {[d for d in KV_DTYPES if d not in LOWBIT_DTYPES]} or null")
+                                  f"allowed here: kv_dtype {[d for d, f in FORMATS.items() if f.windowed_models]} "
+                                  "or null")
         return kind_class(name).from_config(model, self, policy)
 
     @classmethod

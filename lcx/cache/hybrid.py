@@ -34,7 +34,7 @@ import numpy as np
 
 from lcx.parallel import sharding
 from lcx.cache.base import AUTO_PREFILL_CHUNK, CacheKind, CacheState, kind_class, register_kind
-from lcx.cache.kv_cache import FIELDS, SCALE_FIELDS, KVCache, SlotCacheKind
+from lcx.cache.kv_cache import KVCache, SlotCacheKind
 from lcx.cache.policy import make_policy
 from lcx.cache.schema import Field
 from lcx.model.config import ModelConfig
@@ -335,7 +335,7 @@ class HybridKind(CacheKind):
 def with_room(layer: KVCache, n: int) -> KVCache:
     """One layer's view of a slot cache (no ``layers`` axis) with ``n`` empty slots after its own: every buffer
     with a ``length`` axis padded with its declared empty value."""
-    fields = {**FIELDS, **SCALE_FIELDS}
+    fields = layer.kind.fields()  # the storage's buffers and the slots' metadata
     grown = {}
     for name, field in fields.items():
         x = getattr(layer, name, None)

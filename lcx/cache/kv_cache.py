@@ -28,50 +28,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lcx.cache import lowbit_slots, reconstruct, slot_attention
+from lcx.cache import reconstruct, slot_attention
 from lcx.cache.base import (AUTO_PREFILL_CHUNK, CacheCapacityError, CacheKind, CacheState, register_kind,
                             round_chunk)
 from lcx.cache.observes import QUERY_FIELDS  # noqa: F401 - re-exported: the buffers of the query moments
 from lcx.cache.policy import EvictionPolicy, make_policy
-from lcx.cache.schedule import Left, evict_cache, layer_budgets
+from lcx.cache.schedule import evict_cache, layer_budgets
 from lcx.cache.schema import Field
+from lcx.cache.storage import FORMATS, KVStorage, storage_for, storage_of
 from lcx.config_base import ConfigError, canonical_dtype, format_bytes
-from lcx.kernels.names import LOWBIT_DTYPES
-from lcx.kernels.quant import QUANT_DTYPES, SCALE_DTYPE, storage_dtype
 from lcx.model.config import ModelConfig
 from lcx.parallel.sharding import BSKD, ROWS, per_shard
 
 FIELDS: Mapping[str, Field] = {
-    "k": Field(("layers", "batch", "kv_heads", "length", "head_dim"), "kv", 0, role="kv"),
-    "v": Field(("layers", "batch", "kv_heads", "length", "head_dim"), "kv", 0, role="kv"),
+    **KVStorage().slot_fields(),  # float keys and values (the storage declares its own)
     "pos": Field(("layers", "batch", "keep_heads", "length"), "int32", -1),  # original position; -1 when empty
     "valid": Field(("layers", "batch", "keep_heads", "length"), "bool", False),  # live slots
     "count": Field(("layers", "batch", "keep_heads"), "int32", 0),  # occupied slots
     "score": Field(("layers", "batch", "keep_heads", "length"), "float32", 0.0),  # the policy's statistic
     "lengths": Field(("batch",), "int32", 0),  # tokens consumed per sequence
 }
-# The scales of an 8-bit cache (cache.kv_dtype; lcx.kernels.quant): one per slot and KV head, counted as KV bytes.
-SCALE_FIELDS: Mapping[str, Field] = {
-    "k_scale": Field(("layers", "batch", "kv_heads", "length"), SCALE_DTYPE, 0.0, role="kv"),
-    "v_scale": Field(("layers", "batch", "kv_heads", "length"), SCALE_DTYPE, 0.0, role="kv"),
-}
+METADATA = ("pos", "valid", "count", "score", "lengths")  # what every slot cache keeps beside its storage
 
 @flax.struct.dataclass
 class KVCache(CacheState):
     """The buffers of ``FIELDS`` (whole cache: ``[L, ...]``; inside the model's layer scan one layer's)."""
 
-    k: jax.Array  # [L, b, k, C, d]
+    k: jax.Array  # [L, b, k, C, d] (the storage's: values, 8-bit codes, or packed codes - see kind.storage)
     v: jax.Array  # [L, b, k, C, d]
     pos: jax.Array  # [L, b, H, C] int32
     valid: jax.Array  # [L, b, H, C] bool
     count: jax.Array  # [L, b, H] int32
     score: jax.Array  # [L, b, H, C] float32
     lengths: jax.Array | None  # [b] int32 (None in the per-layer view)
-    k_scale: jax.Array | None = None  # [L, b, k, C] float16 (SCALE_FIELDS; None unless cache.kv_dtype is set)
-    v_scale: jax.Array | None = None  # [L, b, k, C] float16
-    # int4 / int2 (lcx.cache.lowbit_slots): k holds the keys' codes channel-major [L, b, k, d, C' * bits / 8] uint8
-    # (C' = C in whole key groups), v the values' [L, b, k, C, d * bits / 8]; k_scale the key
-    # scales [L, b, k, C / G, d], v_scale the value scales [L, b, k, C, d / G]; their zeros and the float window
+    # the storage's other buffers (None unless it declares them, ``kind.storage.slot_fields()``): an 8-bit cache's
+    # scales [L, b, k, C]; a bit-packed one's (lcx.cache.lowbit_slots) key scales [L, b, k, C / G, d] and value
+    # scales [L, b, k, C, d / G], their zeros and the float window
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
     k_zero: jax.Array | None = None
     v_zero: jax.Array | None = None
     k_res: jax.Array | None = None  # [L, b, k, R + G, d] in cache.dtype
@@ -95,10 +89,8 @@ class KVCache(CacheState):
 class SlotCacheKind(CacheKind):
     """Slots with an eviction policy. ``model``: the config whose KV heads the cache stores; ``budgets``: one per
     layer (None: the policy keeps everything, at most ``limit`` tokens when set); ``interval``: decode steps between
-    compactions; ``dtype``: the float dtype of keys and values; ``quant``: ``cache.kv_dtype`` (``int8`` / ``fp8``:
-    8-bit codes with per-slot scales, ``lcx.kernels.quant``; ``int4`` / ``int2``: bit-packed codes with group
-    scales and a float window, ``lcx.cache.lowbit_slots``, with ``group`` = ``cache.kv_group`` and ``residual`` =
-    ``cache.kv_residual``; None: stored in ``dtype``)."""
+    compactions; ``dtype``: the float dtype attention reads; ``storage``: how keys and values are held
+    (``lcx.cache.storage``: ``cache.kv_dtype``'s format; None: floats in ``dtype``)."""
 
     name: ClassVar[str] = "slots"
     state_type: ClassVar[type] = KVCache
@@ -109,18 +101,15 @@ class SlotCacheKind(CacheKind):
     dtype: str = "float32"
     interval: int = 64
     limit: int | None = None
-    quant: str | None = None
-    group: int = 64
-    residual: int = 0
+    storage: KVStorage | None = None
 
     def __post_init__(self):
-        if self.lowbit:
-            lowbit_slots.check(self.quant, self.group, self.model.head_dim)
-
-    @property
-    def lowbit(self) -> bool:
-        """Whether keys and values are bit-packed codes (``int4`` / ``int2``)."""
-        return self.quant in LOWBIT_DTYPES
+        if self.storage is None:
+            object.__setattr__(self, "storage", KVStorage(dtype=self.dtype))
+        if self.storage.dtype != self.dtype:
+            raise ValueError(f"SlotCacheKind: storage.dtype={self.storage.dtype!r} must be the kind's "
+                             f"dtype={self.dtype!r} (the float dtype attention reads)")
+        self.storage.check(self.model.head_dim)
 
     @classmethod
     def from_config(cls, model, cache, policy) -> "SlotCacheKind":
@@ -134,18 +123,14 @@ class SlotCacheKind(CacheKind):
         if policy.evicts:
             budgets = layer_budgets(cache, model.n_layers)
             policy.check(model.n_layers, budgets)
-        return cls(model=model, policy=policy, budgets=budgets, dtype=cache.dtype or model.dtype,
-                   interval=cache.interval, limit=None if policy.evicts else cache.max_budget, quant=cache.kv_dtype,
-                   group=cache.kv_group, residual=cache.kv_residual)
+        dtype = cache.dtype or model.dtype
+        return cls(model=model, policy=policy, budgets=budgets, dtype=dtype, interval=cache.interval,
+                   limit=None if policy.evicts else cache.max_budget, storage=storage_of(cache, dtype))
 
     # ------------------------------------------------------------------------------------------- declaration
     def fields(self) -> Mapping[str, Field]:
-        """The slots, the 8-bit scales when asked for, and the statistics the policy observes (``Observes``)."""
-        observed = self.policy.observes.fields()
-        if not observed and self.quant is None:
-            return FIELDS
-        stored = lowbit_slots.FIELDS if self.lowbit else SCALE_FIELDS if self.quant else {}
-        return {**FIELDS, **stored, **observed}
+        """The storage's buffers, the slots' metadata and the statistics the policy observes (``Observes``)."""
+        return {**self.storage.slot_fields(), **{n: FIELDS[n] for n in METADATA}, **self.policy.observes.fields()}
 
     @property
     def keep_heads(self) -> int:
@@ -164,9 +149,7 @@ class SlotCacheKind(CacheKind):
         m = self.model
         out = {"layers": m.n_layers, "batch": batch, "length": capacity, "kv_heads": m.n_kv_heads,
                "head_dim": m.head_dim, "keep_heads": self.keep_heads, "heads": m.n_heads}
-        if self.lowbit:
-            out |= lowbit_slots.sizes(self.quant, self.group, self.residual, m.head_dim, capacity)
-        return out
+        return out | self.storage.sizes(m.head_dim, capacity)
 
     # Capabilities (``CacheKind.check_runs``). Reconstruction passes (``attend`` with ``probe=``), ``write_prompt``
     # and a calibrated head split (the kind rebuilt with the measured policy) are written against this class's
@@ -193,8 +176,7 @@ class SlotCacheKind(CacheKind):
 
     @property
     def kv_dtype(self) -> str:
-        # the bit-packed cache declares its codes uint8 itself; "kv" buffers there are its float window
-        return self.dtype if self.quant is None or self.lowbit else storage_dtype(self.quant)
+        return self.storage.buffer_dtype
 
     # ------------------------------------------------------------------------------------------- planning
     def plan(self, batch: int, max_prompt: int, max_new_tokens: int) -> int:
@@ -245,14 +227,12 @@ class SlotCacheKind(CacheKind):
     def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None, probe=None):
         """Append and attend (``slot_attention.attend``); with a ``probe`` (a reconstruction pass of a policy that
         observes ``reconstructs``, ``lcx.cache.reconstruct``) attend without appending and score the probed slots."""
-        if probe is not None:
-            if self.lowbit:  # the pass scores the dequantized slots; only the scores change
-                out, scored = reconstruct.attend(self, self.float_layer(layer, q.dtype), q, key, val, cos=cos,
-                                                 sin=sin, ok=ok, spec=spec or self.model.attention_specs()[0],
-                                                 probe=probe)
-                return out, layer.replace(score=scored.score)
-            return reconstruct.attend(self, layer, q, key, val, cos=cos, sin=sin, ok=ok,
-                                      spec=spec or self.model.attention_specs()[0], probe=probe)
+        if probe is not None:  # the pass reads what the chunk op reads (codes, or the layer dequantized)
+            storage, readable = self.storage.readable(layer, q.dtype)
+            out, scored = reconstruct.attend(self, readable, q, key, val, cos=cos, sin=sin, ok=ok,
+                                             spec=spec or self.model.attention_specs()[0], probe=probe,
+                                             storage=storage)
+            return out, layer.replace(score=scored.score)  # only the scores change
         return slot_attention.attend(self, layer, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
                                      stat_weights=stat_weights, spec=spec)
 
@@ -265,12 +245,6 @@ class SlotCacheKind(CacheKind):
         layout = self.layer_axes()
         return per_shard(slot_attention.write, (layout, BSKD, BSKD, ROWS, ROWS), layout)(layer, keys, val, positions,
                                                                                          ok)
-
-    def float_layer(self, layer: KVCache, dtype) -> KVCache:
-        """A bit-packed ``layer`` with float keys and values ``[b, k, C, d]`` in ``dtype`` (dequantized, the window
-        overlaid) and no scales: what attention, reconstruction passes and eviction read."""
-        k, v = lowbit_slots.float_kv(layer, self.quant, self.group, self.residual, dtype)
-        return layer.replace(k=k, v=v, **{n: None for n in lowbit_slots.STORED[2:]})
 
     # ------------------------------------------------------------------------------------------- eviction
     def evict(self, state: KVCache, rows: jax.Array | None = None):
@@ -287,33 +261,7 @@ class SlotCacheKind(CacheKind):
 
     def _evict_rows(self, state: KVCache):
         """Every row of ``state`` compacted to the budgets: ``(state, left)``."""
-        budgets = jnp.asarray(self.budgets, jnp.int32)
-        if not self.lowbit:
-            return evict_cache(self.policy, state, budgets)
-        # Policies score and compact the dequantized slots; the survivors are quantized again. A policy that picks
-        # per layer does it one layer at a time, so only one layer is ever in float; a policy that pools budgets
-        # across layers (cross_layer) dequantizes them all. ``left`` holds the removed slots' codes as stored.
-        if self.policy.cross_layer:
-            out, left = self._evict_lowbit(state, budgets)
-            return out, left.replace(k=state.k, v=state.v)
-        names = [n for n, f in self.fields().items() if f.per_layer]
-
-        def one(xs):
-            layer = state.replace(**{n: x[None] for n, x in xs["buffers"].items()})
-            out, left = self._evict_lowbit(layer, xs["budget"][None])
-            return {n: getattr(out, n)[0] for n in names}, (left.mask[0], left.pos[0])
-
-        buffers, (mask, pos) = jax.lax.map(one, {"buffers": {n: getattr(state, n) for n in names},
-                                                 "budget": budgets})
-        return state.replace(**buffers), Left(mask=mask, pos=pos, k=state.k, v=state.v)
-
-    def _evict_lowbit(self, state: KVCache, budgets: jax.Array):
-        """``evict_cache`` over the dequantized slots of ``state`` (stacked), the survivors re-quantized."""
-        k, v = lowbit_slots.float_layers(state, self.quant, self.group, self.residual, self.dtype)
-        floats = state.replace(k=k, v=v, **{n: None for n in lowbit_slots.STORED[2:]})
-        out, left = evict_cache(self.policy, floats, budgets)
-        stored = state.replace(**{n: getattr(out, n) for n in ("pos", "valid", "count", "score")})
-        return lowbit_slots.requantize_layers(stored, out.k, out.v, self.quant, self.group, self.residual), left
+        return self.storage.evict(self, state, jnp.asarray(self.budgets, jnp.int32), evict_cache)
 
     def make_room(self, state: KVCache, n) -> KVCache:
         if self.budgets is None:
@@ -372,9 +320,9 @@ def kv_bytes(config: ModelConfig, capacity: int, batch: int, dtype: str) -> int:
     """Bytes of K and V for ``capacity`` slots: 2 x layers x kv_heads x head_dim x capacity x bytes x batch (from the
     cache's own declaration); ``dtype`` ``int8`` / ``fp8``: 8-bit codes plus their float16 scales; ``int4`` /
     ``int2``: packed codes, group scales and zeros (``kv_group`` 64) and the float window (``kv_residual`` 0)."""
-    if dtype in QUANT_DTYPES or dtype in LOWBIT_DTYPES:
-        return dataclasses.replace(full_kind(config), quant=dtype).nbytes(batch, capacity)
-    return full_kind(config, dtype).nbytes(batch, capacity)
+    if dtype in FORMATS:
+        return storage_for(dtype, canonical_dtype(config.dtype, "model.dtype")).nbytes(config, batch, capacity)
+    return KVStorage(dtype=canonical_dtype(dtype, "cache.dtype")).nbytes(config, batch, capacity)
 
 
 def full_overflow(config: ModelConfig, needed: int, budget: int, batch: int, max_prompt: int, max_new_tokens: int,
@@ -389,5 +337,5 @@ def full_overflow(config: ModelConfig, needed: int, budget: int, batch: int, max
         f"CacheConfig(policy='streaming', budget={budget}, sinks=4), or shorten the request")
 
 
-__all__ = ["FIELDS", "KVCache", "QUERY_FIELDS", "SCALE_FIELDS", "SlotCacheKind", "full_kind", "full_overflow",
+__all__ = ["FIELDS", "KVCache", "METADATA", "QUERY_FIELDS", "SlotCacheKind", "full_kind", "full_overflow",
            "init_cache", "keep_rows", "kv_bytes", "repeat_rows"]

@@ -25,7 +25,7 @@ policy); evicting policies run on ``lcx.cache.paged_slots``, the slot cache's ev
 one page in every layer, keys and values), not the pool's size.
 
 ``cache.kv_dtype: int8 | fp8`` stores the pool as 8-bit codes with one float16 scale per slot and KV head
-(``k_scale, v_scale [L, P, k, page]``, pages of their own beside the codes: :data:`SCALE_FIELDS`): a token's keys
+(``k_scale, v_scale [L, P, k, page]``, pages beside the codes: ``ScaledStorage.page_fields``): a token's keys
 and values are quantized when written (keys after RoPE, as the slot cache does), the decode kernel folds a page's
 scales into its logits and probabilities, and a prefill chunk's gathered view carries codes and scales to the
 attention core. A page's bytes count the scales.
@@ -50,29 +50,18 @@ from lcx.cache.base import CacheKind, CacheState, register_kind
 from lcx.cache.kv_cache import full_overflow
 from lcx.cache.kv_view import KVView, attend_view
 from lcx.cache.schema import Field
+from lcx.cache.storage import KVStorage, namespace, storage_of
 from lcx.config_base import ConfigError
 from lcx.kernels.paged_decode import gather_pages
-from lcx.kernels.quant import SCALE_DTYPE, quantize, storage_dtype
 from lcx.model.config import AttentionSpec, ModelConfig
 from lcx.model.rope import apply_rope
 
-POOL = ("layers", "pages", "kv_heads", "page", "head_dim")
 FIELDS: Mapping[str, Field] = {
-    "k": Field(POOL, "kv", 0, role="kv"),
-    "v": Field(POOL, "kv", 0, role="kv"),
+    **KVStorage().page_fields(),  # float pages (the storage declares its own)
     **page_pool.FIELDS,  # table, refs, peak, overflow: the pool's bookkeeping
     "lengths": Field(("batch",), "int32", 0),  # tokens consumed per row (its next position)
 }
-# An 8-bit pool's scales (cache.kv_dtype; lcx.kernels.quant): one per slot of every page and KV head, KV bytes.
-SCALE_FIELDS: Mapping[str, Field] = {
-    "k_scale": Field(("layers", "pages", "kv_heads", "page"), SCALE_DTYPE, 0.0, role="kv"),
-    "v_scale": Field(("layers", "pages", "kv_heads", "page"), SCALE_DTYPE, 0.0, role="kv"),
-}
-
-
-def scales_of(layer) -> dict[str, jax.Array]:
-    """The scale pools of an 8-bit paged state or layer (``{}`` for a float one)."""
-    return {n: getattr(layer, n) for n in SCALE_FIELDS if getattr(layer, n, None) is not None}
+POOL_META = ("table", "refs", "peak", "overflow", "lengths")  # beside the storage's pages
 
 
 @flax.struct.dataclass
@@ -136,7 +125,7 @@ class PagedCache(PagedState):
     stay, read-only, so each layer can write and gather its pages)."""
 
     lengths: jax.Array | None  # [b] int32
-    k_scale: jax.Array | None = None  # [L, P, k, g] float16 (SCALE_FIELDS; None unless cache.kv_dtype is set)
+    k_scale: jax.Array | None = None  # [L, P, k, g] float16 (an 8-bit storage's scale pages)
     v_scale: jax.Array | None = None
     kind: "PagedKind" = flax.struct.field(pytree_node=False, default=None)
 
@@ -177,7 +166,8 @@ def fork_pages(state: PagedState, n, full: np.ndarray, reserve: np.ndarray):
 @dataclasses.dataclass(frozen=True)
 class PagedKind(CacheKind):
     """A paged cache that keeps every token. ``page``: slots per page; ``limit``: the most tokens per row
-    (``cache.budget``), None for no limit; ``quant``: ``cache.kv_dtype`` (8-bit codes and per-slot scales)."""
+    (``cache.budget``), None for no limit; ``storage``: how the pages hold keys and values
+    (``lcx.cache.storage``; None: floats in ``dtype``)."""
 
     name: ClassVar[str] = "paged"
     state_type: ClassVar[type] = PagedCache
@@ -186,7 +176,12 @@ class PagedKind(CacheKind):
     page: int = 16
     dtype: str = "float32"
     limit: int | None = None
-    quant: str | None = None
+    storage: KVStorage | None = None
+
+    def __post_init__(self):
+        if self.storage is None:
+            object.__setattr__(self, "storage", KVStorage(dtype=self.dtype))
+        self.storage.check(self.model.head_dim)
 
     @classmethod
     def from_config(cls, model, cache, policy) -> "PagedKind":
@@ -195,21 +190,23 @@ class PagedKind(CacheKind):
                               "policy 'full' (CacheConfig(layout='paged').kind gives evicting policies a "
                               "lcx.cache.paged_slots.PagedSlotKind)")
         refuse_windows(model)
-        return cls(model=model, page=cache.page_size, dtype=cache.dtype or model.dtype, limit=cache.max_budget,
-                   quant=cache.kv_dtype)
+        dtype = cache.dtype or model.dtype
+        return cls(model=model, page=cache.page_size, dtype=dtype, limit=cache.max_budget,
+                   storage=storage_of(cache, dtype))
 
     # ------------------------------------------------------------------------------------------- declaration
     def fields(self) -> Mapping[str, Field]:
-        return {**FIELDS, **SCALE_FIELDS} if self.quant else FIELDS
+        return {**self.storage.page_fields(), **{n: FIELDS[n] for n in POOL_META}}
 
     def sizes(self, batch: int, capacity: int) -> dict[str, int]:
         m, row_pages = self.model, -(-capacity // self.page)
         return {"layers": m.n_layers, "pages": batch * row_pages, "kv_heads": m.n_kv_heads, "page": self.page,
-                "head_dim": m.head_dim, "batch": batch, "row_pages": row_pages}
+                "head_dim": m.head_dim, "batch": batch, "row_pages": row_pages,
+                **self.storage.page_sizes(m.head_dim, self.page)}
 
     @property
     def kv_dtype(self) -> str:
-        return self.dtype if self.quant is None else storage_dtype(self.quant)
+        return self.storage.buffer_dtype
 
     # ------------------------------------------------------------------------------------------- planning
     def plan(self, batch: int, max_prompt: int, max_new_tokens: int) -> int:
@@ -239,25 +236,20 @@ class PagedKind(CacheKind):
         ids = jnp.where(ok & (ids >= 0), ids, pages)  # [b, t]
         slot = positions % page
         put = lambda pool, x: pool.at[ids, :, slot].set(x.astype(pool.dtype), mode="drop")  # noqa: E731
-        scales = {}
-        if self.quant is not None:  # 8-bit codes, and each token's scale per KV head into the scale pages
-            (key, k_scale), (val, v_scale) = quantize(key, self.quant), quantize(val, self.quant)
-            scales = dict(k_scale=put(layer.k_scale, k_scale), v_scale=put(layer.v_scale, v_scale))
-        k_pool, v_pool = put(layer.k, key), put(layer.v, val)
-        # read: each row's pages gathered in position order, the slot cache's [b, k, T * g, d] view
-        gather = lambda pool: gather_pages(pool, layer.table)  # noqa: E731
+        # each token's buffers (codes and their scales, or values) into its page slot
+        pools = {n: put(getattr(layer, n), x) for n, x in self.storage.encode(key, val).items()}
         before = layer.lengths
         after = before + jnp.sum(ok, axis=1, dtype=jnp.int32)
         impl = self.model.attention.impl
         if q.shape[1] == 1:  # decode: the backend reads the pages (Pallas: in place; others: gathered)
             extra = {n: x for n, x in kernels.spec_kwargs(spec).items() if n != "window"}
-            out = kernels.backend(impl).paged_decode(q[:, 0], k_pool, v_pool, table=layer.table, lengths=after,
-                                                     sm_scale=spec.sm_scale, **extra, **scales).out[:, None]
-        else:  # a prefill chunk: the gathered view through the attention core
-            view = KVView(k=gather(k_pool), v=gather(v_pool), lengths=after, offsets=before,
-                          **{n: gather(x) for n, x in scales.items()})
-            out = attend_view(impl, q, view, spec).out
-        return out, layer.replace(k=k_pool, v=v_pool, **scales)
+            out = self.storage.paged_decode(kernels.backend(impl), q[:, 0], pools, table=layer.table, lengths=after,
+                                            sm_scale=spec.sm_scale, extra=extra).out[:, None]
+        else:  # a prefill chunk: each row's pages gathered in position order, the slot cache's [b, k, T * g, d]
+            gathered = namespace(**{n: gather_pages(x, layer.table) for n, x in pools.items()})
+            kv = self.storage.view(gathered, q.dtype, impl=impl, queries=q.shape[1], counted=False, codes=True)
+            out = attend_view(impl, q, KVView(kv=kv, lengths=after, offsets=before), spec).out
+        return out, layer.replace(**pools)
 
     # ------------------------------------------------------------------------------------------- between calls
     def make_room(self, state: PagedCache, n) -> PagedCache:
@@ -276,5 +268,5 @@ class PagedKind(CacheKind):
         return fork_pages(state, n, full, state.table.shape[1] - full)
 
 
-__all__ = ["FIELDS", "SCALE_FIELDS", "PagedCache", "PagedKind", "PagedState", "create", "fork_pages", "refuse_windows",
-           "scales_of"]
+__all__ = ["FIELDS", "POOL_META", "PagedCache", "PagedKind", "PagedState", "create", "fork_pages",
+           "refuse_windows"]

@@ -21,8 +21,10 @@ out; ``GenerateResult.cache_bytes`` reports the peak of pages in use. Decode ste
 paged decode kernel takes one length per row; evicting policies keep per-head sets and "cache"-mode policies rotate
 keys by rank at read time).
 
-An 8-bit cache (``cache.kv_dtype``) keeps its codes in the pool and their scales in scale pages beside them
-(``lcx.cache.paged.SCALE_FIELDS``): gathered, written back and compacted with the codes.
+The pages hold what the kind's storage declares (``KVStorage.page_fields``; an 8-bit cache's codes and scale
+pages, a bit-packed one's codes and group scales, its rows' float windows beside the pool): the storage gathers
+them into the slot view (``gather``), writes back what a call wrote (``put_new``) and what an eviction compacted
+(``put_evicted``).
 
 Shape letters: L layers, P pool pages, b batch, T pages per row, g slots per page, C slots per row (the slot cache's
 capacity, at most T * g), H keep heads, k kv heads, d head dim, t new tokens.
@@ -34,20 +36,19 @@ import dataclasses
 from collections.abc import Mapping
 from typing import ClassVar
 
-import einops
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lcx.cache import lowbit_pages, lowbit_slots, page_pool, paged, slot_attention
+from lcx.cache import page_pool, paged, slot_attention
 from lcx.cache.base import register_kind
 from lcx.cache.kv_cache import FIELDS as SLOT_FIELDS, QUERY_FIELDS, KVCache, SlotCacheKind
-from lcx.cache.schedule import Left
 from lcx.cache import schema
+from lcx.cache.schedule import Left
 from lcx.cache.schema import Field
+from lcx.cache.storage import namespace
 from lcx.config_base import ConfigError
-from lcx.kernels.paged_decode import gather_pages
 
 METADATA = ("pos", "valid", "count", "score")  # the slot cache's per-row buffers, kept as they are
 PER_SLOT = ("pos", "valid", "score")  # those with a slot axis (the last)
@@ -66,10 +67,11 @@ class PagedSlotCache(paged.PagedState):
     q_count: jax.Array | None = None  # the policy's query moments (QUERY_FIELDS), when it declares them
     q_mean: jax.Array | None = None
     q_m2: jax.Array | None = None
-    k_scale: jax.Array | None = None  # [L, P, k, g] float16 (paged.SCALE_FIELDS; with cache.kv_dtype)
+    # the storage's other buffers (kind.storage.page_fields() / row_fields()): an 8-bit cache's scale pages [L, P,
+    # k, g]; a bit-packed one's (lcx.cache.lowbit_pages) codes and group scales and zeros in its own page layout,
+    # and each row's float window [L, b, k, R + G, d]
+    k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
-    # int4 / int2 (lcx.cache.lowbit_pages): k, v, k_scale, v_scale hold a page's codes and group scales in the
-    # bit-packed layout; their zeros beside them, and each row's float window [L, b, k, R + G, d]
     k_zero: jax.Array | None = None
     v_zero: jax.Array | None = None
     k_res: jax.Array | None = None
@@ -113,22 +115,18 @@ class PagedSlotKind(SlotCacheKind):
 
     # ------------------------------------------------------------------------------------------- declaration
     def fields(self) -> Mapping[str, Field]:
-        stored = lowbit_pages.FIELDS if self.lowbit else paged.SCALE_FIELDS if self.quant else {}
-        return {**FIELDS, **{n: f for n, f in self.slots.fields().items() if n in QUERY_FIELDS}, **stored}
+        return {**FIELDS, **{n: f for n, f in self.slots.fields().items() if n in QUERY_FIELDS},
+                **self.storage.page_fields(), **self.storage.row_fields()}
 
     def _metadata(self) -> tuple[str, ...]:
         """The slot cache's buffers this kind keeps as they are, per row: positions, masks, scores (and query
         moments; a bit-packed cache's float window)."""
-        return METADATA + tuple(n for n in self.slots.fields() if n in QUERY_FIELDS) + \
-            (lowbit_pages.WINDOW if self.lowbit else ())
+        return METADATA + tuple(n for n in self.slots.fields() if n in QUERY_FIELDS) + tuple(self.storage.row_fields())
 
     def sizes(self, batch: int, capacity: int) -> dict[str, int]:
         row_pages = -(-capacity // self.page)
-        out = {**super().sizes(batch, capacity), "pages": batch * row_pages, "page": self.page,
-               "row_pages": row_pages}
-        if self.lowbit:
-            out |= lowbit_pages.sizes(self.quant, self.group, self.page)
-        return out
+        return {**super().sizes(batch, capacity), "pages": batch * row_pages, "page": self.page,
+                "row_pages": row_pages, **self.storage.page_sizes(self.model.head_dim, self.page)}
 
     def pages_for(self, batch: int, tokens: int, shared: int = 0) -> int:
         """Pages ``batch`` sequences of ``tokens`` tokens hold at most: the slots the policy plans for them, in whole
@@ -145,78 +143,30 @@ class PagedSlotKind(SlotCacheKind):
                probe=None):
         if probe is not None:
             return self._probe(layer, q, key, val, cos=cos, sin=sin, ok=ok, spec=spec, probe=probe)
-        if self.lowbit:
-            return self._attend_lowbit(layer, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
-                                       stat_weights=stat_weights, spec=spec)
-        capacity, page = layer.pos.shape[-1], self.page
-        view = lambda pool: _slot_view(pool, layer.table, capacity)  # noqa: E731
-        scales = paged.scales_of(layer)
-        slots = KVCache(k=view(layer.k), v=view(layer.v), lengths=None, kind=self.slots,
-                        **{n: view(x) for n, x in scales.items()}, **{n: getattr(layer, n) for n in self._metadata()})
+        # A table cut short (the server reads only the pages its rows can hold, lcx.engine.server) is the slot cache
+        # of that many slots: the per-slot metadata is cut with it and put back after.
+        width = min(layer.pos.shape[-1], layer.table.shape[1] * self.page)
+        metadata = {n: getattr(layer, n)[..., :width] if n in PER_SLOT else getattr(layer, n)
+                    for n in self._metadata()}
+        slots = KVCache(**self.storage.gather(layer, layer.table, width), lengths=None, kind=self.slots, **metadata)
         out, slots = slot_attention.attend(self.slots, slots, q, key, val, cos=cos, sin=sin, positions=positions,
                                            ok=ok, stat_weights=stat_weights, spec=spec)
-        # the new tokens' slots (where slot_attention.write put them) back into their pages; padding is dropped
-        kv_heads, row_pages = layer.k.shape[1], layer.table.shape[1]
-        slot = slot_attention.new_slots(layer.count, ok, capacity)  # [b, H, t]
-        slot = jnp.minimum(einops.repeat(slot, "b H t -> b (H j) t", j=kv_heads // slot.shape[1]), capacity)
-        ids = jnp.take_along_axis(layer.table, jnp.minimum(slot // page, row_pages - 1).reshape(slot.shape[0], -1),
-                                  axis=1).reshape(slot.shape)
-        ids = jnp.where((slot < capacity) & (ids >= 0), ids, layer.k.shape[0])
-        head = jnp.arange(kv_heads)[None, :, None]
-        at = jnp.minimum(slot, capacity - 1)
-
-        def new(x):  # [b, k, C, ...] -> the new tokens' slots [b, k, t, ...] (scales have no head dim)
-            return jnp.take_along_axis(x, at.reshape(at.shape + (1,) * (x.ndim - 3)), axis=2)
-
-        put = lambda pool, x: pool.at[ids, head, slot % page].set(new(x).astype(pool.dtype), mode="drop")  # noqa
-        return out, layer.replace(k=put(layer.k, slots.k), v=put(layer.v, slots.v),
-                                  **{n: put(x, getattr(slots, n)) for n, x in scales.items()},
-                                  **{n: getattr(slots, n) for n in self._metadata()})
+        # what the call wrote back into its pages (the new tokens' slots, or the pages a group flush wrote)
+        pools = self.storage.put_new(layer, slots, count=layer.count, ok=ok, page=self.page)
+        return out, layer.replace(**pools, **{
+            n: getattr(layer, n).at[..., :width].set(getattr(slots, n)) if n in PER_SLOT else getattr(slots, n)
+            for n in self._metadata()})
 
     def _probe(self, layer: PagedSlotCache, q, key, val, *, cos, sin, ok, spec, probe):
         """A reconstruction pass (KVzip, ``lcx.cache.reconstruct``): the slot cache's pass on the gathered view -
         it appends nothing, so only the slots' scores come back (per row, not paged)."""
         capacity = layer.pos.shape[-1]
         metadata = {n: getattr(layer, n) for n in self._metadata()}
-        if self.lowbit:
-            stored = self._lowbit_view(self._pools(layer), layer.table, capacity)
-        else:
-            stored = {n: _slot_view(x, layer.table, capacity)
-                      for n, x in {"k": layer.k, "v": layer.v, **paged.scales_of(layer)}.items()}
-        slots = KVCache(**stored, lengths=None, kind=self.slots, **metadata)
+        slots = KVCache(**self.storage.gather(layer, layer.table, capacity), lengths=None, kind=self.slots,
+                        **metadata)
         out, scored = self.slots.attend(slots, q, key, val, cos=cos, sin=sin, positions=None, ok=ok,
                                         stat_weights=None, spec=spec, probe=probe)
         return out, layer.replace(score=scored.score)
-
-    def _lowbit_view(self, pools: Mapping[str, jax.Array], table, capacity: int) -> dict[str, jax.Array]:
-        """One layer's bit-packed pool buffers as the contiguous store's arrays for ``capacity`` slots
-        (``lcx.cache.lowbit_pages``)."""
-        lengths = lowbit_pages.view_lengths(self.quant, self.group, self.residual, self.model.head_dim, capacity)
-        return {n: lowbit_pages.view(pools[n], table, n, lengths[n]) for n in lowbit_pages.POOL_FIELDS}
-
-    def _pools(self, state) -> dict[str, jax.Array]:
-        return {n: getattr(state, n) for n in lowbit_pages.POOL_FIELDS}
-
-    def _attend_lowbit(self, layer: PagedSlotCache, q, key, val, **kw):
-        """The bit-packed store gathered from its pages, the slot cache's attention on it (which appends, flushes
-        whole key groups out of the float window into codes and attends on the codes), and the pages the flush may
-        have written put back."""
-        # A table cut short (the server reads only the pages its rows can hold, lcx.engine.server) is the slot
-        # cache of that many slots: the per-slot metadata is cut with it and put back after.
-        width = min(layer.pos.shape[-1], layer.table.shape[1] * self.page)
-        metadata = {n: getattr(layer, n)[..., :width] if n in PER_SLOT else getattr(layer, n)
-                    for n in self._metadata()}
-        slots = KVCache(**self._lowbit_view(self._pools(layer), layer.table, width), lengths=None, kind=self.slots,
-                        **metadata)
-        out, slots = slot_attention.attend(self.slots, slots, q, key, val, **kw)
-        index = lowbit_pages.flushed_pages(layer.count, layer.k.shape[1], q.shape[1], self.quant, self.group,
-                                           self.residual, self.page)
-        units = lowbit_pages.per_page(self.quant, self.group, self.page)
-        pools = {n: lowbit_pages.put_pages(getattr(layer, n), getattr(slots, n), n, units[n], layer.table, index)
-                 for n in lowbit_pages.POOL_FIELDS}
-        return out, layer.replace(**pools, **{
-            n: getattr(layer, n).at[..., :width].set(getattr(slots, n)) if n in PER_SLOT else getattr(slots, n)
-            for n in self._metadata()})
 
     # ------------------------------------------------------------------------------------------- between calls
     def evict(self, state: PagedSlotCache, rows: jax.Array | None = None) -> tuple[PagedSlotCache, Left]:
@@ -227,31 +177,16 @@ class PagedSlotKind(SlotCacheKind):
         and every byte in them."""
         if self.budgets is None:  # the full policy (a bit-packed paged cache keeps every token here)
             return state, None
-        capacity, page, pages = state.capacity, self.page, state.n_pages
         cut = jnp.ones(state.table.shape[:1], bool) if rows is None else rows  # [b]
-        view = jax.vmap(lambda pool: _slot_view(pool, state.table, capacity))  # [L, b, k, C, d]
         metadata = {n: getattr(state, n) for n in self._metadata()}
-        if self.lowbit:  # the slot cache's bit-packed eviction (dequantize, evict, quantize the survivors again)
-            stored = jax.vmap(lambda pools: self._lowbit_view(pools, state.table, capacity))(self._pools(state))
-            before = KVCache(**stored, lengths=state.lengths, kind=self.slots, **metadata)
-            after, left = self.slots.evict(before, rows)
-            return self._write_evicted(state, before, after, cut), left
-        scales = paged.scales_of(state)
-        before = KVCache(k=view(state.k), v=view(state.v), lengths=state.lengths, kind=self.slots,
-                         **{n: view(x) for n, x in scales.items()}, **metadata)
-        after, left = self.slots.evict(before, rows)
-        state = self._repage(state, before, after, cut)  # each held page of a cut row written from the view
-        ids = jnp.where(cut[:, None] & (state.table >= 0), state.table, pages)  # [b, T]
-        pad = ((0, 0), (0, 0), (0, 0), (0, state.table.shape[1] * page - capacity))
-
-        def write(pool, x):  # x [L, b, k, C, ...] -> every held page of every cut row (scales: no head dim)
-            x = jnp.pad(x, (*pad, *[(0, 0)] * (x.ndim - 4)))
-            x = einops.rearrange(x, "L b k (T g) ... -> L b T k g ...", g=page)
-            return pool.at[:, ids].set(x.astype(pool.dtype), mode="drop")
-
-        return state.replace(k=write(state.k, after.k), v=write(state.v, after.v), pos=after.pos, valid=after.valid,
-                             count=after.count, score=after.score,
-                             **{n: write(x, getattr(after, n)) for n, x in scales.items()}), left
+        stored = jax.vmap(lambda layer: self.storage.gather(namespace(**layer), state.table, state.capacity))(
+            {n: getattr(state, n) for n in self.storage.page_fields()})  # [L, b, k, C, ...]
+        before = KVCache(**stored, lengths=state.lengths, kind=self.slots, **metadata)
+        after, left = self.slots.evict(before, rows)  # the storage's compaction (requantized, where it must)
+        state = self._repage(state, before, after, cut)
+        pools = self.storage.put_evicted(state, after, cut, self.page)
+        return state.replace(**pools, pos=after.pos, valid=after.valid, count=after.count, score=after.score,
+                             **{n: getattr(after, n) for n in self.storage.row_fields()}), left
 
     def _repage(self, state: PagedSlotCache, before: KVCache, after: KVCache, cut: jax.Array) -> PagedSlotCache:
         """``state``'s pool after the eviction ``before -> after`` (stacked views) of the rows ``cut [b]`` marks:
@@ -263,25 +198,6 @@ class PagedSlotKind(SlotCacheKind):
         moved = jnp.pad((after.pos != before.pos) | (after.valid != before.valid), pad)
         changed = jnp.any(moved.reshape(*moved.shape[:3], row_pages, page), axis=(0, 2, 4))  # [b, T]
         return state.with_pool(page_pool.copy_on_write(page_pool.trim(state.pool, need), changed))
-
-    def _write_evicted(self, state: PagedSlotCache, before: KVCache, after: KVCache,
-                       cut: jax.Array) -> PagedSlotCache:
-        """A bit-packed ``state`` after the eviction ``before -> after`` (stacked views) of the rows ``cut [b]``
-        marks: their pages past the last occupied slot freed, shared pages the compaction rewrites copied for the
-        row, and every page the row alone holds written from the re-quantized view. (A shared page the compaction
-        leaves alone keeps its bytes: re-quantizing unchanged groups may round differently, and the rows sharing it
-        must read one page.) Rows not cut keep their pages as they are."""
-        page, row_pages = self.page, state.table.shape[1]
-        state = self._repage(state, before, after, cut)
-        pool = state.pool
-        own = jnp.where(cut[:, None] & (pool.table >= 0) & (pool.refs[jnp.maximum(pool.table, 0)] == 1),
-                        pool.table, -1)
-        index = jnp.broadcast_to(jnp.arange(row_pages), (own.shape[0], state.k.shape[2], row_pages))
-        units = lowbit_pages.per_page(self.quant, self.group, page)
-        pools = {n: jax.vmap(lambda p, x, n=n: lowbit_pages.put_pages(p, x, n, units[n], own, index))(
-            getattr(state, n), getattr(after, n)) for n in lowbit_pages.POOL_FIELDS}
-        return state.replace(**pools, pos=after.pos, valid=after.valid, count=after.count, score=after.score,
-                             **{n: getattr(after, n) for n in lowbit_pages.WINDOW})
 
     def make_room(self, state: PagedSlotCache, n) -> PagedSlotCache:
         """Evict the rows that would overflow (the slot cache's rule, per row), then give every row the pages for its
@@ -299,18 +215,11 @@ class PagedSlotKind(SlotCacheKind):
         the others copied, the metadata repeated. The pool holds the shared pages and, per row, its whole table's
         worth (an eviction may copy every shared page it rewrites)."""
         stacked = state.stack_layers()
-        filled = stacked.count  # [L, b, H]: a bit-packed cache shares only pages of codes (not the window's slots)
-        if self.lowbit:
-            filled = lowbit_slots.quantized_slots(filled, self.group, self.residual)
+        filled = self.storage.quantized_slots(stacked.count)  # [L, b, H]: only final bytes (not a float window)
         full = np.asarray(jnp.min(filled, axis=(0, 2))) // self.page
         out = paged.fork_pages(stacked, n, full, np.full(full.shape, stacked.table.shape[1]))
         counts = np.broadcast_to(np.asarray(n), full.shape)
         return out.replace(**{name: jnp.repeat(getattr(stacked, name), counts, axis=1) for name in self._metadata()})
-
-
-def _slot_view(pool: jax.Array, table: jax.Array, capacity: int) -> jax.Array:
-    """One layer's pool ``[P, k, g, d]`` as the slot cache's ``[b, k, C, d]`` (each row's pages in order)."""
-    return gather_pages(pool, table)[:, :, :capacity]
 
 
 __all__ = ["FIELDS", "PagedSlotCache", "PagedSlotKind"]

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from lcx.cache.kv_view import KVView, attend_view
+from lcx.cache.storage.views import FloatKV
 from lcx.config_base import ConfigError
 from lcx.kernels import Attended, merge_partials
-from lcx.kernels.quant import dequantize
 from lcx.model.config import AttentionSpec
 from lcx.model.rope import apply_rope
 from lcx.parallel.sharding import BTHD, per_shard
@@ -98,10 +98,12 @@ class Probe:
     width: int = flax.struct.field(pytree_node=False, default=2048)
 
 
-def attend(kind, layer, q, key, val, *, cos, sin, ok, spec: AttentionSpec, probe: Probe):
+def attend(kind, layer, q, key, val, *, cos, sin, ok, spec: AttentionSpec, probe: Probe, storage=None):
     """``SlotCacheKind.attend`` for a reconstruction pass: ``q [b, t, h, d]`` attends to the cache and to the pass's
     own ``key, val [b, t, k, d]`` (causal, padding ``ok`` False hidden) - two partial attentions merged exactly - and
-    the chunk's slots are scored (``chunk_scores``). Returns ``(out, layer)`` with only ``layer.score`` changed."""
+    the chunk's slots are scored (``chunk_scores``). Returns ``(out, layer)`` with only ``layer.score`` changed.
+    ``storage``: what ``layer`` holds (default ``kind.storage``; ``KVStorage.readable`` gives it)."""
+    storage = storage or kind.storage
     if kind.policy.mode != "original" or spec.window is not None:
         raise ConfigError("reconstruction scoring needs keys at their original positions on global-attention layers "
                           "(cache.positions 'original', no sliding window)")
@@ -112,31 +114,32 @@ def attend(kind, layer, q, key, val, *, cos, sin, ok, spec: AttentionSpec, probe
         lambda x: einops.repeat(x, "b H ... -> b (H j) ...", j=kv_heads // heads))
     # Every query sees every live slot (all older than the pass): not causal. Before the compression the slots are
     # the prompt's positions, packed.
-    cached = KVView(k=layer.k, v=layer.v, lengths=per_kv(layer.count), offsets=jnp.zeros_like(per_kv(layer.count)),
-                    k_scale=getattr(layer, "k_scale", None), v_scale=getattr(layer, "v_scale", None), causal=False)
+    stored = storage.view(layer, q.dtype, impl=kind.model.attention.impl, queries=q.shape[1], counted=False,
+                          codes=True)
+    cached = KVView(kv=stored, lengths=per_kv(layer.count), offsets=jnp.zeros_like(per_kv(layer.count)), causal=False)
     n = jnp.sum(ok, axis=1, dtype=jnp.int32)
-    own = KVView(k=key.swapaxes(1, 2), v=val.swapaxes(1, 2), lengths=n, offsets=jnp.zeros((b,), jnp.int32))
+    own = KVView(kv=FloatKV(k=key.swapaxes(1, 2), v=val.swapaxes(1, 2)), lengths=n, offsets=jnp.zeros((b,), jnp.int32))
     residual = Attended(out=BTHD, m=BTHD[:3], l=BTHD[:3])
     core = lambda q, view: attend_view(kind.model.attention.impl, q, view, spec, residuals=True)  # noqa: E731
     parts = [per_shard(core, (BTHD, view.axes()), residual)(q, view) for view in (cached, own)]
     out, _, _ = merge_partials(*parts)
-    return out.astype(q.dtype), layer.replace(score=chunk_scores(layer, q, key, ok, spec, probe))
+    return out.astype(q.dtype), layer.replace(score=chunk_scores(layer, q, key, ok, spec, probe, storage))
 
 
-def chunk_scores(layer, q, key, ok, spec: AttentionSpec, probe: Probe) -> jax.Array:
+def chunk_scores(layer, q, key, ok, spec: AttentionSpec, probe: Probe, storage) -> jax.Array:
     """``layer.score [b, H, C]`` with KVzip's statistic written into the slots of the chunk ``probe.lo .. probe.hi``
     (rotated ``q [b, t, h, d]``, ``key [b, t, k, d]``; other slots keep theirs). Per query, a softmax over the sinks
     (positions ``< min(sinks, lo)``), the chunk and the pass's own tokens up to it; a slot's score is the largest
     probability it gets from any real query and any query head of its KV group (max over the KV heads of a shared
-    keep set). Only the ``W = min(width, C)`` slots from the chunk's start are read."""
+    keep set). Only the ``W = min(width, C)`` slots from the chunk's start are read (``storage``: what ``layer``
+    holds, whose float keys they are)."""
     b, t, h, d = q.shape
     heads, kv_heads, slots = layer.pos.shape[1], layer.k.shape[1], layer.pos.shape[-1]
     width, sinks = min(probe.width, slots), min(probe.sinks, slots)
     start = jnp.clip(probe.lo, 0, slots - width)
     take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, width, axis=2)  # noqa: E731  [b, k|H, C, ...] -> W
-    k_scale = getattr(layer, "k_scale", None)
-    k_chunk = dequantize(take(layer.k), None if k_scale is None else take(k_scale))  # [b, k, W, d] float32
-    k_sink = dequantize(layer.k[:, :, :sinks], None if k_scale is None else k_scale[:, :, :sinks])  # [b, k, s, d]
+    k_chunk = storage.float_keys(layer, take)  # [b, k, W, d] float32
+    k_sink = storage.float_keys(layer, lambda x: x[:, :, :sinks])  # [b, k, s, d]
     pos_chunk, valid_chunk = take(layer.pos), take(layer.valid)  # [b, H, W]
     in_chunk = valid_chunk & (pos_chunk >= probe.lo) & (pos_chunk < probe.hi[:, None, None])
     in_sink = layer.valid[..., :sinks] & (layer.pos[..., :sinks] < jnp.minimum(probe.sinks, probe.lo))

@@ -108,7 +108,7 @@ def evict_cache(policy: EvictionPolicy, cache: Any, budgets: jax.Array) -> tuple
     packed = _per_layer_and_head(pack, (1,) * 8, views)(views, budgets, keep, score)
     pos, valid, count, k, v, score, k_scale, v_scale = packed
     merge = lambda x: einops.rearrange(x, "L b H C j ... -> L b (H j) C ...")  # noqa: E731
-    scales = {} if k_scale is None else dict(k_scale=merge(k_scale), v_scale=merge(v_scale))
+    scales = jax.tree.map(merge, dict(k_scale=k_scale, v_scale=v_scale))  # a storage's per-slot scales, if any
     left = Left(mask=cache.valid & ~keep, pos=cache.pos, k=cache.k, v=cache.v)
     return cache.replace(k=merge(k), v=merge(v), pos=pos, valid=valid, count=count, score=score, **scales), left
 

@@ -34,12 +34,9 @@ import einops
 import jax
 import jax.numpy as jnp
 
-from lcx import kernels
-from lcx.cache import lowbit_slots
 from lcx.cache.kv_view import KVView, attend_view
 from lcx.cache.observes import observe_queries
 from lcx.kernels import Attended
-from lcx.kernels.quant import dequantize, quantize
 from lcx.model.config import AttentionSpec
 from lcx.model.rope import apply_rope, rope_tables
 from lcx.parallel.sharding import BKS, BSKD, BTHD, ROWS, per_shard
@@ -66,14 +63,7 @@ def write(layer, k: jax.Array, v: jax.Array, positions: jax.Array, ok: jax.Array
     head = jnp.arange(kv_heads)[None, :, None]
     put = lambda buf, x: buf.at[rows, head, slot_kv].set(  # noqa: E731
         einops.rearrange(x, "b t k ... -> b k t ...").astype(buf.dtype), mode="drop")
-    quant = getattr(layer.kind, "quant", None)
-    if getattr(layer.kind, "lowbit", False):  # bit-packed codes, group scales and a float window (lowbit_slots)
-        layer = lowbit_slots.write(layer, k, v, ok, quant, layer.kind.group, layer.kind.residual)
-    else:
-        if quant is not None:  # 8-bit codes and one scale per token and KV head (lcx.kernels.quant)
-            (k, k_scale), (v, v_scale) = quantize(k, quant), quantize(v, quant)
-            layer = layer.replace(k_scale=put(layer.k_scale, k_scale), v_scale=put(layer.v_scale, v_scale))
-        layer = layer.replace(k=put(layer.k, k), v=put(layer.v, v))
+    layer = layer.kind.storage.write(layer, k, v, ok, put)  # its own rule: per token, or staged in groups
     return layer.replace(
         pos=layer.pos.at[rows, keep, slot].set(positions[:, None, :].astype(jnp.int32), mode="drop"),
         valid=layer.valid.at[rows, keep, slot].set(True, mode="drop"),
@@ -127,32 +117,22 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     mask = layer.valid[:, :, None, :] & (layer.pos[:, :, None, :] <= positions[:, None, :, None])  # [b, H, t, C]
     if spec.window is not None:
         mask &= layer.pos[:, :, None, :] > positions[:, None, :, None] - spec.window
-    lowbit = None
     counted = stat_weights is not None and observes.attention is not None
-    # a chunk on the codes where the backend has the kernel (pallas) and no statistic is asked of it
-    codes_chunk = kernels.backend(config.attention.impl).lowbit_ops()[1] is not None and not counted
-    if getattr(kind, "lowbit", False) and (q.shape[1] == 1 or codes_chunk) and mode == "original":  # codes + window
-        k_att, v_att, k_scale, v_scale = layer.k, layer.v, None, None
-        lowbit = lowbit_slots.decode_view(layer, kind.quant, kind.group, kind.residual)
-    elif getattr(kind, "lowbit", False):  # a chunk, or keys rotated by rank: one layer dequantized
-        k_att, v_att = lowbit_slots.float_kv(layer, kind.quant, kind.group, kind.residual, q.dtype)
-        k_scale = v_scale = None
-    else:
-        k_att, v_att = layer.k, layer.v
-        k_scale, v_scale = getattr(layer, "k_scale", None), getattr(layer, "v_scale", None)
-    if mode == "cache":  # keys rotated here, whole: an 8-bit cache's are dequantized first (in the query's dtype)
-        keys = k_att if k_scale is None else dequantize(k_att, k_scale, q.dtype)
-        k_att = rotate_by_rank(config, keys, jnp.maximum(jnp.cumsum(layer.valid, axis=-1, dtype=jnp.int32) - 1, 0),
+    # the storage's payload: on its codes where the op reads them, values where keys are rotated at read time
+    kv = kind.storage.view(layer, q.dtype, impl=config.attention.impl, queries=q.shape[1], counted=counted,
+                           codes=mode == "original")
+    if mode == "cache":  # keys rotated here, whole: stored codes are dequantized first (in the query's dtype)
+        k_att = rotate_by_rank(config, kv.float_keys(q.dtype),
+                               jnp.maximum(jnp.cumsum(layer.valid, axis=-1, dtype=jnp.int32) - 1, 0),
                                cache_layout=True, rope=spec.rope)
-        k_scale = None
+        kv = kv.with_keys(k_att)
         q = rotate_by_rank(config, q, jnp.maximum(jnp.sum(mask, axis=-1, dtype=jnp.int32) - 1, 0), rope=spec.rope)
 
     # The view's row ints and live masks: per row with one shared keep set, else per row and KV head.
     per_kv = (lambda x: x[:, 0]) if heads == 1 else (  # noqa: E731
         lambda x: einops.repeat(x, "b H ... -> b (H j) ...", j=kv_heads // heads))
-    view = KVView(k=k_att, v=v_att, lengths=per_kv(layer.count), offsets=per_kv(q_offsets),
-                  valid=per_kv(mask[:, :, 0]) if q.shape[1] == 1 else None, k_scale=k_scale, v_scale=v_scale,
-                  lowbit=lowbit)
+    view = KVView(kv=kv, lengths=per_kv(layer.count), offsets=per_kv(q_offsets),
+                  valid=per_kv(mask[:, :, 0]) if q.shape[1] == 1 else None)
     core = functools.partial(attend_view, config.attention.impl, spec=spec)
     if counted:
         res = per_shard(lambda q, view, w: core(q, view, stat_weights=w), (BTHD, view.axes(), ROWS),

@@ -33,22 +33,25 @@ def is_quantized(x: jax.Array) -> bool:
     return x.dtype == jnp.int8 or x.dtype.itemsize == 1
 
 
-def quantize(x: jax.Array, kv_dtype: str) -> tuple[jax.Array, jax.Array]:
-    """``x [..., d]`` -> ``(codes [..., d], scale [...] float16)`` with ``codes * scale ~= x``, per vector."""
+def quantize(x: jax.Array, kv_dtype: str, *, axis=-1, scale_dtype=SCALE_DTYPE) -> tuple[jax.Array, jax.Array]:
+    """``x [..., d]`` -> ``(codes [..., d], scale [...] float16)`` with ``codes * scale ~= x``, per vector. ``axis``
+    (an int or a tuple) and ``scale_dtype`` pick what one scale covers and how it is kept (the memory tier's
+    blocks: one float32 scale per block and KV head, ``axis=(-3, -1)``)."""
     dtype, top = QUANT_DTYPES[kv_dtype]
     xf = x.astype(jnp.float32)
-    scale = (jnp.max(jnp.abs(xf), axis=-1) / top).astype(SCALE_DTYPE)  # rounded first: codes use the stored scale
-    s = scale.astype(jnp.float32)
-    y = xf / jnp.where(s > 0, s, 1.0)[..., None]
+    scale = (jnp.max(jnp.abs(xf), axis=axis) / top).astype(scale_dtype)  # rounded first: codes use the stored scale
+    s = jnp.expand_dims(scale.astype(jnp.float32), axis)
+    y = xf / jnp.where(s > 0, s, 1.0)
     y = jnp.clip(jnp.round(y) if dtype == "int8" else y, -top, top)
     return y.astype(dtype), scale
 
 
-def dequantize(codes: jax.Array, scale: jax.Array | None, dtype=jnp.float32) -> jax.Array:
-    """``codes [..., d] * scale [...]`` in ``dtype`` (``scale`` None: ``codes`` are already values)."""
+def dequantize(codes: jax.Array, scale: jax.Array | None, dtype=jnp.float32, *, axis=-1) -> jax.Array:
+    """``codes [..., d] * scale [...]`` in ``dtype`` (``scale`` None: ``codes`` are already values; ``axis``: the
+    axes :func:`quantize` reduced)."""
     if scale is None:
         return codes.astype(dtype)
-    return (codes.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).astype(dtype)
+    return (codes.astype(jnp.float32) * jnp.expand_dims(scale.astype(jnp.float32), axis)).astype(dtype)
 
 
 def widen(codes: jax.Array, dtype) -> jax.Array:

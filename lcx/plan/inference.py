@@ -1,11 +1,11 @@
 """``lcx plan``: KV-cache and memory arithmetic for a deployment, and the three decision checkpoints.
 
-The planner calls the functions the runtime uses, so the two cannot drift: KV bytes from the cache's own buffer
-declaration (``lcx.cache.kv_cache.kv_bytes``), the GQA topology check and KV-head replication from
-``lcx.parallel.sharding``, weights per device from the model's parameter placement (``lcx.model.placement``), the usable
-share of device memory from ``lcx.parallel.device_memory``, byte formatting and overrides from the config plumbing. Pure
-functions (``kv_bytes_per_token``, ``weight_bytes``, ``max_context``, ``checkpoints``, ``make_plan``); the text
-form is ``lcx.plan.render`` and the command line ``lcx.cli.plan``.
+The planner calls the functions the runtime uses, so the two cannot drift: the memory arithmetic is
+``lcx.plan.arithmetic`` (KV bytes from the storage format's own buffer declarations, ``lcx.cache.storage``; the GQA
+topology and KV-head replication from ``lcx.parallel.sharding``; weights per device from the model's parameter
+placement; the usable share of device memory from ``lcx.parallel.device_memory``; its names are re-exported here).
+This module holds the plan: its inputs, the three checkpoints and the numbers. Pure functions (``checkpoints``,
+``make_plan``); the text form is ``lcx.plan.render`` and the command line ``lcx.cli.plan``.
 
 The memory model, per device (stated in every plan's ``assumptions``):
 - the devices form a ``data x model`` mesh (``--devices`` in all, ``--data`` of them along the data axis): the
@@ -16,8 +16,6 @@ The memory model, per device (stated in every plan's ``assumptions``):
   ceil(kv_heads / model), the padded worst case;
 - ``utilization`` (default 90%) of device memory is usable, the rest is left to the runtime (CUDA context,
   fragmentation), as serving stacks do; activations and workspace are not counted beyond that margin.
-
-KV cache bytes = 2 (K and V) x layers x kv_heads x head_dim x bytes_per_element x tokens x batch.
 """
 
 from __future__ import annotations
@@ -28,14 +26,13 @@ from typing import Any
 
 from lcx.parallel import sharding
 from lcx.cache.config import CacheConfig
-from lcx.cache.hybrid import local_budget, local_room
-from lcx.cache.kv_cache import kv_bytes
 from lcx.config import ConfigError, ModelConfig
-from lcx.config_base import canonical_dtype, dtype_bytes, format_bytes
+from lcx.config_base import canonical_dtype, format_bytes
 from lcx.parallel.device_memory import UTILIZATION, usable_bytes
-from lcx.kernels.names import KV_DTYPES, LOWBIT_DTYPES
-from lcx.kernels.quant import QUANT_DTYPES
-from lcx.model.placement import param_bytes_per_device
+from lcx.plan.arithmetic import (UNBOUNDED, abstract_mesh, kv_bytes_for_context, kv_bytes_per_token,  # noqa: F401
+                                 kv_bytes_per_token_per_device, kv_heads_per_device, kv_storage, kv_window_bytes,
+                                 local_slots, max_context, valid_model_axis_sizes, weight_bytes,
+                                 weight_bytes_per_device)
 
 # fp16 keeps finite values up to 65504; past a few thousand tokens attention logits and residual activations of
 # models trained in bf16 are known to exceed it. 4096 is where the planner starts warning.
@@ -43,105 +40,6 @@ FP16_SAFE_CONTEXT = 4096
 # The GQA size the planner suggests for MHA models: Llama-2/3-70B's choice, one KV group per GPU on 8-way TP.
 SUGGESTED_KV_HEADS = 8
 STATUSES = ("pass", "warn", "fail")
-
-
-# --------------------------------------------------------------------------------------------------- arithmetic
-def kv_bytes_per_token(model: ModelConfig, kv_dtype: str) -> int:
-    """Bytes of K and V for one token of one sequence, all layers and all KV heads (no sharding, no replication);
-    for the bit-packed caches the bytes one more key group adds, per token (codes and scales; the float window of
-    ``kv_window_bytes`` is per sequence)."""
-    if kv_dtype in LOWBIT_DTYPES:
-        group = CacheConfig.kv_group
-        return (kv_bytes(model, 2 * group, 1, kv_dtype) - kv_bytes(model, group, 1, kv_dtype)) // group
-    return kv_bytes(model, 1, 1, kv_dtype if kv_dtype in QUANT_DTYPES else canonical_dtype(kv_dtype))
-
-
-def kv_window_bytes(model: ModelConfig, kv_dtype: str) -> int:
-    """Bytes per sequence that do not grow with its length: the float window of a bit-packed cache (the key group
-    still filling, ``kv_residual`` 0), 0 for the others."""
-    if kv_dtype not in LOWBIT_DTYPES:
-        return 0
-    group = CacheConfig.kv_group
-    return kv_bytes(model, group, 1, kv_dtype) - group * kv_bytes_per_token(model, kv_dtype)
-
-
-def local_slots(model: ModelConfig, tokens: int, interval: int, prefill_chunk: int | None = None) -> int:
-    """Slots a sliding-window layer holds for a sequence of ``tokens``: ``window - 1`` kept plus the room of one call
-    (``lcx.cache.hybrid.local_room``), or the sequence when shorter; 0 for a model without such layers."""
-    if model.sliding_window is None:
-        return 0
-    window = model.sliding_window
-    return min(tokens, local_budget(window) + local_room(window, interval, prefill_chunk))
-
-
-def kv_bytes_for_context(model: ModelConfig, kv_dtype: str, tokens: int, interval: int = CacheConfig.interval,
-                         prefill_chunk: int | None = None) -> int:
-    """Bytes of K and V for one sequence of ``tokens``: global layers hold every token, sliding-window layers their
-    window's slots (``local_slots``)."""
-    per_layer = kv_bytes_per_token(model, kv_dtype) // model.n_layers
-    n_local = model.types.count("sliding_attention")
-    return per_layer * ((model.n_layers - n_local) * tokens
-                        + n_local * local_slots(model, tokens, interval, prefill_chunk)) \
-        + kv_window_bytes(model, kv_dtype)
-
-
-def weight_bytes(model: ModelConfig, dtype: str) -> int:
-    """Bytes of all parameters stored in ``dtype``."""
-    return model.num_params() * dtype_bytes(dtype)
-
-
-def kv_heads_per_device(model: ModelConfig, model_axis: int) -> int:
-    """KV heads each device holds when the model axis has ``model_axis`` devices (``lcx.parallel.sharding``'s topology:
-    split, or one replicated head each; an invalid split counts ceil(kv_heads / model_axis))."""
-    try:
-        copies = sharding.kv_replication(model.n_kv_heads, model_axis, model.n_heads)
-    except ConfigError:
-        return -(-model.n_kv_heads // model_axis)
-    return model.n_kv_heads * copies // model_axis
-
-
-def kv_bytes_per_token_per_device(model: ModelConfig, kv_dtype: str, model_axis: int) -> int:
-    """Bytes one device holds for one token of one sequence (linear in the KV heads it holds)."""
-    return kv_bytes_per_token(model, kv_dtype) * kv_heads_per_device(model, model_axis) // model.n_kv_heads
-
-
-abstract_mesh = sharding.abstract_mesh
-
-
-def weight_bytes_per_device(model: ModelConfig, dtype: str, model_axis: int, data: int = 1) -> int:
-    """Bytes of the parameters one device holds, as ``lcx.model.placement`` places them on a ``data x model``
-    mesh (an invalid split, which checkpoint (b) fails, is counted padded)."""
-    return param_bytes_per_device(model, abstract_mesh(data, model_axis), canonical_dtype(dtype))
-
-
-UNBOUNDED = 2 ** 62  # ``max_context`` of a model whose every layer keeps only its window
-
-
-def max_context(model: ModelConfig, *, batch: int, gpu_mem_bytes: int, devices: int, kv_dtype: str,
-                weight_dtype: str, utilization: float = UTILIZATION, data: int = 1,
-                interval: int = CacheConfig.interval, prefill_chunk: int | None = None) -> int:
-    """The longest context (tokens per sequence) whose full cache fits next to the weights on every device of a
-    ``data x (devices / data)`` mesh; 0 when the weights alone do not fit. Sliding-window layers count their
-    window's slots (a fixed amount), global layers every token; ``UNBOUNDED`` when no layer is global."""
-    model_axis = devices // data
-    free = usable_bytes(gpu_mem_bytes, utilization) - weight_bytes_per_device(model, weight_dtype, model_axis, data)
-    rows = -(-batch // data)
-    per_layer = kv_bytes_per_token_per_device(model, kv_dtype, model_axis) // model.n_layers * rows
-    n_local = model.types.count("sliding_attention")
-    every_layer = max(free, 0) // (per_layer * model.n_layers)  # while a sequence is shorter than the local slots
-    cap = local_slots(model, UNBOUNDED, interval, prefill_chunk)
-    if not n_local or every_layer < cap:
-        return every_layer
-    if n_local == model.n_layers:
-        return UNBOUNDED
-    return (free - per_layer * n_local * cap) // (per_layer * (model.n_layers - n_local))
-
-
-def valid_model_axis_sizes(model: ModelConfig, devices: int) -> list[int]:
-    """Model-axis sizes that split the attention cleanly (``lcx.parallel.sharding.valid_model_axis_sizes``): the
-    divisors of
-    kv_heads, and the multiples of kv_heads up to ``devices`` that also divide n_heads (KV heads replicated)."""
-    return sharding.valid_model_axis_sizes(model.n_kv_heads, model.n_heads, limit=max(devices, model.n_kv_heads))
 
 
 # --------------------------------------------------------------------------------------------------- inputs / plan
@@ -188,11 +86,9 @@ class PlanInputs:
         if self.shared_prefix and getattr(self.cache, "layout", None) != "paged":
             raise ConfigError(f"shared_prefix={self.shared_prefix} needs a paged cache to share pages: pass "
                               "--page-size N (or --cache-param layout=paged)")
-        if self.kv_dtype not in KV_DTYPES:  # int8 / fp8 / int4 / int2: codes with float16 scales
-            try:
-                object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype or self.model.dtype, "--kv-dtype"))
-            except ConfigError as err:
-                raise ConfigError(f"{err}, or quantized codes {list(KV_DTYPES)}") from None
+        # a storage format's name (int8 / fp8 / int4 / int2 / fp4: codes with scales) stays; a float dtype is canonical
+        storage = kv_storage(self.model, self.kv_dtype)
+        object.__setattr__(self, "kv_dtype", storage.name or storage.dtype)
         object.__setattr__(self, "weight_dtype",
                            canonical_dtype(self.weight_dtype or self.model.param_dtype, "--weight-dtype"))
 
@@ -387,8 +283,10 @@ def _precision_checkpoint(inputs: PlanInputs) -> Checkpoint:
                         f"on long sequences (context {inputs.context} > {FP16_SAFE_CONTEXT}); use bf16")
     # fp32 and bf16 share an 8-bit exponent; fp16 has 5. Crossing that line either overflows (8 -> 5 bits) or
     # loses mantissa (fp16's 11 significant bits -> bf16's 8).
-    for what, dtype in (("KV cache", inputs.kv_dtype), ("weights", inputs.weight_dtype)):
-        if dtype in KV_DTYPES:  # scaled per token or group: no exponent range to cross
+    # a KV cache scaled per token or group has no exponent range to cross (its storage's exponent_dtype is None)
+    for what, dtype in (("KV cache", kv_storage(model, inputs.kv_dtype).exponent_dtype),
+                        ("weights", inputs.weight_dtype)):
+        if dtype is None:
             continue
         if _is_fp16(dtype) != _is_fp16(trained):
             if _is_fp16(dtype):
@@ -478,11 +376,10 @@ def _tier_numbers(inputs: PlanInputs) -> dict[str, Any]:
     """Bytes the cache type of ``inputs.cache`` holds for the context, from its own buffer declaration."""
     if inputs.cache is None:
         return {}
-    if inputs.kv_dtype in KV_DTYPES:  # the quantized cache of the run's policy: codes and scales
-        cache = CacheConfig.from_mapping({**inputs.cache.to_dict(), "kv_dtype": inputs.kv_dtype})
-        kind = cache.kind(inputs.model)
-    else:
-        kind = inputs.cache.kind(dataclasses.replace(inputs.model, dtype=inputs.kv_dtype))
+    # the run's policy over the planned storage: its format (codes and scales), or the cache's own in a float dtype
+    storage = kv_storage(inputs.model, inputs.kv_dtype)
+    cache = CacheConfig.from_mapping({**inputs.cache.to_dict(), "kv_dtype": storage.name or inputs.cache.kv_dtype})
+    kind = cache.kind(dataclasses.replace(inputs.model, dtype=storage.dtype))
     capacity = kind.plan(inputs.batch, inputs.context, 0)
     if kind.name in ("paged", "paged_slots"):  # pages in use (the shared prefix's whole pages once, if kept whole)
         pages = kind.pages_for(inputs.batch, inputs.context, inputs.shared_prefix)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 
 
-from lcx.config_base import dtype_bytes, format_bytes
-from lcx.kernels.names import LOWBIT_DTYPES
-from lcx.kernels.quant import QUANT_DTYPES
+from lcx.cache.storage import storage_named
+from lcx.config_base import format_bytes
 
 # fp16 keeps finite values up to 65504; past a few thousand tokens attention logits and residual activations of
 # models trained in bf16 are known to exceed it. 4096 is where the planner starts warning.
@@ -32,10 +31,7 @@ def render(plan: Plan) -> str:
         f"weights      {plan.num_params / 1e9:.2f}e9 params in {plan.weight_dtype}: {fb(plan.weight_bytes)} total, "
         f"{fb(plan.weight_bytes_per_device)} per device",
         f"KV cache     {fb(plan.kv_bytes_per_token)} per token (2 x {plan.n_layers} layers x {plan.n_kv_heads} KV "
-        f"heads x " + (f"({plan.head_dim} x 1 B + a 2 B scale), {plan.kv_dtype})" if plan.kv_dtype in QUANT_DTYPES
-                       else f"({plan.head_dim} x {LOWBIT_DTYPES[plan.kv_dtype]} bits + group scales and zeros), "
-                       f"{plan.kv_dtype})" if plan.kv_dtype in LOWBIT_DTYPES
-                       else f"{plan.head_dim} x {dtype_bytes(plan.kv_dtype)} B, {plan.kv_dtype})"),
+        f"heads x {storage_named(plan.kv_dtype, 'float32').describe(plan.head_dim)})",
         f"             {fb(plan.kv_bytes_total)} total for {plan.context} tokens x batch {plan.batch}; "
         f"{fb(plan.kv_bytes_per_device)} per device ({plan.kv_heads_per_device} KV head(s) per device"
         + (f", each replicated {plan.kv_replication}x" if plan.kv_replication > 1 else "") + ")",

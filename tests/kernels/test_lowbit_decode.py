@@ -76,12 +76,13 @@ def test_a_row_that_sees_no_slot_gives_zeros_not_nan(decoder):
 
 def test_a_chunk_cannot_read_a_bit_packed_view():
     from lcx.cache.kv_view import KVView, attend_view
+    from lcx.cache.storage import PackedKV
     from lcx.model.config import AttentionSpec
 
     count = jnp.asarray([[20], [9]], jnp.int32)
     layer, _ = _layer("int4", 0, count)
-    view = KVView(k=layer.k, v=layer.v, lengths=count[:, 0], offsets=count[:, 0],
-                  lowbit=lowbit_slots.decode_view(layer, "int4", G, 0))
+    view = KVView(kv=PackedKV(k=layer.k, v=layer.v, lowbit=lowbit_slots.decode_view(layer, "int4", G, 0)),
+                  lengths=count[:, 0], offsets=count[:, 0])
     with pytest.raises(ValueError, match="a chunk of 2 queries on .xla. reads the layer dequantized"):
         attend_view("xla", jnp.zeros((B, 2, HEADS, D)), view, AttentionSpec(sm_scale=0.25))
 

@@ -32,31 +32,25 @@ import jax
 import jax.numpy as jnp
 
 from lcx import kernels
+from lcx.cache.storage import FloatKV, namespace
 from lcx.cache.kv_view import KVView, attend_view, packed_valid
-from lcx.cache.memory.blocks import dequantize_lowbit
 from lcx.cache.memory.learned import PARAM_NAMES
 from lcx.cache.memory.store import fetch as host_fetch
 from lcx.kernels import Attended
-from lcx.kernels.lowbit import LOWBIT
-from lcx.kernels.quant import dequantize, quantize
 from lcx.model.config import AttentionSpec
 from lcx.model.rope import apply_rope, rope_tables
 
 
-def _write(layer, k, v, positions, ok, quant: str | None = None):
-    """Append ``k, v [b, t, k, d]`` at ``positions [b, t]`` where ``ok``: after the occupied working slots (as 8-bit
-    codes and per-token scales with ``quant``, ``cache.kv_dtype``)."""
+def _write(layer, k, v, positions, ok, storage):
+    """Append ``k, v [b, t, k, d]`` at ``positions [b, t]`` where ``ok``: after the occupied working slots, as the
+    working ``storage`` holds them (values, or 8-bit codes and per-token scales)."""
     capacity = layer.k.shape[1]
     rank = jnp.cumsum(ok.astype(jnp.int32), axis=1) - 1
     slot = jnp.where(ok, layer.count[:, None] + rank, capacity)  # [b, t]; padding goes out of range
     rows = jnp.arange(k.shape[0])[:, None]
-    if quant is not None:
-        (k, k_scale), (v, v_scale) = quantize(k, quant), quantize(v, quant)
-        layer = layer.replace(k_scale=layer.k_scale.at[rows, slot].set(k_scale, mode="drop"),
-                              v_scale=layer.v_scale.at[rows, slot].set(v_scale, mode="drop"))
+    put = lambda buf, x: buf.at[rows, slot].set(x.astype(buf.dtype), mode="drop")  # noqa: E731
+    layer = storage.write(layer, k, v, ok, put)
     out = layer.replace(
-        k=layer.k.at[rows, slot].set(k.astype(layer.k.dtype), mode="drop"),
-        v=layer.v.at[rows, slot].set(v.astype(layer.v.dtype), mode="drop"),
         pos=layer.pos.at[rows, slot].set(positions.astype(jnp.int32), mode="drop"),
         valid=layer.valid.at[rows, slot].set(True, mode="drop"),
         count=layer.count + jnp.sum(ok, axis=1, dtype=jnp.int32))
@@ -75,29 +69,9 @@ def _recall(kind, layer, ids: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """Keys and values of blocks ``ids [b, k, K]`` (-1: none) -> ``[b, K * j, k, d]`` each."""
     p, m = kind.policy, kind.model
     b, heads, topk = ids.shape
-    if p.store == "device" and kind.store_dtype in LOWBIT:  # bit-packed blocks and their groups
+    if p.store == "device":  # the blocks' format reads them back (dequantized where it stores codes)
         rows, head = jnp.arange(b)[:, None, None], jnp.arange(heads)[None, :, None]
-        safe = jnp.maximum(ids, 0)
-        # each recalled block as a block of one KV head: codes [b, k, K, j, 1, d'], key groups [b, k, K, 1, d],
-        # value groups [b, k, K, j, 1, d / G] (the layout blocks.dequantize_lowbit reads)
-        per_token = lambda x: x[rows, safe, :, head][..., None, :]  # noqa: E731
-        codes = {"k": per_token(layer.store_k), "v": per_token(layer.store_v),
-                 "k_scale": layer.store_k_scale[rows, safe, head][..., None, :],
-                 "k_zero": layer.store_k_zero[rows, safe, head][..., None, :],
-                 "v_scale": per_token(layer.store_v_scale), "v_zero": per_token(layer.store_v_zero)}
-        k, v = dequantize_lowbit(codes, kind.store_dtype)  # [b, k, K, j, 1, d]
-        flat = lambda x: einops.rearrange(x[..., 0, :], "b k K j d -> b (K j) k d")  # noqa: E731
-        return flat(k).astype(dtype), flat(v).astype(dtype)
-    if p.store == "device":
-        rows, head = jnp.arange(b)[:, None, None], jnp.arange(heads)[None, :, None]
-        safe = jnp.maximum(ids, 0)
-        parts = []
-        for buf, scale in ((layer.store_k, layer.store_scale_k), (layer.store_v, layer.store_scale_v)):
-            x = buf[rows, safe, :, head, :]  # [b, k, K, j, d]
-            if scale is not None:
-                x = x.astype(jnp.float32) * scale[rows, safe, head][..., None, None]
-            parts.append(einops.rearrange(x, "b k K j d -> b (K j) k d"))
-        return parts[0].astype(dtype), parts[1].astype(dtype)
+        return kind.blocks.recall(layer, rows, head=head, safe=jnp.maximum(ids, 0), dtype=dtype)
     shape = jax.ShapeDtypeStruct((b, topk * p.block, heads, m.head_dim), jnp.float32)
     fetch = functools.partial(host_fetch, block=p.block, head_dim=m.head_dim)
     k, v = jax.pure_callback(fetch, (shape, shape), layer.store_id, layer.layer_id, ids, vmap_method="sequential")
@@ -213,23 +187,23 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
     q_route = q  # routing compares like with like: rotated (original) or unrotated (local) queries and keys
     q_offsets = layer.count
-    layer = _write(layer, key, val, positions, ok, kind.working_quant)
+    working = kind.working
+    layer = _write(layer, key, val, positions, ok, working)
     b, t = q.shape[:2]
-    k_work, k_scale = layer.k, layer.k_scale
     recall_tokens = p.topk * p.block
+    # Working memory: causal in slot order (the slots are packed in position order), stored [b, W, k, ...]
+    stored = namespace(**{n: getattr(layer, n).swapaxes(1, 2) for n in working.slot_fields()})  # [b, k, W, ...]
+    kv = working.view(stored, q.dtype, impl=config.attention.impl, queries=t, counted=False, codes=not local)
     if local:  # keys rotated here, whole: 8-bit ones dequantized first (as the slot cache's "cache" positions)
         slots = jnp.broadcast_to(jnp.arange(layer.k.shape[1]), (b, layer.k.shape[1]))
-        keys = layer.k if k_scale is None else dequantize(layer.k, k_scale, q.dtype)
-        k_work, k_scale = apply_rope(keys, *rope_tables(config, _local_positions(slots, p.sinks, recall_tokens),
-                                                        spec.rope)), None
+        keys = kv.float_keys(q.dtype).swapaxes(1, 2)  # [b, W, k, d]
+        kv = kv.with_keys(apply_rope(keys, *rope_tables(config, _local_positions(slots, p.sinks, recall_tokens),
+                                                        spec.rope)).swapaxes(1, 2))
         q_slots = q_offsets[:, None] + jnp.arange(t)[None, :]
         q = apply_rope(q, *rope_tables(config, _local_positions(q_slots, p.sinks, recall_tokens), spec.rope))
 
     counted = stat_weights is not None and layer.received is not None
-    # Working memory: causal in slot order (the slots are packed in position order), stored [b, W, k, d]
-    scales = lambda x: None if x is None else x.swapaxes(1, 2)  # noqa: E731  [b, W, k] -> [b, k, W]
-    work = KVView(k=k_work.swapaxes(1, 2), v=layer.v.swapaxes(1, 2), lengths=layer.count, offsets=q_offsets,
-                  valid=layer.valid, k_scale=scales(k_scale), v_scale=scales(layer.v_scale))
+    work = KVView(kv=kv, lengths=layer.count, offsets=q_offsets, valid=layer.valid)
     res = attend_view(config.attention.impl, q, work, spec, stat_weights=stat_weights if counted else None,
                       residuals=True)
     if counted:
@@ -255,7 +229,7 @@ def _recalled_keys(kind, layer, ids, dtype, spec):
         before_window = jnp.broadcast_to(p.sinks + jnp.arange(recall_tokens), (ids.shape[0], recall_tokens))
         k_rec = apply_rope(k_rec, *rope_tables(kind.model, before_window, spec.rope))
     n_tokens = jnp.sum(ids[:, 0] >= 0, axis=-1, dtype=jnp.int32) * p.block
-    view = KVView(k=k_rec.swapaxes(1, 2), v=v_rec.swapaxes(1, 2), lengths=n_tokens,
+    view = KVView(kv=FloatKV(k=k_rec.swapaxes(1, 2), v=v_rec.swapaxes(1, 2)), lengths=n_tokens,
                   offsets=jnp.zeros_like(n_tokens), valid=packed_valid(n_tokens, k_rec.shape[1]), causal=False)
     return view, n_tokens
 

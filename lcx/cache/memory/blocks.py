@@ -20,7 +20,7 @@ import einops
 import jax
 import jax.numpy as jnp
 
-from lcx.kernels import lowbit
+from lcx.kernels import lowbit, quant
 
 
 def kmeans_order(keys: jax.Array, clusters: int, iters: int) -> jax.Array:
@@ -71,16 +71,14 @@ def form_blocks(k: jax.Array, v: jax.Array, pos: jax.Array, received: jax.Array,
 
 
 def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``x [..., n, j, k, d]`` -> (int8 values, float32 scales ``[..., n, k]``): one scale per block and KV head."""
-    xf = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(xf), axis=(-3, -1)) / 127.0  # [..., n, k]
-    q = jnp.round(xf / jnp.maximum(scale, 1e-30)[..., None, :, None])
-    return jnp.clip(q, -127, 127).astype(jnp.int8), scale
+    """``x [..., n, j, k, d]`` -> (int8 values, float32 scales ``[..., n, k]``): one scale per block and KV head
+    (``lcx.kernels.quant``'s quantizer over the block's tokens and channels)."""
+    return quant.quantize(x, "int8", axis=(-3, -1), scale_dtype="float32")
 
 
 def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
     """Inverse of :func:`quantize`: ``q [..., n, j, k, d]`` int8, ``scale [..., n, k]`` -> float32."""
-    return q.astype(jnp.float32) * scale[..., None, :, None]
+    return quant.dequantize(q, scale, axis=(-3, -1))
 
 
 GROUPS = ("k_scale", "k_zero", "v_scale", "v_zero")  # a bit-packed block's scales and zeros

@@ -32,19 +32,17 @@ import numpy as np
 from lcx.cache.base import CacheKind, CacheState, register_kind
 from lcx.cache.memory import attend as memory_attend
 from lcx.cache.memory import learned
-from lcx.cache import lowbit_slots
-from lcx.cache.memory.blocks import GROUPS, form_blocks, quantize, quantize_lowbit
+from lcx.cache.memory.blocks import form_blocks
+from lcx.cache.memory.formats import STORE_AXES, FloatBlocks, block_format  # noqa: F401 - STORE_AXES re-exported
 from lcx.cache.memory.policy import MemoryPolicy
 from lcx.cache.memory.routers import Router, make_router
 from lcx.cache.memory.store import BlockStore, get_store, register_store, release_store
 from lcx.cache.schema import Field
-from lcx.config_base import ConfigError, canonical_dtype
-from lcx.kernels.lowbit import LOWBIT
-from lcx.kernels.quant import SCALE_DTYPE, dequantize, storage_dtype
+from lcx.config_base import ConfigError
+from lcx.cache.storage import KVStorage, namespace, storage_of
 from lcx.model.config import ModelConfig
 
 SLOTS = ("layers", "batch", "length")
-STORE_AXES = ("layers", "batch", "blocks", "block", "kv_heads", "head_dim")
 MEMORY_ROOM = 512  # tokens one jitted call may append when cache.prefill_chunk is auto: the working memory's slack
 
 
@@ -80,7 +78,7 @@ class MemoryCache(CacheState):
     store_v: jax.Array | None = None
     store_scale_k: jax.Array | None = None  # [L, b, N, k] int8 storage
     store_scale_v: jax.Array | None = None
-    # int4 / int2 storage (store_k, store_v: [L, b, N, j, k, d * bits / 8] codes): blocks.quantize_lowbit's groups
+    # bit-packed blocks (store_k, store_v: [L, b, N, j, k, d * bits / 8] codes): blocks.quantize_lowbit's groups
     store_k_scale: jax.Array | None = None  # [L, b, N, k, d] float16
     store_k_zero: jax.Array | None = None
     store_v_scale: jax.Array | None = None  # [L, b, N, j, k, d / G] float16
@@ -120,8 +118,12 @@ class MemoryKind(CacheKind):
     interval: int = 64
     room: int = 512
     route_each_query: bool = False
-    quant: str | None = None
+    storage: KVStorage | None = None
     group: int = 64
+
+    def __post_init__(self):
+        if self.storage is None:
+            object.__setattr__(self, "storage", KVStorage(dtype=self.dtype))
 
     @classmethod
     def from_config(cls, model, cache, policy) -> "MemoryKind":
@@ -134,11 +136,11 @@ class MemoryKind(CacheKind):
         window = policy.resolve_window(cache.budget)
         if policy.router == "learned":
             learned.check(policy.router_path, model, policy.positions)
-        kind = cls(model=model, policy=policy, window=window, dtype=cache.dtype or model.dtype,
-                   interval=cache.interval, room=max(cache.prefill_chunk or MEMORY_ROOM, cache.interval),
-                   quant=cache.kv_dtype, group=cache.kv_group)
-        if kind.store_dtype in LOWBIT:
-            lowbit_slots.check(kind.store_dtype, cache.kv_group, model.head_dim)
+        dtype = cache.dtype or model.dtype
+        kind = cls(model=model, policy=policy, window=window, dtype=dtype, interval=cache.interval,
+                   room=max(cache.prefill_chunk or MEMORY_ROOM, cache.interval), storage=storage_of(cache, dtype),
+                   group=cache.kv_group)
+        kind.blocks.check(model.head_dim)  # the blocks' codes fit the head
         return kind
 
     # ------------------------------------------------------------------------------------------- derived settings
@@ -153,24 +155,27 @@ class MemoryKind(CacheKind):
         return p.sinks + self.window + p.spill_tokens - 1 + self.room
 
     @property
-    def working_quant(self) -> str | None:
-        """The working memory's 8-bit codes (``cache.kv_dtype`` int8 / fp8). Under ``int4`` / ``int2`` the working
-        memory - the sinks and the recent window - stays in ``dtype``: it is the tier's float residual (KIVI's), and
-        the long-term blocks hold the codes."""
-        return None if self.quant in LOWBIT else self.quant
+    def working(self) -> KVStorage:
+        """The working memory's storage (``cache.kv_dtype`` int8 / fp8: 8-bit codes). Under ``int4`` / ``int2`` the
+        working memory - the sinks and the recent window - stays in ``dtype``: it is the tier's float residual
+        (KIVI's), and the long-term blocks hold the codes."""
+        return self.storage.working()
 
     @property
     def store_dtype(self) -> str:
         """The long-term blocks' dtype: ``memory_dtype``, else the bit-packed ``kv_dtype``, else int8 (per-block
-        scales) under an 8-bit working cache, else the cache dtype."""
-        if self.policy.memory_dtype:
-            return self.policy.memory_dtype
-        return self.quant if self.quant in LOWBIT else "int8" if self.quant else self.dtype
+        scales) under an 8-bit working cache, else the cache dtype (``KVStorage.block_name``)."""
+        return self.policy.memory_dtype or self.storage.block_name
+
+    @property
+    def blocks(self) -> FloatBlocks:
+        """The long-term blocks' format (``lcx.cache.memory.formats``)."""
+        return block_format(self.store_dtype, self.value_group)
 
     @property
     def value_group(self) -> int:
         """Channels per value scale of bit-packed blocks (``cache.kv_group``, at most the head)."""
-        return lowbit_slots.value_group(self.group, self.model.head_dim)
+        return min(self.group, self.model.head_dim)
 
     @property
     def decode_segment(self) -> int:
@@ -178,9 +183,9 @@ class MemoryKind(CacheKind):
 
     # ------------------------------------------------------------------------------------------- declaration
     def fields(self) -> Mapping[str, Field]:
-        p, kv = self.policy, ("layers", "batch", "length", "kv_heads", "head_dim")
+        p = self.policy
         out = {
-            "k": Field(kv, role="kv"), "v": Field(kv, role="kv"),
+            **working_fields(self.working),
             "pos": Field(SLOTS, "int32", -1), "valid": Field(SLOTS, "bool", False),
             "count": Field(("layers", "batch"), "int32"), "n_blocks": Field(("layers", "batch"), "int32"),
             "recalled": Field(("layers", "batch", "kv_heads", "topk"), "int32", -1),
@@ -190,9 +195,6 @@ class MemoryKind(CacheKind):
             "recent_n": Field(("layers", "batch"), "int32"),
             "lengths": Field(("batch",), "int32"),
         }
-        if self.working_quant:  # 8-bit working keys and values: one scale per slot and KV head (lcx.kernels.quant)
-            out["k_scale"] = Field(("layers", "batch", "length", "kv_heads"), SCALE_DTYPE, 0.0, role="kv")
-            out["v_scale"] = Field(("layers", "batch", "length", "kv_heads"), SCALE_DTYPE, 0.0, role="kv")
         if self.router.needs_attention:
             out["received"] = Field(("layers", "batch", "kv_heads", "length"), "float32")
         out.update(self.router.summary_fields())
@@ -201,22 +203,8 @@ class MemoryKind(CacheKind):
             out["gmin"] = Field(group, "float32", float("inf"))
             out["gmax"] = Field(group, "float32", float("-inf"))
         if p.store == "device":  # the blocks themselves, and their positions (a host store keeps those)
-            lowbit = self.store_dtype in LOWBIT
-            stored = self.store_dtype if self.store_dtype == "int8" else "uint8" if lowbit \
-                else canonical_dtype(self.store_dtype)
             out["block_pos"] = Field(("layers", "batch", "blocks", "block", "kv_heads"), "int32", -1)
-            axes = STORE_AXES[:-1] + ("packed_dim",) if lowbit else STORE_AXES
-            out["store_k"] = Field(axes, stored, role="kv")
-            out["store_v"] = Field(axes, stored, role="kv")
-            if stored == "int8":
-                for name in ("store_scale_k", "store_scale_v"):
-                    out[name] = Field(("layers", "batch", "blocks", "kv_heads"), "float32", 1.0)
-            if lowbit:  # blocks.quantize_lowbit's scales and zeros
-                per_block, per_token = ("layers", "batch", "blocks", "kv_heads", "head_dim"), \
-                    ("layers", "batch", "blocks", "block", "kv_heads", "value_groups")
-                for name in GROUPS:
-                    out[f"store_{name}"] = Field(per_block if name.startswith("k") else per_token, "float16", 0.0,
-                                                 role="kv")
+            out.update(self.blocks.fields())
         if p.router == "learned":
             out.update(learned.param_fields())
         return out
@@ -229,12 +217,11 @@ class MemoryKind(CacheKind):
                 "topk": p.topk, "representatives": p.representatives, "stats": 3, "route_queries": p.route_queries,
                 "groups": -(-runs * (p.spill_tokens // p.block) // max(p.route_groups, 1)),
                 "heads": m.n_heads, **learned.sizes(p.router_path),
-                **({"packed_dim": m.head_dim * LOWBIT[self.store_dtype] // 8,
-                    "value_groups": m.head_dim // self.value_group} if self.store_dtype in LOWBIT else {})}
+                **self.blocks.sizes(m.head_dim)}
 
     @property
     def kv_dtype(self) -> str:
-        return self.dtype if self.working_quant is None else storage_dtype(self.working_quant)
+        return self.working.buffer_dtype
 
     def create(self, batch: int, capacity: int) -> MemoryCache:
         state = super().create(batch, capacity)
@@ -319,14 +306,9 @@ class MemoryKind(CacheKind):
             return 0
         m, sizes = self.model, self.sizes(batch, capacity)
         tokens = sizes["blocks"] * self.policy.block
-        if self.store_dtype in LOWBIT:  # codes; float16 scale and zero per block and channel, per token and group
-            per_token = m.n_kv_heads * (2 * m.head_dim * LOWBIT[self.store_dtype] // 8 + 4
-                                        + 4 * (m.head_dim // self.value_group))
-            return m.n_layers * batch * (tokens * per_token + 4 * m.n_kv_heads * m.head_dim * sizes["blocks"])
-        itemsize = 1 if self.store_dtype == "int8" else np.dtype(jnp.dtype(canonical_dtype(self.store_dtype))).itemsize
-        per_token = m.n_kv_heads * (2 * m.head_dim * itemsize + 4)  # keys, values and a position per KV head
-        scales = 8 * m.n_kv_heads * sizes["blocks"] if self.store_dtype == "int8" else 0
-        return m.n_layers * batch * (tokens * per_token + scales)
+        blocks = self.blocks  # per token: keys, values and a position per KV head; per block: its scales
+        return m.n_layers * batch * m.n_kv_heads * (tokens * blocks.token_bytes(m.head_dim)
+                                                    + sizes["blocks"] * blocks.block_bytes(m.head_dim))
 
     def block_positions(self, state: MemoryCache) -> np.ndarray:
         """Original positions ``[L, b, N, j, k]`` of every long-term block's tokens (-1: empty), wherever they live."""
@@ -366,9 +348,9 @@ def _spill(kind: MemoryKind, state: MemoryCache):
     moved = runs * run  # tokens leaving per row
     # The leaving tokens: slots [sinks, sinks + out_tokens), of which the first `moved` are real.
     take = jnp.minimum(sinks + jnp.arange(out_tokens), slots - 1)  # [T]
-    scales = lambda x: None if x is None else x[:, :, take]  # noqa: E731  8-bit working memory: its scales
-    left_k = dequantize(state.k[:, :, take], scales(state.k_scale))  # [L, b, T, k, d] values (float32 if 8-bit)
-    left_v = dequantize(state.v[:, :, take], scales(state.v_scale))
+    working = working_fields(kind.working)
+    leaving = namespace(**{n: getattr(state, n)[:, :, take] for n in working})
+    left_k, left_v = kind.working.float_kv(leaving, jnp.float32)  # [L, b, T, k, d] float32 values
     left_pos = state.pos[:, :, take]  # [L, b, T]
     received = (state.received[..., take] if state.received is not None
                 else jnp.zeros(state.pos.shape[:2] + (state.k.shape[3], out_tokens), jnp.float32))  # [L, b, k, T]
@@ -381,10 +363,9 @@ def _spill(kind: MemoryKind, state: MemoryCache):
         x, src.reshape(src.shape[:2] + (1,) * (axis - 2) + (slots,) + (1,) * (x.ndim - axis - 1)), axis=axis)
     new_count = count - moved
     valid = jnp.where(inside, gather(state.valid, 2), False) & (j[None, None, :] < new_count[..., None])
-    moved_scales = {n: gather(getattr(state, n), 2) for n in ("k_scale", "v_scale") if getattr(state, n) is not None}
     state = state.replace(
-        k=gather(state.k, 2), v=gather(state.v, 2), pos=jnp.where(valid, gather(state.pos, 2), -1), valid=valid,
-        count=new_count, **moved_scales,
+        **{n: gather(getattr(state, n), 2) for n in working}, pos=jnp.where(valid, gather(state.pos, 2), -1),
+        valid=valid, count=new_count,
         received=None if state.received is None else jnp.where(valid[:, :, None], gather(state.received, 3), 0.0))
 
     # Blocks, per layer (vmapped): [L, b, n, j, k, ...]
@@ -405,29 +386,21 @@ def _spill(kind: MemoryKind, state: MemoryCache):
         updates["gmin"] = state.gmin.at[layers, rows, group].min(summaries["kmin"], mode="drop")
         updates["gmax"] = state.gmax.at[layers, rows, group].max(summaries["kmax"], mode="drop")
     left = {"pos": bpos, "new": new_blocks}
-    stored = kind.store_dtype
-    if stored == "int8":
-        (left["k"], scale_k), (left["v"], scale_v) = quantize(bk), quantize(bv)
-        left["scale"] = jnp.stack([scale_k, scale_v])  # [2, L, b, n, k]
-    elif stored in LOWBIT:
-        codes = quantize_lowbit(bk, bv, stored, kind.value_group)
-        left["k"], left["v"] = codes["k"], codes["v"]
-        left["groups"] = {name: codes[name] for name in GROUPS}
-    else:
-        dtype = jnp.dtype(canonical_dtype(stored))
-        left["k"], left["v"] = bk.astype(dtype), bv.astype(dtype)
+    left |= kind.blocks.encode(bk, bv)  # k, v as stored, and their scale / groups
     if p.store == "device":
         updates["block_pos"] = state.block_pos.at[layers, rows, at].set(bpos, mode="drop")
-        updates["store_k"] = state.store_k.at[layers, rows, at].set(left["k"], mode="drop")
-        updates["store_v"] = state.store_v.at[layers, rows, at].set(left["v"], mode="drop")
-        if stored == "int8":
-            updates["store_scale_k"] = state.store_scale_k.at[layers, rows, at].set(left["scale"][0], mode="drop")
-            updates["store_scale_v"] = state.store_scale_v.at[layers, rows, at].set(left["scale"][1], mode="drop")
-        for name, value in left.get("groups", {}).items():
-            buf = getattr(state, f"store_{name}")
-            updates[f"store_{name}"] = buf.at[layers, rows, at].set(value, mode="drop")
+        for name, value in kind.blocks.device(left).items():
+            updates[name] = getattr(state, name).at[layers, rows, at].set(value, mode="drop")
     state = state.replace(n_blocks=state.n_blocks + new_blocks[None, :], **updates)
     return state, left
 
 
-__all__ = ["MemoryCache", "MemoryKind"]
+def working_fields(storage: KVStorage) -> dict[str, Field]:
+    """The working memory's key / value buffers: ``storage``'s slot buffers with the slots before the KV heads
+    (``[L, b, W, k, ...]``, as the tier writes and compacts them per row)."""
+    swap = {"kv_heads": "length", "length": "kv_heads"}
+    return {n: dataclasses.replace(f, axes=tuple(swap.get(a, a) for a in f.axes))
+            for n, f in storage.slot_fields().items()}
+
+
+__all__ = ["MemoryCache", "MemoryKind", "working_fields"]

@@ -22,17 +22,18 @@ import ml_dtypes
 import numpy as np
 
 from lcx.config_base import ConfigError
+from lcx.kernels.names import LOWBIT_DTYPES  # bits per code of the bit-packed storage
 
 _STORES: dict[int, "BlockStore"] = {}
 _IDS = itertools.count()
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "int8": np.int8,
-                 "int4": np.uint8, "int2": np.uint8}
-_LOWBIT = {"int4": 4, "int2": 2}  # bits per code of the bit-packed storage
+                 **{name: np.uint8 for name in LOWBIT_DTYPES}}
 
 
 def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
     """Bit-packed codes ``[..., n]`` uint8 (the first in the low bits, ``lcx.kernels.lowbit.pack``) -> ``[..., n * 8
-    / bits]`` float32 (on the host: the recall callback runs NumPy, not JAX)."""
+    / bits]`` float32. NumPy's twin of ``lcx.kernels.lowbit.unpack``: the recall callback runs on the host inside a
+    jitted call (``jax.pure_callback``), which must not call back into JAX."""
     shifts = np.arange(8 // bits, dtype=np.uint8) * bits
     codes = (packed[..., None] >> shifts) & np.uint8(2**bits - 1)
     return codes.reshape(*packed.shape[:-1], -1).astype(np.float32)
@@ -47,7 +48,7 @@ class BlockStore:
         self.dtype = dtype
         self.directory = None if directory is None else Path(directory)
         self.quantized = dtype == "int8"
-        self.bits = _LOWBIT.get(dtype)  # int4 / int2: codes plus group scales and zeros (``groups``)
+        self.bits = LOWBIT_DTYPES.get(dtype)  # int4 / int2: codes plus group scales and zeros (``groups``)
         self.value_group = min(value_group, head_dim)
         np_dtype = _NUMPY_DTYPES[dtype]
         stored = self.shape if self.bits is None else self.shape[:5] + (head_dim * self.bits // 8,)
