@@ -11,6 +11,7 @@ import pytest
 
 import lcx
 from lcx.cache import lowbit_slots
+from lcx.cache.storage import PackedStorage
 from lcx.config import CacheConfig, ConfigError, ModelConfig
 from lcx.engine import Generator
 from lcx.kernels import lowbit
@@ -92,7 +93,7 @@ def test_lowbit_decode_flushes_groups_as_a_prefill_and_sees_what_one_token_calls
         np.testing.assert_array_equal(np.asarray(getattr(state.cache, name)[0]), np.asarray(getattr(whole, name)[0]),
                                       err_msg=name)
     n = len(fed[0]) - 1  # the last token is sampled, not yet written
-    r = n - int(lowbit_slots.quantized_slots(n, G, 4))
+    r = n - int(lowbit_slots.quantized_slots(n, PackedStorage(name="int4", group=G, residual=4)))
     for name in ("k_res", "v_res"):  # float, computed by a decode step vs a prefill: equal up to rounding
         np.testing.assert_allclose(np.asarray(getattr(state.cache, name)[0, :, :, :r]),
                                    np.asarray(getattr(whole, name)[0, :, :, :r]), atol=1e-5, err_msg=name)
@@ -120,12 +121,13 @@ def test_lowbit_eviction_keeps_values_exact_and_keys_within_requantization(param
     ref = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(**kw)).prefill(fed).cache
     flt = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(positions="cache")).prefill(fed).cache
     c = state.cache
+    fmt = PackedStorage(name="int4", group=G)
     keys, values = (np.asarray(x[0]) for x in lowbit_slots.float_kv(
-        jax.tree.map(lambda x: x[0] if hasattr(x, "ndim") and x.ndim > 1 else x, c), "int4", G, 0, np.float32))
+        jax.tree.map(lambda x: x[0] if hasattr(x, "ndim") and x.ndim > 1 else x, c), fmt, np.float32))
     n = len(fed[0])
     fk = np.asarray(flt.k[0, 0])[:, :n]  # [k, n, d]
     step = (fk.max(axis=1) - fk.min(axis=1)) / 15  # [k, d]: a step over a channel's whole range bounds any group's
-    q = lowbit_slots.quantized_slots(np.asarray(c.count[0, 0]), G, 0)  # [H] slots held as codes per keep head
+    q = lowbit_slots.quantized_slots(np.asarray(c.count[0, 0]), fmt)  # [H] slots held as codes per keep head
     for kv_head in range(CFG.n_kv_heads):
         live = np.asarray(c.valid[0, 0, kv_head])
         pos = np.asarray(c.pos[0, 0, kv_head])[live]

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lcx.cache import lowbit_slots
+from lcx.cache.storage import PackedStorage
 from lcx.kernels.decode import decode_attention
 from lcx.kernels.lowbit_decode import decode_lowbit
 from lcx.kernels.lowbit_pallas import decode_lowbit_tiles
@@ -69,9 +70,10 @@ def main() -> None:
               flush=True)
         count = jnp.full((b, 1), context, jnp.int32)
         for quant in ("int4", "int2"):
-            stored = lowbit_slots.requantize(count, k, v, quant, G, 0, -(-context // G), jnp.bfloat16)
+            fmt = PackedStorage(name=quant, group=G)
+            stored = lowbit_slots.requantize(count, k, v, fmt, -(-context // G), jnp.bfloat16)
             layer = type("Layer", (), {"count": count, **stored})
-            view = lowbit_slots.decode_view(layer, quant, G, 0)
+            view = lowbit_slots.decode_view(layer, fmt)
             nbytes = sum(x.size * x.dtype.itemsize for x in (layer.k, layer.v, layer.k_scale, layer.k_zero,
                                                               layer.v_scale, layer.v_zero, layer.k_res, layer.v_res))
             for name, fn in (("xla", decode_lowbit), ("pallas", decode_lowbit_tiles)):

@@ -149,7 +149,7 @@ class CacheConfig:
         if self.layout == "paged":
             # every token: lcx.cache.paged; an evicting policy: the slot cache's eviction over pages (paged_slots)
             # (a storage with per-row buffers, a bit-packed float window: always the slot cache's pages)
-            name = "paged_slots" if policy.evicts or storage.row_fields() else "paged"
+            name = "paged_slots" if policy.evicts or not storage.pages_hold_rows else "paged"
         elif name in HYBRID_GLOBAL and any(s.window is not None for s in model.attention_specs()):
             name = "hybrid"  # sliding-window layers keep only their window (lcx.cache.hybrid)
             if not storage.windowed_models:

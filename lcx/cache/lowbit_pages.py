@@ -48,21 +48,22 @@ FIELDS: Mapping[str, Field] = {**POOL_FIELDS, **{n: lowbit_slots.FIELDS[n] for n
 SLOT_AXIS = {"k": 3, "v": 2, "k_scale": 2, "k_zero": 2, "v_scale": 2, "v_zero": 2}
 
 
-def sizes(quant: str, group: int, page: int) -> dict[str, int]:
-    """The pool axes beyond the slot cache's own (``lowbit_slots.sizes`` gives the rest)."""
-    return {"packed_page": page * LOWBIT[quant] // 8, "page_groups": page // group}
+def sizes(fmt, page: int) -> dict[str, int]:
+    """The pool axes beyond the slot cache's own (``lowbit_slots.sizes`` gives the rest); ``fmt``: the format
+    (``lcx.cache.storage.PackedStorage``)."""
+    return {"packed_page": page * LOWBIT[fmt.name] // 8, "page_groups": page // fmt.group}
 
 
-def per_page(quant: str, group: int, page: int) -> dict[str, int]:
+def per_page(fmt, page: int) -> dict[str, int]:
     """How long one page is along each buffer's slot axis: bytes of key codes, key groups, or slots."""
-    units = sizes(quant, group, page)
+    units = sizes(fmt, page)
     return {"k": units["packed_page"], "k_scale": units["page_groups"], "k_zero": units["page_groups"],
             "v": page, "v_scale": page, "v_zero": page}
 
 
-def view_lengths(quant: str, group: int, residual: int, head_dim: int, capacity: int) -> dict[str, int]:
+def view_lengths(fmt, head_dim: int, capacity: int) -> dict[str, int]:
     """The contiguous store's length along each buffer's slot axis for ``capacity`` slots."""
-    s = lowbit_slots.sizes(quant, group, residual, head_dim, capacity)
+    s = lowbit_slots.sizes(fmt, head_dim, capacity)
     return {"k": s["packed_length"], "k_scale": s["key_groups"], "k_zero": s["key_groups"], "v": capacity,
             "v_scale": capacity, "v_zero": capacity}
 
@@ -101,14 +102,13 @@ def put_pages(pool: jax.Array, x: jax.Array, name: str, unit: int, table: jax.Ar
     return pool.at[ids, heads].set(content.astype(pool.dtype), mode="drop")
 
 
-def flushed_pages(count: jax.Array, kv_heads: int, new: int, quant: str, group: int, residual: int,
-                  page: int) -> jax.Array:
+def flushed_pages(count: jax.Array, kv_heads: int, new: int, fmt, page: int) -> jax.Array:
     """The page numbers ``[b, k, n]`` a call appending ``new`` tokens may write codes into, per KV head: from the
     page of the first slot not yet quantized (``count [b, H]``: the slots before the call) over the most slots one
     call flushes (the window and the new tokens, in whole groups)."""
-    start = lowbit_slots.quantized_slots(lowbit_slots.per_kv(count, kv_heads), group, residual)  # [b, k]
-    flushed = -(-(residual + group + new) // group) * group
-    n = -(-(flushed + page - group) // page)  # start is a multiple of G, not of g
+    start = lowbit_slots.quantized_slots(lowbit_slots.per_kv(count, kv_heads), fmt)  # [b, k]
+    flushed = -(-(fmt.residual + fmt.group + new) // fmt.group) * fmt.group
+    n = -(-(flushed + page - fmt.group) // page)  # start is a multiple of G, not of g
     return start[..., None] // page + jnp.arange(n)
 
 

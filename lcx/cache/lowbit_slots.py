@@ -24,6 +24,9 @@ so its range and grid), keys are regrouped, since compaction moves survivors int
 cost is measured in ``experiments/bench/lowbit_keys.py``: about 40% more attention drift after three evictions of a
 quarter than keeping each key's first scale would give).
 
+``fmt`` in the functions below is the format (``lcx.cache.storage.PackedStorage``): its ``name`` (``int4`` /
+``int2``), ``group`` (``kv_group``) and ``residual`` (``kv_residual``), one value.
+
 Shapes: b batch, k KV heads, H keep heads, C slots, t new tokens, d head dim, S staging slots.
 """
 
@@ -60,18 +63,19 @@ def value_group(group: int, head_dim: int) -> int:
     return min(group, head_dim)
 
 
-def sizes(quant: str, group: int, residual: int, head_dim: int, capacity: int) -> dict[str, int]:
+def sizes(fmt, head_dim: int, capacity: int) -> dict[str, int]:
     """The logical axes of :data:`FIELDS` beyond the slot cache's own."""
-    return {"packed_dim": head_dim * LOWBIT[quant] // 8, "key_groups": -(-capacity // group),
-            "packed_length": -(-capacity // group) * group * LOWBIT[quant] // 8,
-            "value_groups": head_dim // value_group(group, head_dim), "residual": residual + group}
+    bits, group = LOWBIT[fmt.name], fmt.group
+    return {"packed_dim": head_dim * bits // 8, "key_groups": -(-capacity // group),
+            "packed_length": -(-capacity // group) * group * bits // 8,
+            "value_groups": head_dim // value_group(group, head_dim), "residual": fmt.residual + group}
 
 
-def check(quant: str, group: int, head_dim: int) -> None:
+def check(fmt, head_dim: int) -> None:
     """Raise ``ValueError`` naming the setting when ``head_dim`` cannot be stored with these codes and groups."""
-    per_byte = 8 // LOWBIT[quant]
+    per_byte, group = 8 // LOWBIT[fmt.name], fmt.group
     if head_dim % per_byte:
-        raise ValueError(f"cache.kv_dtype={quant!r} packs {per_byte} codes per byte along head_dim, which must be a "
+        raise ValueError(f"cache.kv_dtype={fmt.name!r} packs {per_byte} codes per byte along head_dim, which must be a "
                          f"multiple of {per_byte}; the model's head_dim is {head_dim}")
     vg = value_group(group, head_dim)
     if head_dim % vg:
@@ -79,9 +83,9 @@ def check(quant: str, group: int, head_dim: int) -> None:
                          f"per token over kv_group channels); allowed: a divisor of {head_dim}, or >= {head_dim}")
 
 
-def quantized_slots(count: jax.Array, group: int, residual: int) -> jax.Array:
+def quantized_slots(count: jax.Array, fmt) -> jax.Array:
     """The slots held as codes for ``count`` occupied ones: whole groups older than the ``residual`` window."""
-    return jnp.maximum(count - residual, 0) // group * group
+    return jnp.maximum(count - fmt.residual, 0) // fmt.group * fmt.group
 
 
 def per_kv(x: jax.Array, kv_heads: int) -> jax.Array:
@@ -94,22 +98,22 @@ def _expand_groups(x: jax.Array, group: int, slots: int) -> jax.Array:
     return jnp.repeat(x, group, axis=-2, total_repeat_length=x.shape[-2] * group)[..., :slots, :]
 
 
-def dequantize_store(layer, quant: str, group: int, dtype) -> tuple[jax.Array, jax.Array]:
+def dequantize_store(layer, fmt, dtype) -> tuple[jax.Array, jax.Array]:
     """Every slot's codes as values ``[b, k, C, d]`` (slots past the quantized ones are meaningless)."""
     slots = layer.v.shape[-2]
-    codes = jnp.swapaxes(lowbit.unpack(layer.k, quant, jnp.float32), -1, -2)[..., :slots, :]
-    k = codes * _expand_groups(layer.k_scale, group, slots).astype(jnp.float32) \
-        + _expand_groups(layer.k_zero, group, slots).astype(jnp.float32)
-    v = lowbit.dequantize_tokens(layer.v, layer.v_scale, layer.v_zero, quant)
+    codes = jnp.swapaxes(lowbit.unpack(layer.k, fmt.name, jnp.float32), -1, -2)[..., :slots, :]
+    k = codes * _expand_groups(layer.k_scale, fmt.group, slots).astype(jnp.float32) \
+        + _expand_groups(layer.k_zero, fmt.group, slots).astype(jnp.float32)
+    v = lowbit.dequantize_tokens(layer.v, layer.v_scale, layer.v_zero, fmt.name)
     return k.astype(dtype), v.astype(dtype)
 
 
-def float_kv(layer, quant: str, group: int, residual: int, dtype) -> tuple[jax.Array, jax.Array]:
+def float_kv(layer, fmt, dtype) -> tuple[jax.Array, jax.Array]:
     """One layer's keys and values as attention reads them, ``[b, k, C, d]`` in ``dtype``: the codes dequantized,
     the float window's slots (``q .. q + R + G``) taken from it."""
     kv_heads, slots = layer.v.shape[1], layer.v.shape[2]
-    k, v = dequantize_store(layer, quant, group, dtype)
-    start = quantized_slots(per_kv(layer.count, kv_heads), group, residual)  # [b, k]
+    k, v = dequantize_store(layer, fmt, dtype)
+    start = quantized_slots(per_kv(layer.count, kv_heads), fmt)  # [b, k]
     width = layer.k_res.shape[-2]
     idx = jnp.arange(slots)[None, None, :] - start[..., None]  # [b, k, C] the slot's place in the window
     in_window = (idx >= 0) & (idx < width)
@@ -118,18 +122,18 @@ def float_kv(layer, quant: str, group: int, residual: int, dtype) -> tuple[jax.A
             jnp.where(in_window[..., None], take(layer.v_res).astype(dtype), v))
 
 
-def decode_view(layer, quant: str, group: int, residual: int) -> LowbitKV:
+def decode_view(layer, fmt) -> LowbitKV:
     """The scales, zeros and float window a one-query attend reads beside the codes ``layer.k, layer.v``
     (:func:`lcx.kernels.decode_lowbit`, or the Pallas kernel of ``lcx.kernels.lowbit_pallas``)."""
-    start = quantized_slots(per_kv(layer.count, layer.k.shape[1]), group, residual)
+    start = quantized_slots(per_kv(layer.count, layer.k.shape[1]), fmt)
     return LowbitKV(k_scale=layer.k_scale, k_zero=layer.k_zero, v_scale=layer.v_scale, v_zero=layer.v_zero,
-                    k_win=layer.k_res, v_win=layer.v_res, win_start=start, quant=quant, group=group)
+                    k_win=layer.k_res, v_win=layer.v_res, win_start=start, quant=fmt.name, group=fmt.group)
 
 
-def _quantize_slots(k: jax.Array, v: jax.Array, quant: str, group: int):
-    """Float slots ``[b, k, S, d]`` (``S`` a multiple of ``group``) -> codes, key and value scales and zeros."""
-    kc, ks, kz = lowbit.quantize_channels(k, quant, group, channel_major=True)  # [b, k, d, S * bits / 8]
-    vc, vs, vz = lowbit.quantize_tokens(v, quant, value_group(group, v.shape[-1]))
+def _quantize_slots(k: jax.Array, v: jax.Array, fmt):
+    """Float slots ``[b, k, S, d]`` (``S`` a multiple of ``fmt.group``) -> codes, key and value scales and zeros."""
+    kc, ks, kz = lowbit.quantize_channels(k, fmt.name, fmt.group, channel_major=True)  # [b, k, d, S * bits / 8]
+    vc, vs, vz = lowbit.quantize_tokens(v, fmt.name, value_group(fmt.group, v.shape[-1]))
     return kc, ks, kz, vc, vs, vz
 
 
@@ -139,14 +143,14 @@ def _window(x: jax.Array, start: jax.Array, width: int) -> jax.Array:
     return jnp.take_along_axis(x, idx[..., None], axis=2)
 
 
-def write(layer, k: jax.Array, v: jax.Array, ok: jax.Array, quant: str, group: int, residual: int):
+def write(layer, k: jax.Array, v: jax.Array, ok: jax.Array, fmt):
     """Append ``k, v [b, t, k, d]`` (where ``ok [b, t]``) behind the window; whole key groups that leave it are
     quantized into the store. ``layer.count`` is the count *before* this call (the caller updates it)."""
     b, t, kv_heads, d = k.shape
-    slots, groups, per_byte = layer.v.shape[2], layer.k_scale.shape[2], 8 // LOWBIT[quant]
+    group, slots, groups, per_byte = fmt.group, layer.v.shape[2], layer.k_scale.shape[2], 8 // LOWBIT[fmt.name]
     width = layer.k_res.shape[2]
     count = per_kv(layer.count, kv_heads)  # [b, k]
-    start = quantized_slots(count, group, residual)
+    start = quantized_slots(count, fmt)
     n = jnp.sum(ok, axis=1, dtype=jnp.int32)  # [b]
     rank = jnp.cumsum(ok.astype(jnp.int32), axis=1) - 1
     stage_len = -(-(width + t) // group) * group
@@ -158,8 +162,8 @@ def write(layer, k: jax.Array, v: jax.Array, ok: jax.Array, quant: str, group: i
         return buf.at[rows, heads, dest].set(x.swapaxes(1, 2).astype(jnp.float32), mode="drop")
 
     sk, sv = stage(layer.k_res, k), stage(layer.v_res, v)
-    flush = quantized_slots(count + n[:, None], group, residual) - start  # [b, k] whole groups leaving the window
-    kc, ks, kz, vc, vs, vz = _quantize_slots(sk, sv, quant, group)
+    flush = quantized_slots(count + n[:, None], fmt) - start  # [b, k] whole groups leaving the window
+    kc, ks, kz, vc, vs, vz = _quantize_slots(sk, sv, fmt)
     i = jnp.arange(stage_len)
     slot = jnp.where(i < flush[..., None], start[..., None] + i, slots)  # [b, k, S]; past the flush: dropped
     g = jnp.arange(stage_len // group)
@@ -176,16 +180,15 @@ def write(layer, k: jax.Array, v: jax.Array, ok: jax.Array, quant: str, group: i
         v_res=_window(sv, flush, width).astype(layer.v_res.dtype))
 
 
-def requantize(count: jax.Array, k: jax.Array, v: jax.Array, quant: str, group: int, residual: int,
-               groups: int, dtype) -> dict[str, jax.Array]:
+def requantize(count: jax.Array, k: jax.Array, v: jax.Array, fmt, groups: int, dtype) -> dict[str, jax.Array]:
     """The stored buffers of float slots ``k, v [b, k, C, d]`` whose first ``count [b, H]`` are occupied (after an
     eviction compacted the dequantized slots): whole groups below the window as codes, the rest in the window
     (``groups``: the key-scale rows, ``ceil(C / G)``; ``dtype``: the window's)."""
     kv_heads, slots = k.shape[1], k.shape[2]
-    pad = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 0), (0, groups * group - slots), (0, 0)))  # noqa
-    kc, ks, kz, vc, vs, vz = _quantize_slots(pad(k), pad(v), quant, group)
-    start = quantized_slots(per_kv(count, kv_heads), group, residual)
-    width = residual + group
+    pad = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 0), (0, groups * fmt.group - slots), (0, 0)))  # noqa
+    kc, ks, kz, vc, vs, vz = _quantize_slots(pad(k), pad(v), fmt)
+    start = quantized_slots(per_kv(count, kv_heads), fmt)
+    width = fmt.residual + fmt.group
     return dict(k=kc, v=vc[:, :, :slots], k_scale=ks, k_zero=kz, v_scale=vs[:, :, :slots],
                 v_zero=vz[:, :, :slots], k_res=_window(k, start, width).astype(dtype),
                 v_res=_window(v, start, width).astype(dtype))
@@ -194,20 +197,20 @@ def requantize(count: jax.Array, k: jax.Array, v: jax.Array, quant: str, group: 
 STORED = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero", "k_res", "v_res")
 
 
-def float_layers(state, quant: str, group: int, residual: int, dtype) -> tuple[jax.Array, jax.Array]:
+def float_layers(state, fmt, dtype) -> tuple[jax.Array, jax.Array]:
     """:func:`float_kv` of every layer of a stacked state: ``[L, b, k, C, d]`` each (for an eviction, which scores
     and compacts every layer at once)."""
     def one(count, *stored):
         layer = types.SimpleNamespace(count=count, **dict(zip(STORED, stored)))
-        return float_kv(layer, quant, group, residual, dtype)
+        return float_kv(layer, fmt, dtype)
     return jax.vmap(one)(state.count, *(getattr(state, n) for n in STORED))
 
 
-def requantize_layers(state, k: jax.Array, v: jax.Array, quant: str, group: int, residual: int):
+def requantize_layers(state, k: jax.Array, v: jax.Array, fmt):
     """``state`` (stacked, its ``count`` after an eviction) storing the compacted float slots ``k, v [L, b, k, C,
     d]`` (:func:`requantize` per layer)."""
     groups, dtype = state.k_scale.shape[-2], state.k_res.dtype
-    out = jax.vmap(lambda c, k, v: requantize(c, k, v, quant, group, residual, groups, dtype))(state.count, k, v)
+    out = jax.vmap(lambda c, k, v: requantize(c, k, v, fmt, groups, dtype))(state.count, k, v)
     return state.replace(**out)
 
 

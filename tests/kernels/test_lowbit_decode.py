@@ -19,6 +19,12 @@ from lcx.kernels.lowbit_pallas import decode_lowbit_tiles
 B, KV, HEADS, C, D, G = 2, 2, 6, 45, 16, 8  # 45 slots: the last key group (of 8) is partial
 
 
+def _fmt(quant, group, residual):
+    """The bit-packed format the store's functions take (``lcx.cache.storage.PackedStorage``)."""
+    from lcx.cache.storage import PackedStorage
+    return PackedStorage(name=quant, group=group, residual=residual)
+
+
 def _layer(quant, residual, count, group=G):
     """A stored layer (codes, scales, window) holding random float keys and values in its first ``count [b, H]``
     slots, and the float keys / values attention should see."""
@@ -26,9 +32,9 @@ def _layer(quant, residual, count, group=G):
     k = jnp.asarray(rng.standard_normal((B, KV, C, D)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((B, KV, C, D)), jnp.float32)
     k = k.at[..., 3].multiply(8.0)  # an outlier key channel
-    stored = lowbit_slots.requantize(count, k, v, quant, group, residual, -(-C // group), jnp.float32)
+    stored = lowbit_slots.requantize(count, k, v, _fmt(quant, group, residual), -(-C // group), jnp.float32)
     layer = types.SimpleNamespace(count=count, **stored)
-    return layer, lowbit_slots.float_kv(layer, quant, group, residual, jnp.float32)
+    return layer, lowbit_slots.float_kv(layer, _fmt(quant, group, residual), jnp.float32)
 
 
 # the fused XLA formulation (every backend but pallas) and the Pallas kernel (interpret mode here: compiled on a GPU;
@@ -54,11 +60,11 @@ def test_decode_on_codes_equals_the_reference_over_the_dequantized_layer(quant, 
                                       return_residuals=True)
     got = jax.jit(lambda q, layer_k, layer_v, kv, valid: DECODERS[decoder](
         q, layer_k, layer_v, kv, valid=valid, sm_scale=0.3, softcap=softcap, weights=True, residuals=True))(
-        q, layer.k, layer.v, lowbit_slots.decode_view(layer, quant, group, residual), valid)
+        q, layer.k, layer.v, lowbit_slots.decode_view(layer, _fmt(quant, group, residual)), valid)
     for name, w, g in zip(("out", "weights", "m", "l"), want, (got.out, got.weights, got.m, got.l)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5, err_msg=name)
     # the window really is read in float: the quantized slots differ from the float keys by a quantization step
-    start = int(lowbit_slots.quantized_slots(count[0, 0], group, residual))
+    start = int(lowbit_slots.quantized_slots(count[0, 0], _fmt(quant, group, residual)))
     assert start < int(count[0, 0]) and np.abs(np.asarray(layer.k_res[0, 0, 0]) - np.asarray(k[0, 0, start])).max() == 0
 
 
@@ -68,7 +74,7 @@ def test_a_row_that_sees_no_slot_gives_zeros_not_nan(decoder):
     layer, _ = _layer("int4", 0, count)
     valid = jnp.arange(C)[None, :] < count
     got = DECODERS[decoder](jnp.ones((B, HEADS, D)), layer.k, layer.v,
-                            lowbit_slots.decode_view(layer, "int4", G, 0), valid=valid, sm_scale=0.25,
+                            lowbit_slots.decode_view(layer, _fmt("int4", G, 0)), valid=valid, sm_scale=0.25,
                             residuals=True, weights=True)
     assert np.all(np.isfinite(np.asarray(got.out))) and np.all(np.asarray(got.out[1]) == 0)
     assert np.all(np.asarray(got.l[1]) == 0) and np.all(np.asarray(got.weights[1]) == 0)
@@ -81,7 +87,7 @@ def test_a_chunk_cannot_read_a_bit_packed_view():
 
     count = jnp.asarray([[20], [9]], jnp.int32)
     layer, _ = _layer("int4", 0, count)
-    view = KVView(kv=PackedKV(k=layer.k, v=layer.v, lowbit=lowbit_slots.decode_view(layer, "int4", G, 0)),
+    view = KVView(kv=PackedKV(k=layer.k, v=layer.v, lowbit=lowbit_slots.decode_view(layer, _fmt("int4", G, 0))),
                   lengths=count[:, 0], offsets=count[:, 0])
     with pytest.raises(ValueError, match="a chunk of 2 queries on .xla. reads the layer dequantized"):
         attend_view("xla", jnp.zeros((B, 2, HEADS, D)), view, AttentionSpec(sm_scale=0.25))
@@ -108,6 +114,6 @@ def test_prefill_chunk_on_codes_equals_the_reference_over_the_dequantized_layer(
                                        sm_scale=0.3, softcap=softcap, residuals=True)
     got = jax.jit(lambda q, kc, vc, kv: chunk_lowbit_tiles(
         q, kc, vc, kv, q_offsets=offsets, kv_lengths=lengths, sm_scale=0.3, softcap=softcap, residuals=True,
-        block_q=4))(q, layer.k, layer.v, lowbit_slots.decode_view(layer, quant, group, residual))
+        block_q=4))(q, layer.k, layer.v, lowbit_slots.decode_view(layer, _fmt(quant, group, residual)))
     for name, w, g in (("out", want.out, got.out), ("m", want.m, got.m), ("l", want.l, got.l)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5, err_msg=name)

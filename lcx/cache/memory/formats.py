@@ -131,8 +131,12 @@ class PackedBlocks(FloatBlocks):
     def sizes(self, head_dim):
         return {"packed_dim": head_dim * LOWBIT[self.name] // 8, "value_groups": head_dim // self.value_group}
 
+    @property
+    def group(self) -> int:
+        return self.value_group  # (a block's keys are one group: its tokens)
+
     def check(self, head_dim):
-        lowbit_slots.check(self.name, self.value_group, head_dim)
+        lowbit_slots.check(self, head_dim)
 
     def encode(self, bk, bv):
         codes = quantize_lowbit(bk, bv, self.name, self.value_group)

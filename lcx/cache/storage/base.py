@@ -87,6 +87,12 @@ class KVStorage:
         """Per-row key / value buffers a paged cache keeps outside its pool (none: every byte is in pages)."""
         return {}
 
+    @property
+    def pages_hold_rows(self) -> bool:
+        """Whether a row's pages alone hold its keys and values - no per-row buffer beside the pool - so that its
+        pages can be kept and shared as a prefix (a prefix cache, a page store)."""
+        return not self.row_fields()
+
     def sizes(self, head_dim: int, capacity: int) -> dict[str, int]:
         """The logical axes of :meth:`slot_fields` beyond the slot cache's own."""
         return {}
@@ -103,7 +109,7 @@ class KVStorage:
 
     @property
     def period(self) -> int:
-        """Tokens after which the bytes repeat (a grouped format's group; per-token formats: 1)."""
+        """Tokens after which the bytes repeat - a grouped format's group, 1 for a per-token format."""
         return 1
 
     def bytes_per_token(self, model) -> int:
@@ -118,7 +124,8 @@ class KVStorage:
 
     @property
     def exponent_dtype(self) -> str | None:
-        """The float dtype whose exponent range the stored values have (None: scaled per token or group)."""
+        """The float dtype whose exponent range the stored values have, or None for values scaled per token or
+        group."""
         return self.dtype
 
     def describe(self, head_dim: int) -> str:
@@ -132,7 +139,7 @@ class KVStorage:
 
     @property
     def block_name(self) -> str:
-        """What the memory tier's long-term blocks store by default (``lcx.cache.memory.formats``): floats."""
+        """What the memory tier's long-term blocks store by default, floats (``lcx.cache.memory.formats``)."""
         return self.dtype
 
     # ------------------------------------------------------------------------------------------- write and read

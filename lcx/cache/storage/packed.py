@@ -68,7 +68,7 @@ class PackedStorage(KVStorage):
                   f"divisor of {cache.page_size} (>= {per_byte})")
 
     def check(self, head_dim: int) -> None:
-        lowbit_slots.check(self.name, self.group, head_dim)
+        lowbit_slots.check(self, head_dim)
 
     # ------------------------------------------------------------------------------------------- declaration
     def slot_fields(self) -> Mapping[str, Field]:
@@ -81,10 +81,10 @@ class PackedStorage(KVStorage):
         return {n: lowbit_slots.FIELDS[n] for n in lowbit_pages.WINDOW}
 
     def sizes(self, head_dim: int, capacity: int) -> dict[str, int]:
-        return lowbit_slots.sizes(self.name, self.group, self.residual, head_dim, capacity)
+        return lowbit_slots.sizes(self, head_dim, capacity)
 
     def page_sizes(self, head_dim: int, page: int) -> dict[str, int]:
-        return lowbit_pages.sizes(self.name, self.group, page)
+        return lowbit_pages.sizes(self, page)
 
     def working(self) -> KVStorage:
         return KVStorage(dtype=self.dtype)  # the memory tier's window is its float residual; blocks hold the codes
@@ -106,17 +106,17 @@ class PackedStorage(KVStorage):
 
     # ------------------------------------------------------------------------------------------- write and read
     def write(self, layer, k, v, ok, put):
-        return lowbit_slots.write(layer, k, v, ok, self.name, self.group, self.residual)
+        return lowbit_slots.write(layer, k, v, ok, self)
 
     def view(self, bufs, dtype, *, impl, queries, counted, codes):
         # on the codes: a decode step, or a chunk where the backend has the kernel (pallas) and no statistic is asked
         if codes and (queries == 1 or (backend(impl).lowbit_ops()[1] is not None and not counted)):
             return PackedKV(k=bufs.k, v=bufs.v,
-                            lowbit=lowbit_slots.decode_view(bufs, self.name, self.group, self.residual))
+                            lowbit=lowbit_slots.decode_view(bufs, self))
         return FloatKV(*self.float_kv(bufs, dtype))  # one layer dequantized, the window overlaid
 
     def float_kv(self, layer, dtype):
-        return lowbit_slots.float_kv(layer, self.name, self.group, self.residual, dtype)
+        return lowbit_slots.float_kv(layer, self, dtype)
 
     def readable(self, layer, dtype):
         k, v = self.float_kv(layer, dtype)
@@ -147,25 +147,24 @@ class PackedStorage(KVStorage):
 
     def _evict_floats(self, kind, state, budgets, compact):
         """``compact`` over the dequantized slots of ``state`` (stacked), the survivors re-quantized."""
-        k, v = lowbit_slots.float_layers(state, self.name, self.group, self.residual, self.dtype)
+        k, v = lowbit_slots.float_layers(state, self, self.dtype)
         floats = state.replace(k=k, v=v, **{n: None for n in lowbit_slots.STORED[2:]})
         out, left = compact(kind.policy, floats, budgets)
         stored = state.replace(**{n: getattr(out, n) for n in ("pos", "valid", "count", "score")})
-        return lowbit_slots.requantize_layers(stored, out.k, out.v, self.name, self.group, self.residual), left
+        return lowbit_slots.requantize_layers(stored, out.k, out.v, self), left
 
     def quantized_slots(self, count):
-        return lowbit_slots.quantized_slots(count, self.group, self.residual)
+        return lowbit_slots.quantized_slots(count, self)
 
     # ------------------------------------------------------------------------------------------- pages
     def gather(self, layer, table, length):
-        lengths = lowbit_pages.view_lengths(self.name, self.group, self.residual, layer.k.shape[-2], length)
+        lengths = lowbit_pages.view_lengths(self, layer.k.shape[-2], length)
         return {n: lowbit_pages.view(getattr(layer, n), table, n, lengths[n]) for n in lowbit_pages.POOL_FIELDS}
 
     def put_new(self, layer, slots, *, count, ok, page):
         """The pages a group flush may have written, from the page of the first unquantized slot (a fixed count)."""
-        index = lowbit_pages.flushed_pages(count, layer.k.shape[1], ok.shape[1], self.name, self.group,
-                                           self.residual, page)
-        units = lowbit_pages.per_page(self.name, self.group, page)
+        index = lowbit_pages.flushed_pages(count, layer.k.shape[1], ok.shape[1], self, page)
+        units = lowbit_pages.per_page(self, page)
         return {n: lowbit_pages.put_pages(getattr(layer, n), getattr(slots, n), n, units[n], layer.table, index)
                 for n in lowbit_pages.POOL_FIELDS}
 
@@ -176,7 +175,7 @@ class PackedStorage(KVStorage):
         own = jnp.where(cut[:, None] & (pool.table >= 0) & (pool.refs[jnp.maximum(pool.table, 0)] == 1),
                         pool.table, -1)
         index = jnp.broadcast_to(jnp.arange(row_pages), (own.shape[0], state.k.shape[2], row_pages))
-        units = lowbit_pages.per_page(self.name, self.group, page)
+        units = lowbit_pages.per_page(self, page)
         return {n: jax.vmap(lambda p, x, n=n: lowbit_pages.put_pages(p, x, n, units[n], own, index))(
             getattr(state, n), getattr(after, n)) for n in lowbit_pages.POOL_FIELDS}
 
