@@ -35,7 +35,7 @@ from lcx.cache.observes import QUERY_FIELDS  # noqa: F401 - re-exported: the buf
 from lcx.cache.policy import EvictionPolicy, make_policy
 from lcx.cache.schedule import evict_cache, layer_budgets
 from lcx.cache.schema import Field
-from lcx.cache.storage import FORMATS, KVStorage, storage_for, storage_of
+from lcx.cache.storage import KVStorage, storage_named, storage_of
 from lcx.config_base import ConfigError, canonical_dtype, format_bytes
 from lcx.model.config import ModelConfig
 from lcx.parallel.sharding import BSKD, ROWS, per_shard
@@ -320,9 +320,7 @@ def kv_bytes(config: ModelConfig, capacity: int, batch: int, dtype: str) -> int:
     """Bytes of K and V for ``capacity`` slots: 2 x layers x kv_heads x head_dim x capacity x bytes x batch (from the
     cache's own declaration); ``dtype`` ``int8`` / ``fp8``: 8-bit codes plus their float16 scales; ``int4`` /
     ``int2``: packed codes, group scales and zeros (``kv_group`` 64) and the float window (``kv_residual`` 0)."""
-    if dtype in FORMATS:
-        return storage_for(dtype, canonical_dtype(config.dtype, "model.dtype")).nbytes(config, batch, capacity)
-    return KVStorage(dtype=canonical_dtype(dtype, "cache.dtype")).nbytes(config, batch, capacity)
+    return storage_named(dtype, config.dtype, "cache.dtype").nbytes(config, batch, capacity)
 
 
 def full_overflow(config: ModelConfig, needed: int, budget: int, batch: int, max_prompt: int, max_new_tokens: int,
