@@ -4,6 +4,8 @@ page when done."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import lcx
 from lcx.cache.base import CacheCapacityError
 from lcx.config import ConfigError
 from lcx.engine.server import Server
+from lcx.engine.setup import prefix_formats
 
 CFG = lcx.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                       max_position_embeddings=256)
@@ -250,6 +253,29 @@ def test_stored_pages_serve_a_new_server_with_the_tokens_of_recomputing(params, 
     assert out == want and cached == 5 * 8 and store.corrupt == 1
     out, cached, store = serve("model-a")
     assert out == want and cached == (len(turn) - 1) // 8 * 8 and store.corrupt == 0  # this turn's pages too
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_dtype", prefix_formats())
+def test_each_format_whose_pages_hold_a_row_is_stored_and_read_back(tmp_path, kv_dtype):
+    """Every registered storage format whose pages alone hold a row (``KVStorage.pages_hold_rows``: the store is
+    allowed for it) round-trips through a ``PageStore``: a restarted server reading the stored pages gives the tokens
+    of a server that prefills the whole prompt."""
+    from lcx.engine.kv_store import PageStore
+
+    config = dataclasses.replace(CFG, n_heads=2, n_kv_heads=1, head_dim=16)  # head_dim 16: a whole fp4 scale block
+    params = lcx.init_params(config, jax.random.key(3))
+    cache = lcx.CacheConfig(layout="paged", page_size=8, kv_dtype=kv_dtype)
+    prompt = np.random.default_rng(5).integers(0, 61, 35).tolist()
+
+    def serve(store):
+        server = Server(config, params, max_num_seqs=1, max_len=64, cache=cache, prefill_chunk=16, store=store)
+        rid = server.submit(prompt, max_new_tokens=5)
+        return server.run()[rid], server.cached_tokens
+
+    serve(PageStore("m", page=8, directory=tmp_path))
+    (stored, cached), (fresh, _) = serve(PageStore("m", page=8, directory=tmp_path)), serve(None)
+    assert cached == 32 and stored == fresh
 
 
 @pytest.mark.slow

@@ -198,6 +198,12 @@ class CacheKind(abc.ABC):
         return False
 
     @property
+    def shares_pages(self) -> bool:
+        """Whether rows can point at the same pages, so a prompt prefix is stored once (``Generator.prefill``
+        shares the whole pages consecutive prompts start with; ``lcx plan`` counts them once)."""
+        return False
+
+    @property
     def shardable(self) -> bool:
         """Whether this cache runs on a device mesh (``shardings`` splits its buffers: batch over data, KV heads
         over model)."""

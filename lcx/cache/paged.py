@@ -208,6 +208,10 @@ class PagedKind(CacheKind):
     def kv_dtype(self) -> str:
         return self.storage.buffer_dtype
 
+    @property
+    def shares_pages(self) -> bool:
+        return True  # rows' tables may name the same full pages (reference counts in ``refs``)
+
     # ------------------------------------------------------------------------------------------- planning
     def plan(self, batch: int, max_prompt: int, max_new_tokens: int) -> int:
         needed = max_prompt + max_new_tokens

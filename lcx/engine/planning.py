@@ -148,8 +148,8 @@ def shared_prefixes(kind, ids: np.ndarray, lengths: np.ndarray) -> list[tuple[in
     """With a paged cache (``kind``), runs of consecutive rows whose prompts start with the same whole pages (a
     system prompt; the questions of one haystack): ``(first row, rows, shared tokens)`` per run, every row in one, each
     row keeping at least one token of its own (whose logits start its generation). None when nothing would be
-    shared (not a paged cache, or no run of two rows sharing a page) or a row is shorter than a page."""
-    if kind.name != "paged" or ids.shape[0] < 2:
+    shared (a cache whose rows share no pages, or no run of two rows sharing a page) or a row is shorter than a page."""
+    if not kind.shares_pages or ids.shape[0] < 2:
         return None
     page = kind.page
     own = (lengths - 1) // page * page  # each row's whole pages before its last token

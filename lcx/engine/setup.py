@@ -12,8 +12,8 @@ import dataclasses
 from typing import Any
 
 from lcx.cache.config import CacheConfig
+from lcx.cache.storage import FORMATS, storage_for
 from lcx.config_base import ConfigError
-from lcx.kernels.names import LOWBIT_DTYPES
 from lcx.model.config import ModelConfig
 
 # The defaults of a served configuration, one place: ``Server``'s and ``lcx serve``'s (``ServeConfig``) read these
@@ -58,8 +58,16 @@ class ServeSetup:
         return self.kind.page
 
     @property
-    def lowbit(self) -> bool:
-        return self.cache.kv_dtype in LOWBIT_DTYPES
+    def pages_hold_rows(self) -> bool:
+        """Whether a row's pages alone hold its keys and values (its storage keeps nothing per row beside the pool):
+        what kept prefixes and a page store need."""
+        return self.kind.storage.pages_hold_rows
+
+
+def prefix_formats() -> list[str]:
+    """The ``kv_dtype`` formats whose pages alone hold a row (``KVStorage.pages_hold_rows``): those a prefix cache and
+    a page store can keep."""
+    return [name for name in FORMATS if storage_for(name, "float32").pages_hold_rows]
 
 
 def server_policies() -> list[str]:
@@ -71,7 +79,7 @@ def server_policies() -> list[str]:
 
 def store_kind(cache: CacheConfig, policy) -> str | None:
     """What a store may keep under ``cache`` / ``policy`` (``ServeSetup.store``): the one place this is decided."""
-    if cache.kv_dtype in LOWBIT_DTYPES or policy.observes.reconstructs:
+    if not cache.storage().pages_hold_rows or policy.observes.reconstructs:
         return None
     return STORE_STATES if policy.evicts else STORE_PAGES
 
@@ -124,17 +132,18 @@ def resolve(model: ModelConfig, cache: CacheConfig | None = None, *, max_num_seq
                           f"than a request of max_len={max_len} refuses the requests it cannot hold)")
     kept = store_kind(cache, policy)
     if store and kept is None:
-        if cache.kv_dtype in LOWBIT_DTYPES:
-            raise ConfigError(f"Server store= with cache.kv_dtype={cache.kv_dtype!r}: a bit-packed cache's pages "
-                              "are not a prefix without the row's float window; allowed: store=None, or kv_dtype "
-                              "'int8', 'fp8' or None")
+        if not kind.storage.pages_hold_rows:
+            raise ConfigError(f"Server store= with cache.kv_dtype={cache.kv_dtype!r}: its pages are not a prefix "
+                              "without what the row keeps beside them; allowed: store=None, or kv_dtype "
+                              f"{prefix_formats()} or None")
         raise ConfigError(f"Server store= with cache.policy={cache.policy!r}: its reconstruction passes score a "
                           "fresh prompt, not a stored compressed state; allowed: store=None")
     return ServeSetup(cache=cache, policy=policy, kind=kind, max_num_seqs=max_num_seqs, max_len=max_len,
                       slots=slots, row_pages=row_pages, pages=pages, segment=segment,
                       chunk=kind.prefill_chunk(prefill_chunk, max_len, row_pages * kind.page),
-                      prefix_entries=0 if policy.evicts or cache.kv_dtype in LOWBIT_DTYPES else prefix_entries,
+                      prefix_entries=0 if policy.evicts or not kind.storage.pages_hold_rows else prefix_entries,
                       store=kept, reconstruction=reconstruction, settings=settings, make_store=bool(store))
 
 
-__all__ = ["MAX_LEN", "MAX_NUM_SEQS", "PREFILL_CHUNK", "PREFIX_ENTRIES", "SEGMENT", "STORE_PAGES", "STORE_STATES", "ServeSetup", "resolve", "server_policies", "store_kind"]
+__all__ = ["MAX_LEN", "MAX_NUM_SEQS", "PREFILL_CHUNK", "PREFIX_ENTRIES", "SEGMENT", "STORE_PAGES", "STORE_STATES",
+           "ServeSetup", "prefix_formats", "resolve", "server_policies", "store_kind"]

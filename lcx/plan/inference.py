@@ -381,12 +381,12 @@ def _tier_numbers(inputs: PlanInputs) -> dict[str, Any]:
     cache = CacheConfig.from_mapping({**inputs.cache.to_dict(), "kv_dtype": storage.name or inputs.cache.kv_dtype})
     kind = cache.kind(dataclasses.replace(inputs.model, dtype=storage.dtype))
     capacity = kind.plan(inputs.batch, inputs.context, 0)
-    if kind.name in ("paged", "paged_slots"):  # pages in use (the shared prefix's whole pages once, if kept whole)
+    if hasattr(kind, "pages_for"):  # a paged kind: pages in use (the shared prefix's whole pages once, if kept whole)
         pages = kind.pages_for(inputs.batch, inputs.context, inputs.shared_prefix)
         return {"cache_policy": inputs.cache.policy, "cache_device_kv_bytes": pages * kind.page_nbytes(),
                 "cache_device_meta_bytes": kind.nbytes(inputs.batch, capacity, role="meta"),
                 "cache_store_bytes": 0, "cache_slots": capacity, "cache_page_size": kind.page, "cache_pages": pages,
-                "cache_shared_tokens": inputs.shared_prefix if kind.name == "paged" else 0}
+                "cache_shared_tokens": inputs.shared_prefix if kind.shares_pages else 0}
     return {"cache_policy": inputs.cache.policy, "cache_device_kv_bytes": kind.nbytes(inputs.batch, capacity),
             "cache_device_meta_bytes": kind.nbytes(inputs.batch, capacity, role="meta"),
             "cache_store_bytes": kind.store_nbytes(inputs.batch, capacity), "cache_slots": capacity,

@@ -128,7 +128,7 @@ class ServeConfig:
         else ``--gpu-memory-utilization`` of ``free_bytes`` less ``weight_bytes``, else every row at its largest;
         the plan in ``setup.plan``). ``reconstruction``: KVzip's repeat prompt or a function making it (called only
         for a policy that reconstructs). Errors name the flag."""
-        from lcx.engine.setup import resolve
+        from lcx.engine.setup import prefix_formats, resolve
         from lcx.plan.serving import pool_plan
 
         cache = self.cache()
@@ -136,10 +136,11 @@ class ServeConfig:
                         segment=self.segment, prefill_chunk=self.prefill_chunk, prefix_entries=self.prefix_entries,
                         reconstruction=reconstruction)
         if self.kv_store is not None and setup.store is None:
-            if setup.lowbit:
-                raise ConfigError(f"--kv-store with --kv-dtype {cache.kv_dtype}: a bit-packed cache keeps each "
-                                  "request's most recent tokens in a float window beside its pages, so pages alone "
-                                  "are not a prefix (allowed: --kv-dtype int8, fp8 or none with --kv-store)")
+            if not setup.pages_hold_rows:
+                raise ConfigError(f"--kv-store with --kv-dtype {cache.kv_dtype}: this format keeps part of each "
+                                  "request beside its pages (a bit-packed cache: its most recent tokens in a float "
+                                  f"window), so pages alone are not a prefix (allowed with --kv-store: --kv-dtype "
+                                  f"{', '.join(prefix_formats())} or none)")
             raise ConfigError(f"--kv-store with --cache-policy={cache.policy!r}: its reconstruction passes score a "
                               "fresh prompt, not a stored compressed state (allowed: --cache-policy full or a policy "
                               "without reconstruction, e.g. snapkv)")
