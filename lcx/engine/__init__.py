@@ -22,7 +22,7 @@ from lcx.engine.runner import Runner, build
 from lcx.engine.sampling import RowSampling, SamplingConfig
 from lcx.engine.state import DecodeState, GenerateResult, pad_prompts
 
-__all__ = ["CacheCapacityError", "DecodeState", "GenerateResult", "Generator", "MAX_MAPPINGS", "PositionRangeWarning",
-           "Programs", "RowSampling", "Runner", "SCORE_SEGMENT", "SamplingConfig", "auto_prefill_chunk", "build", "cache_kind",
-           "check_positions", "choose_unroll", "generate", "pad_prompts", "plan_capacity", "programs",
-           "release_compiled"]
+__all__ = ["CacheCapacityError", "DecodeState", "GenerateResult", "Generator", "MAX_MAPPINGS",
+           "PositionRangeWarning", "Programs", "RowSampling", "Runner", "SCORE_SEGMENT", "SamplingConfig",
+           "auto_prefill_chunk", "build", "cache_kind", "check_positions", "choose_unroll", "generate",
+           "pad_prompts", "plan_capacity", "programs", "release_compiled"]

@@ -25,11 +25,12 @@ STORE_PAGES, STORE_STATES = "pages", "states"  # what a store keeps: prompt page
 class ServeSetup:
     """A resolved serve configuration (``resolve``). ``cache``: the paged cache config (its ``prefill_chunk`` the
     server's); ``policy`` / ``kind``: its eviction policy and cache kind; ``slots``: a row's planned slots;
-    ``row_pages``: the most pages one row holds; ``pages``: the pool; ``chunk``: prompt tokens per row and step; ``prefix_entries``: prefixes kept (0 under
-    eviction or a bit-packed cache); ``store``: what a ``PageStore`` may keep - ``"pages"`` (the full policy: prompt
-    pages, always worth keeping), ``"states"`` (an evicting policy: compressed states, only when asked for) or None
-    (no store: a bit-packed cache's pages are no prefix without its float window, a reconstructing policy scores a
-    fresh prompt); ``reconstruction``: KVzip's repeat prompt (None unless the policy reconstructs)."""
+    ``row_pages``: the most pages one row holds; ``pages``: the pool; ``chunk``: prompt tokens per row and step;
+    ``prefix_entries``: prefixes kept (0 under eviction, or when the storage's pages do not hold a row);
+    ``store``: what a ``PageStore`` may keep - ``"pages"`` (the full policy: prompt pages, always worth keeping),
+    ``"states"`` (an evicting policy: compressed states, only when asked for) or None (no store: a bit-packed cache's
+    pages are no prefix without its float window, a reconstructing policy scores a fresh prompt);
+    ``reconstruction``: KVzip's repeat prompt (None unless the policy reconstructs)."""
 
 
     cache: CacheConfig

@@ -5,4 +5,3 @@ IMPLS: tuple[str, ...] = ("auto", "reference", "xla", "pallas")  # "auto": the b
 QUANT_DTYPES: dict[str, tuple[str, float]] = {"int8": ("int8", 127.0), "fp8": ("float8_e4m3fn", 448.0)}
 # bit-packed KV storage below 8 bits: name -> bits per code; scales and zeros per group (lcx.kernels.lowbit)
 LOWBIT_DTYPES: dict[str, int] = {"int4": 4, "int2": 2}
-KV_DTYPES = (*QUANT_DTYPES, *LOWBIT_DTYPES)  # every cache.kv_dtype
