@@ -186,6 +186,20 @@ def test_memory_store_round_trip_is_bit_exact(tmp_path, disk):
     np.testing.assert_array_equal(again.fetch(1, ids)[1], got_v)
 
 
+def test_memory_store_bfloat16_round_trip(tmp_path):
+    """bfloat16 blocks are saved as raw 2-byte records and load back as bfloat16."""
+    store = BlockStore(2, 2, 8, 4, 2, 8, "bfloat16")
+    kk, vv, pos = _random_blocks(3)
+    store.append(kk.astype(store.k.dtype), vv.astype(store.v.dtype), pos, np.array([3, 2]))
+    ids = np.array([[[0, 1, 2]] * 2, [[1, 0, -1]] * 2])
+    store.save(tmp_path / "saved")
+    again = BlockStore.load(tmp_path / "saved")
+    assert again.k.dtype == store.k.dtype
+    for x, y in zip(again.fetch(1, ids), store.fetch(1, ids)):
+        np.testing.assert_array_equal(x, y)
+    assert store.nbytes() == 5 * 2 * 2 * (4 * (2 * 8 * 2 + 4))  # blocks x layers x kv heads x (j x (k, v, pos))
+
+
 def test_memory_store_int8_is_within_half_a_step():
     store = BlockStore(2, 2, 8, 4, 2, 8, "int8")
     kk, vv, pos = _random_blocks(1)

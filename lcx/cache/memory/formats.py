@@ -4,8 +4,12 @@
 blocks (``KVStorage.block_name``: the cache dtype for floats, ``int8`` under an 8-bit working cache, the bit-packed
 ``kv_dtype`` itself). Each format declares its device buffers (``store: device``), quantizes the blocks a spill
 forms (:meth:`encode`; the host store takes the same arrays), reads recalled blocks back on the device
-(:meth:`recall`) and counts the bytes a host store will hold. The quantizers are ``lcx.kernels.quant`` (int8: one
-float32 scale per block and KV head) and ``lcx.kernels.lowbit`` (KIVI's groups, ``blocks.quantize_lowbit``).
+(:meth:`recall`) and counts the bytes a host store will hold. For the host store (``store.py``) it declares the same
+in NumPy (the ``host_*`` methods): the codes' dtype and shape, the arrays kept beside keys, values and positions
+(:class:`HostArray`: int8's scales, bit-packed blocks' groups; what ``save`` writes) and how recalled blocks are
+dequantized, on the host inside a compiled call (``jax.pure_callback``), which must not call back into JAX. The
+quantizers are ``lcx.kernels.quant`` (int8: one float32 scale per block and KV head) and ``lcx.kernels.lowbit``
+(KIVI's groups, ``blocks.quantize_lowbit``).
 
 Shapes: L layers, b batch, N blocks, n new blocks, j tokens per block, k KV heads, d head dim, K recalled blocks.
 """
@@ -27,6 +31,33 @@ from lcx.config_base import canonical_dtype
 from lcx.kernels.lowbit import LOWBIT
 
 STORE_AXES = ("layers", "batch", "blocks", "block", "kv_heads", "head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class HostArray:
+    """An array a host store keeps beside its blocks' keys, values and positions: ``[*lead, L, b, N, ...]``, saved
+    as ``<name>.npy``."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    fill: float = 0.0
+    lead: int = 0  # axes before the layers (int8's scale: keys, values)
+
+    def new(self) -> np.ndarray:
+        """An empty store's array (int8's scales 1, groups 0: what unwritten blocks read as)."""
+        return np.full(self.shape, self.fill, self.dtype)
+
+    def blocks(self, row=slice(None), blocks=slice(None)) -> tuple:
+        """The index of ``blocks`` of ``row`` in every layer (a view: basic slicing only)."""
+        return (slice(None),) * (self.lead + 1) + (row, blocks)
+
+
+def host_unpack(packed: np.ndarray, bits: int) -> np.ndarray:
+    """Bit-packed codes ``[..., n]`` uint8 (the first in the low bits, ``lcx.kernels.lowbit.pack``) -> ``[..., n * 8
+    / bits]`` float32: NumPy's twin of ``lcx.kernels.lowbit.unpack`` for the host-side recall."""
+    shifts = np.arange(8 // bits, dtype=np.uint8) * bits
+    codes = (packed[..., None] >> shifts) & np.uint8(2**bits - 1)
+    return codes.reshape(*packed.shape[:-1], -1).astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +109,27 @@ class FloatBlocks:
         """Bytes per block and KV head beside its tokens' (scales)."""
         return 0
 
+    # ------------------------------------------------------------------------------------------- host store
+    @property
+    def host_dtype(self) -> np.dtype:
+        """The NumPy dtype of a host store's keys and values (codes)."""
+        return np.dtype(jnp.dtype(self.stored))
+
+    def host_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """A host store's keys (and values) ``[L, b, N, j, k, d']`` for blocks of ``shape`` ``[L, b, N, j, k, d]``."""
+        return tuple(shape)
+
+    def host_arrays(self, shape: tuple[int, ...]) -> dict[str, HostArray]:
+        """What a host store of blocks ``shape`` keeps beside keys, values and positions, by the name ``append``
+        takes it under (``scale``, or one of ``groups``) and ``save`` writes it as."""
+        return {}
+
+    def host_dequantize(self, which: int, x: np.ndarray, arrays: dict[str, np.ndarray], layer: int, rows, safe,
+                        head) -> np.ndarray:
+        """Recalled blocks ``x [b, k, K, j, d']`` of keys (``which`` 0) or values (1) of ``layer`` -> float32
+        ``[b, k, K, j, d]``; ``arrays`` are :meth:`host_arrays`' and ``rows, safe, head`` index them as ``x``."""
+        return x.astype(np.float32)
+
 
 @dataclasses.dataclass(frozen=True)
 class Int8Blocks(FloatBlocks):
@@ -108,6 +160,12 @@ class Int8Blocks(FloatBlocks):
 
     def block_bytes(self, head_dim):
         return 8
+
+    def host_arrays(self, shape):  # one scale per block and KV head, for keys and for values: [2, L, b, N, k]
+        return {"scale": HostArray((2,) + tuple(shape[:3]) + (shape[4],), "float32", 1.0, lead=1)}
+
+    def host_dequantize(self, which, x, arrays, layer, rows, safe, head):
+        return x.astype(np.float32) * arrays["scale"][which, layer][rows, safe, head][..., None, None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +221,27 @@ class PackedBlocks(FloatBlocks):
     def block_bytes(self, head_dim):  # a float16 scale and zero per channel for the block's keys
         return 4 * head_dim
 
+    def host_shape(self, shape):
+        return tuple(shape[:5]) + (self.sizes(shape[5])["packed_dim"],)
+
+    def host_arrays(self, shape):
+        # keys' scales and zeros per block, KV head and channel; values' per token and channel group
+        per_block, per_token = tuple(shape[:3]) + (shape[4], shape[5]), \
+            tuple(shape[:5]) + (self.sizes(shape[5])["value_groups"],)
+        return {name: HostArray(per_block if name.startswith("k") else per_token, "float16") for name in GROUPS}
+
+    def host_dequantize(self, which, x, arrays, layer, rows, safe, head):
+        # blocks.dequantize_lowbit in NumPy: keys per channel over the block, values per token and channel group
+        x = host_unpack(x, LOWBIT[self.name])
+        scale = arrays["kv"[which] + "_scale"][layer].astype(np.float32)
+        zero = arrays["kv"[which] + "_zero"][layer].astype(np.float32)
+        if which == 0:  # [b, k, K, d]
+            s, z = scale[rows, safe, head], zero[rows, safe, head]
+            return x * s[..., None, :] + z[..., None, :]
+        s, z = scale[rows, safe, :, head, :], zero[rows, safe, :, head, :]  # [b, k, K, j, d / G]
+        xg = x.reshape(*x.shape[:-1], s.shape[-1], self.value_group)
+        return (xg * s[..., None] + z[..., None]).reshape(x.shape)
+
 
 FORMATS: dict[str, type[FloatBlocks]] = {"int8": Int8Blocks, **{name: PackedBlocks for name in LOWBIT}}
 
@@ -173,4 +252,5 @@ def block_format(name: str, value_group: int = 64) -> FloatBlocks:
     return FORMATS.get(name, FloatBlocks)(name=name, value_group=value_group)
 
 
-__all__ = ["FORMATS", "FloatBlocks", "Int8Blocks", "PackedBlocks", "STORE_AXES", "block_format"]
+__all__ = ["FORMATS", "FloatBlocks", "HostArray", "Int8Blocks", "PackedBlocks", "STORE_AXES", "block_format",
+           "host_unpack"]

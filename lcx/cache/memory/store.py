@@ -4,12 +4,13 @@ files), appended between jitted calls and read from inside them by a host callba
 Shape letters: L layers, b batch, N block capacity, n blocks, j tokens per block, k kv heads, d head dim, K recalled
 blocks per KV head.
 
-Layout per layer: ``k, v [b, N, j, k, d]`` in the storage dtype (float32 / bfloat16 / float16 or int8 with
-``scale [b, N, k]``; int4 / int2: ``[b, N, j, k, d * bits / 8]`` uint8 codes with float16 group scales and zeros,
-``lcx.cache.memory.blocks.quantize_lowbit``, kept in host memory beside the codes), ``pos [b, N, j, k]`` (the
-original positions, per KV head since clustered blocks differ per head). A store is registered under an integer id that the cache state carries as an array, so the compiled
-generation functions serve any store: :func:`fetch` is the callback the attention calls with ``(store id, layer,
-block ids [b, k, K])`` and returns the recalled keys and values, dequantized to float32.
+Layout per layer: ``k, v [b, N, j, k, d]`` in the blocks' format (``lcx.cache.memory.formats``: a float dtype or
+int8 codes; int4 / int2: ``[b, N, j, k, d * bits / 8]`` uint8 codes), ``pos [b, N, j, k]`` (the original positions,
+per KV head since clustered blocks differ per head), and what the format keeps beside them (``extra``: int8's scale
+per block and KV head, bit-packed blocks' float16 group scales and zeros, ``blocks.quantize_lowbit``). A store is
+registered under an integer id that the cache state carries as an array, so the compiled generation functions serve
+any store: :func:`fetch` is the callback the attention calls with ``(store id, layer, block ids [b, k, K])`` and
+returns the recalled keys and values, dequantized to float32 in NumPy by the format.
 """
 
 from __future__ import annotations
@@ -18,25 +19,13 @@ import itertools
 import json
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
+from lcx.cache.memory.formats import block_format
 from lcx.config_base import ConfigError
-from lcx.kernels.names import LOWBIT_DTYPES  # bits per code of the bit-packed storage
 
 _STORES: dict[int, "BlockStore"] = {}
 _IDS = itertools.count()
-_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "int8": np.int8,
-                 **{name: np.uint8 for name in LOWBIT_DTYPES}}
-
-
-def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
-    """Bit-packed codes ``[..., n]`` uint8 (the first in the low bits, ``lcx.kernels.lowbit.pack``) -> ``[..., n * 8
-    / bits]`` float32. NumPy's twin of ``lcx.kernels.lowbit.unpack``: the recall callback runs on the host inside a
-    jitted call (``jax.pure_callback``), which must not call back into JAX."""
-    shifts = np.arange(8 // bits, dtype=np.uint8) * bits
-    codes = (packed[..., None] >> shifts) & np.uint8(2**bits - 1)
-    return codes.reshape(*packed.shape[:-1], -1).astype(np.float32)
 
 
 class BlockStore:
@@ -47,11 +36,9 @@ class BlockStore:
         self.shape = (n_layers, batch, max_blocks, block, kv_heads, head_dim)
         self.dtype = dtype
         self.directory = None if directory is None else Path(directory)
-        self.quantized = dtype == "int8"
-        self.bits = LOWBIT_DTYPES.get(dtype)  # int4 / int2: codes plus group scales and zeros (``groups``)
         self.value_group = min(value_group, head_dim)
-        np_dtype = _NUMPY_DTYPES[dtype]
-        stored = self.shape if self.bits is None else self.shape[:5] + (head_dim * self.bits // 8,)
+        self.format = block_format(dtype, self.value_group)
+        np_dtype, stored = self.format.host_dtype, self.format.host_shape(self.shape)
         if self.directory is None:
             self.k = np.zeros(stored, np_dtype)
             self.v = np.zeros(stored, np_dtype)
@@ -64,13 +51,8 @@ class BlockStore:
                 raise ConfigError(f"cache.store_dir={str(self.directory)!r} cannot hold the long-term store: "
                                   f"{err.strerror or err}") from err
         self.pos = np.full(self.shape[:4] + (kv_heads,), -1, np.int32)
-        # int8: one scale per block and KV head, for keys and for values: [2, L, b, N, k]
-        self.scale = np.ones((2,) + self.shape[:3] + (kv_heads,), np.float32) if self.quantized else None
-        # int4 / int2: keys' scales and zeros per block, KV head and channel; values' per token and channel group
-        per_block, per_token = self.shape[:3] + (kv_heads, head_dim), self.shape[:5] + (head_dim // self.value_group,)
-        self.groups = {} if self.bits is None else {
-            name: np.zeros(per_block if name.startswith("k") else per_token, np.float16)
-            for name in ("k_scale", "k_zero", "v_scale", "v_zero")}
+        self._layout = self.format.host_arrays(self.shape)  # scales / groups, kept in host memory
+        self.extra = {name: spec.new() for name, spec in self._layout.items()}
         self.n_blocks = np.zeros((batch,), np.int64)  # blocks written per row (the same for every layer)
 
     # ------------------------------------------------------------------------------------------- writing
@@ -79,6 +61,11 @@ class BlockStore:
         """Write ``new[b]`` blocks per row from ``k, v [L, b, n, j, k, d]``, ``pos [L, b, n, j, k]`` (``scale [2, L,
         b, n, k]`` for int8: keys, values; ``groups`` for int4 / int2: ``quantize_lowbit``'s scales and zeros) after
         the blocks each row already holds."""
+        given = {"scale": scale, **(groups or {})}  # the format's encode, as the spill hands it over
+        missing = sorted(name for name in self.extra if given.get(name) is None)
+        if missing:
+            raise ValueError(f"{self.dtype} blocks keep {missing} beside their codes (what their format's encode "
+                             f"gives a spill); append got none")
         for row in range(self.shape[1]):
             count = int(new[row])
             if not count:
@@ -90,10 +77,8 @@ class BlockStore:
             self.k[:, row, lo:hi] = k[:, row, :count]
             self.v[:, row, lo:hi] = v[:, row, :count]
             self.pos[:, row, lo:hi] = pos[:, row, :count]
-            if self.quantized:
-                self.scale[:, :, row, lo:hi] = scale[:, :, row, :count]
-            for name, buf in self.groups.items():
-                buf[:, row, lo:hi] = groups[name][:, row, :count]
+            for name, spec in self._layout.items():
+                self.extra[name][spec.blocks(row, slice(lo, hi))] = given[name][spec.blocks(row, slice(0, count))]
             self.n_blocks[row] = hi
 
     # ------------------------------------------------------------------------------------------- reading
@@ -107,36 +92,17 @@ class BlockStore:
         out = []
         for which, buf in enumerate((self.k, self.v)):
             x = np.asarray(buf[layer][rows, safe, :, head, :])  # [b, k, K, j, d] (d': packed codes)
-            if self.bits is not None:
-                x = self._dequantize("kv"[which], x, layer, rows, safe, head)
-            x = x.astype(np.float32)
-            if self.quantized:
-                x = x * self.scale[which, layer][rows, safe, head][..., None, None]
+            x = self.format.host_dequantize(which, x, self.extra, layer, rows, safe, head)
             x = np.where((ids >= 0)[..., None, None], x, 0.0)
             out.append(np.ascontiguousarray(x.transpose(0, 2, 3, 1, 4).reshape(b, topk * self.shape[3], heads,
                                                                                  self.shape[5])))
         return out[0], out[1]
 
-    def _dequantize(self, which: str, codes: np.ndarray, layer: int, rows, safe, head) -> np.ndarray:
-        """Recalled bit-packed blocks ``codes [b, k, K, j, d']`` of keys (``which`` "k") or values ("v") -> float32
-        ``[b, k, K, j, d]`` (``lcx.cache.memory.blocks.dequantize_lowbit``, in NumPy)."""
-        x = _unpack(codes, self.bits)
-        scale = self.groups[f"{which}_scale"][layer].astype(np.float32)
-        zero = self.groups[f"{which}_zero"][layer].astype(np.float32)
-        if which == "k":  # per channel over the block: [b, k, K, d]
-            s, z = scale[rows, safe, head], zero[rows, safe, head]
-            return x * s[..., None, :] + z[..., None, :]
-        s, z = scale[rows, safe, :, head, :], zero[rows, safe, :, head, :]  # [b, k, K, j, d / G]
-        xg = x.reshape(*x.shape[:-1], s.shape[-1], self.value_group)
-        return (xg * s[..., None] + z[..., None]).reshape(x.shape)
-
     def nbytes(self) -> int:
-        """Bytes of the blocks written (keys, values, positions, scales)."""
-        elements = self.k[0, 0, 0].size  # one block's keys (codes) of one layer
-        per_block = (2 * np.dtype(self.k.dtype).itemsize * elements + 4 * self.shape[3] * self.shape[4]
-                     + (8 * self.shape[4] if self.quantized else 0)
-                     + sum(x[0, 0, 0].nbytes for x in self.groups.values()))
-        return int(self.n_blocks.sum()) * self.shape[0] * per_block
+        """Bytes of the blocks written (keys, values, positions, scales): the format's count per token and block."""
+        n_layers, _, _, block, kv_heads, head_dim = self.shape
+        per_block = kv_heads * (block * self.format.token_bytes(head_dim) + self.format.block_bytes(head_dim))
+        return int(self.n_blocks.sum()) * n_layers * per_block
 
     # ------------------------------------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> None:
@@ -145,11 +111,9 @@ class BlockStore:
         meta = {"shape": list(self.shape), "dtype": self.dtype, "n_blocks": self.n_blocks.tolist(),
                 "value_group": self.value_group}
         (path / "store.json").write_text(json.dumps(meta))
-        used = int(self.n_blocks.max(initial=0))
-        arrays = {"k": self.k[:, :, :used], "v": self.v[:, :, :used], "pos": self.pos[:, :, :used]}
-        if self.quantized:
-            arrays["scale"] = self.scale[:, :, :, :used]
-        arrays |= {name: x[:, :, :used] for name, x in self.groups.items()}
+        used = slice(0, int(self.n_blocks.max(initial=0)))
+        arrays = {"k": self.k[:, :, used], "v": self.v[:, :, used], "pos": self.pos[:, :, used]}
+        arrays |= {name: self.extra[name][spec.blocks(blocks=used)] for name, spec in self._layout.items()}
         for name, x in arrays.items():
             np.save(path / f"{name}.npy", np.asarray(x))
 
@@ -159,14 +123,13 @@ class BlockStore:
         meta = json.loads((path / "store.json").read_text())
         store = cls(*meta["shape"], dtype=meta["dtype"], directory=directory,
                     value_group=meta.get("value_group", 64))
-        used = int(max(meta["n_blocks"], default=0))
-        store.k[:, :, :used] = np.load(path / "k.npy")
-        store.v[:, :, :used] = np.load(path / "v.npy")
-        store.pos[:, :, :used] = np.load(path / "pos.npy")
-        if store.quantized:
-            store.scale[:, :, :, :used] = np.load(path / "scale.npy")
-        for name, x in store.groups.items():
-            x[:, :, :used] = np.load(path / f"{name}.npy")
+        used = slice(0, int(max(meta["n_blocks"], default=0)))
+        # .npy keeps bfloat16 as raw 2-byte records (``|V2``): read them back as the format's dtype
+        store.k[:, :, used] = np.load(path / "k.npy").view(store.k.dtype)
+        store.v[:, :, used] = np.load(path / "v.npy").view(store.v.dtype)
+        store.pos[:, :, used] = np.load(path / "pos.npy")
+        for name, spec in store._layout.items():
+            store.extra[name][spec.blocks(blocks=used)] = np.load(path / f"{name}.npy")
         store.n_blocks = np.asarray(meta["n_blocks"], np.int64)
         return store
 
