@@ -66,8 +66,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--data", type=int, default=1,
                    help="devices along the data axis, splitting the batch (default 1: all devices on the model axis)")
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: model.dtype), or int8 / fp8: 8-bit "
-                   "codes with a float16 scale per token and KV head, or int4 / int2: bit-packed codes with a "
-                   "float16 scale and zero per group of 64 (cache.kv_dtype)")
+                   "codes with a float16 scale per token and KV head, int4 / int2: bit-packed codes with a float16 "
+                   "scale and zero per group of 64, or fp4: e2m1 codes with a float16 scale per 16 values "
+                   "(cache.kv_dtype)")
     p.add_argument("--weight-dtype", default=None, help="weight dtype (default: model.param_dtype)")
     p.add_argument("--budget", type=int, default=None, metavar="TOKENS",
                    help="eviction budget: tokens per sequence the cache keeps")

@@ -51,8 +51,8 @@ class ServeConfig:
         flag="--cache-param")
     kv_dtype: str | None = _flag(
         None, "int8 / fp8: 8-bit KV codes; int4 / int2: bit-packed codes in groups (--page-size a multiple of "
-        "--cache-param kv_group=, default 64; kv_residual= keeps the most recent tokens in float) (default: the "
-        "model's dtype)")
+        "--cache-param kv_group=, default 64; kv_residual= keeps the most recent tokens in float); fp4: e2m1 codes "
+        "with a float16 scale per 16 values (default: the model's dtype)")
     kv_store: str | None = _flag(
         None, "keep prompt pages (full) or each finished request's compressed state (an evicting policy but kvzip: "
         "its next turn continues it) on disk here: they survive restarts", metavar="DIR")
