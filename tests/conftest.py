@@ -111,6 +111,21 @@ def hf_factory():
     return random_hf_model
 
 
+def assert_kept_slots_hold(cache, reference, prompt_len: int, names=("k", "v", "k_scale", "v_scale")) -> None:
+    """After evictions, every live slot of layer 0 (row 0) of a slot ``cache`` holds the stored bytes (codes and
+    scales) that ``reference`` (the same tokens, nothing evicted) holds at that slot's position - a per-token format
+    moves its bytes unchanged when it compacts - and something was evicted."""
+    import numpy as np
+
+    for kv_head in range(cache.pos.shape[2]):
+        live = np.asarray(cache.valid[0, 0, kv_head])
+        pos = np.asarray(cache.pos[0, 0, kv_head])[live]
+        assert len(pos) < prompt_len  # something was evicted
+        for name in names:
+            np.testing.assert_array_equal(np.asarray(getattr(cache, name)[0, 0, kv_head])[live],
+                                          np.asarray(getattr(reference, name)[0, 0, kv_head])[pos], err_msg=name)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop jax's in-memory caches of compiled programs after each test module.

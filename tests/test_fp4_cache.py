@@ -15,6 +15,7 @@ from lcx.cache.storage import FORMATS, Fp4Storage
 from lcx.cache.storage.fp4 import BLOCK, decode, encode
 from lcx.config import CacheConfig, ConfigError, ModelConfig
 from lcx.engine import Generator
+from tests.conftest import assert_kept_slots_hold
 
 CFG = ModelConfig(vocab_size=61, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48, init_std=0.1)
 PROMPT = np.random.default_rng(5).integers(0, 61, 45).tolist()
@@ -90,13 +91,7 @@ def test_fp4_eviction_moves_codes_and_scales_together_on_slots_and_pages(params)
     full = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(kv_dtype="fp4"))
     ref = full.prefill([PROMPT + [int(t) for t in state.tokens[0]]]).cache
     c = state.cache
-    for kv_head in range(CFG.n_kv_heads):
-        live = np.asarray(c.valid[0, 0, kv_head])
-        pos = np.asarray(c.pos[0, 0, kv_head])[live]
-        assert len(pos) < len(PROMPT)  # something was evicted
-        for name in ("k", "v", "k_scale", "v_scale"):
-            np.testing.assert_array_equal(np.asarray(getattr(c, name)[0, 0, kv_head])[live],
-                                          np.asarray(getattr(ref, name)[0, 0, kv_head])[pos], err_msg=name)
+    assert_kept_slots_hold(c, ref, len(PROMPT))
     paged = Generator(CFG, params, max_new_tokens=12, cache=CacheConfig(layout="paged", **kw))
     assert paged.kind.name == "paged_slots"
     np.testing.assert_array_equal(paged.result(paged.decode(paged.prefill([PROMPT]))).tokens,
