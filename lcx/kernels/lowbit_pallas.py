@@ -19,7 +19,11 @@ KV head) streams its split one key group (``G`` slots) per step:
 ``weights``: each program writes its tile's scaled logits; the probabilities follow from the merged log-sum-exp, as
 in :func:`lcx.kernels.decode.decode_attention`. Results equal :func:`lcx.kernels.decode_lowbit` up to
 float32 summation order (``tests/kernels/test_lowbit_decode.py``, interpret mode). On a GPU it compiles through
-Triton; it has not been timed on one yet. Forward only (inference).
+Triton: no slice of a register tile, every loaded tile a power of two in size - the query rows of a KV group padded
+to one (>= 16 in decode; ``block_q`` x ``g`` rounded up per query in a chunk: SmolLM2's 3 heads per KV head take 4
+rows), so the real models' head shapes lower (``tests/kernels/test_cuda_lowering.py``, from a CPU); a head dim that
+is no power of two does not (``triton_compiles``), and the backend takes the XLA formulation for it. Forward only
+(inference).
 
 Shapes: b batch, h query heads, k KV heads, g = h / k, r program rows (g padded to >= 16), C slots, n key groups, G
 slots per group, W window slots, d head dim.
@@ -39,7 +43,7 @@ from lcx.kernels.attended import Attended
 from lcx.kernels.common import LN2, LOG2E, combine_splits, merge_partials, online_softmax, online_update, pad_axis
 from lcx.kernels.lowbit import LOWBIT
 from lcx.kernels.lowbit_decode import LowbitKV
-from lcx.kernels.mode import pallas_call_kwargs
+from lcx.kernels.mode import pallas_call_kwargs, resolve_interpret
 from lcx.kernels.reference import capped
 
 _F32 = jnp.float32
@@ -51,12 +55,25 @@ class _Static:
     group: int  # G: slots per key group = per loop step
     split_len: int  # slots per split (whole groups)
     rows: int  # r
-    score_rows: int  # rows of the written scores (g rounded up to a power of two)
     sm_scale: float
     softcap: float | None
     bits: int
     value_group: int  # channels per value scale
     return_weights: bool
+
+
+def triton_compiles(head_dim: int) -> bool:
+    """Whether these kernels lower for Triton at ``head_dim``: every tile they load (``[d, G * bits / 8]`` key codes,
+    ``[G, d * bits / 8]`` value codes, ``[rows, d]`` queries, ...) must have a power-of-two size. ``kv_group`` is one
+    by config and the query rows are padded to one, so the head dim decides (64 / 128 / 256 do; 80 / 96 do not)."""
+    return head_dim > 0 and head_dim & (head_dim - 1) == 0
+
+
+def _check_compiles(head_dim: int, interpret: bool | None) -> None:
+    if not resolve_interpret(interpret) and not triton_compiles(head_dim):
+        raise ValueError(f"head_dim={head_dim} is not a power of two: the bit-packed Pallas kernels do not lower for "
+                         "Triton at it; use lcx.kernels.decode_lowbit (the fused XLA formulation), as the pallas "
+                         "backend does for such a model")
 
 
 def _unpack(x: jax.Array, bits: int) -> jax.Array:
@@ -72,7 +89,7 @@ def lowbit_kernel(start_ref, q_ref, k_ref, ks_ref, kz_ref, v_ref, vs_ref, vz_ref
                   *s_refs, st: _Static):
     """One split of one KV group. Refs: win_start [] (the first slot not held as codes), q [r, d], key codes
     [d, split * bits / 8], key scales and zeros [split / G, d], value codes [split, d * bits / 8], value scales
-    and zeros [split, d / Gv], live [split] int32 -> acc [r, d], m [r], l [r], [scores [r', split]]."""
+    and zeros [split, d / Gv], live [split] int32 -> acc [r, d], m [r], l [r], [scores [r, split]]."""
     G, bits = st.group, st.bits
     group_bytes = G * bits // 8
     start = pl.program_id(0) * st.split_len
@@ -86,8 +103,8 @@ def lowbit_kernel(start_ref, q_ref, k_ref, ks_ref, kz_ref, v_ref, vs_ref, vz_ref
         scale, zero = ks_ref[pl.ds(i, 1), :].astype(_F32), kz_ref[pl.ds(i, 1), :].astype(_F32)  # [1, d]
         s = jnp.dot(q * scale, codes, preferred_element_type=_F32) + jnp.sum(q * zero, axis=1, keepdims=True)
         s = capped(s * st.sm_scale, st.softcap) * LOG2E  # [r, G] base-2 logits, as the float decode kernel's
-        if st.return_weights:
-            s_refs[0][:, pl.ds(k0, G)] = s[:st.score_rows]
+        if st.return_weights:  # every program row: Triton has no slice of a register tile (the caller keeps g)
+            s_refs[0][:, pl.ds(k0, G)] = s
         v_codes = _unpack(v_ref[pl.ds(k0, G), :], bits)  # [G, d]
         d = v_codes.shape[1]
         vs, vz = vs_ref[pl.ds(k0, G), :].astype(_F32), vz_ref[pl.ds(k0, G), :].astype(_F32)  # [G, d / Gv]
@@ -110,6 +127,7 @@ def decode_lowbit_tiles(q: jax.Array, k: jax.Array, v: jax.Array, kv: LowbitKV, 
     kv_heads, slots = v.shape[1], v.shape[2]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads must be a multiple of {kv_heads=} key/value heads")
+    _check_compiles(d, interpret)
     bits, G = LOWBIT[kv.quant], kv.group
     groups = kv.k_scale.shape[2]
     padded = groups * G  # C': the key codes' slots
@@ -118,8 +136,7 @@ def decode_lowbit_tiles(q: jax.Array, k: jax.Array, v: jax.Array, kv: LowbitKV, 
     want = num_splits or -(-TARGET_PROGRAMS // (b * kv_heads))
     n_splits = max(n for n in range(1, min(want, groups) + 1) if groups % n == 0)
     value_groups = kv.v_scale.shape[-1]
-    st = _Static(group=G, split_len=padded // n_splits, rows=rows, score_rows=pl.next_power_of_2(g),
-                 sm_scale=float(sm_scale), softcap=None if softcap is None else float(softcap), bits=bits,
+    st = _Static(group=G, split_len=padded // n_splits, rows=rows, sm_scale=float(sm_scale), softcap=None if softcap is None else float(softcap), bits=bits,
                  value_group=d // value_groups, return_weights=bool(weights))
 
     seen = jnp.broadcast_to(valid.astype(bool).reshape(b, -1, slots), (b, kv_heads, slots))
@@ -146,8 +163,8 @@ def decode_lowbit_tiles(q: jax.Array, k: jax.Array, v: jax.Array, kv: LowbitKV, 
                  jax.ShapeDtypeStruct((b, kv_heads, n_splits, rows), _F32),
                  jax.ShapeDtypeStruct((b, kv_heads, n_splits, rows), _F32)]
     if weights:
-        out_specs.append(pl.BlockSpec((None, None, st.score_rows, split), lambda n, bi, ki: (bi, ki, 0, n)))
-        out_shape.append(jax.ShapeDtypeStruct((b, kv_heads, st.score_rows, padded), _F32))
+        out_specs.append(pl.BlockSpec((None, None, rows, split), lambda n, bi, ki: (bi, ki, 0, n)))
+        out_shape.append(jax.ShapeDtypeStruct((b, kv_heads, rows, padded), _F32))
     with jax.named_scope("lcx_lowbit_decode"):
         outs = pl.pallas_call(
             functools.partial(lowbit_kernel, st=st), grid=(n_splits, b, kv_heads), in_specs=in_specs,
@@ -187,7 +204,7 @@ def decode_lowbit_tiles(q: jax.Array, k: jax.Array, v: jax.Array, kv: LowbitKV, 
 class _ChunkStatic:
     group: int
     block_q: int  # queries per program (their g heads each: block_q * g rows)
-    heads: int  # g
+    heads: int  # rows per query: g padded to a power of two
     groups: int  # key groups of the codes (n)
     sm_scale: float
     softcap: float | None
@@ -254,18 +271,24 @@ def chunk_lowbit_tiles(q: jax.Array, k: jax.Array, v: jax.Array, kv: LowbitKV, *
     kv_heads = v.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads must be a multiple of {kv_heads=} key/value heads")
+    _check_compiles(d, interpret)
     bits, G = LOWBIT[kv.quant], kv.group
     groups = kv.k_scale.shape[2]
     padded, g = groups * G, heads // kv_heads
     offsets = jnp.broadcast_to(jnp.asarray(q_offsets, jnp.int32).reshape(b, -1), (b, kv_heads))
     lengths = jnp.broadcast_to(jnp.asarray(kv_lengths, jnp.int32).reshape(b, -1), (b, kv_heads))
+    if block_q < 1 or block_q & (block_q - 1):
+        raise ValueError(f"{block_q=} must be a power of two (Triton's blocks are)")
     n_blocks = -(-t // block_q)
-    st = _ChunkStatic(group=G, block_q=block_q, heads=g, groups=groups, sm_scale=float(sm_scale),
+    # each query's g heads padded to a power of two: a program's block_q * gp rows must be one (SmolLM2: g = 3 -> 4)
+    gp = pl.next_power_of_2(g)
+    st = _ChunkStatic(group=G, block_q=block_q, heads=gp, groups=groups, sm_scale=float(sm_scale),
                       softcap=None if softcap is None else float(softcap), bits=bits,
                       value_group=d // kv.v_scale.shape[-1])
-    qg = einops.rearrange(pad_axis(q.astype(_F32), 1, n_blocks * block_q), "b t (k g) d -> b k (t g) d", k=kv_heads)
+    qg = einops.rearrange(pad_axis(q.astype(_F32), 1, n_blocks * block_q), "b t (k g) d -> b k t g d", k=kv_heads)
+    qg = pad_axis(qg, 3, gp).reshape(b, kv_heads, n_blocks * block_q * gp, d)  # rows query-major
     vp, vs, vz = (pad_axis(x, 2, padded) for x in (v, kv.v_scale, kv.v_zero))
-    rows = block_q * g
+    rows = block_q * gp
     whole = lambda *shape: pl.BlockSpec((None, None, *shape), lambda bi, ki, qi: (bi, ki) + (0,) * len(shape))  # noqa
     in_specs = [whole(), whole(),
                 pl.BlockSpec((None, None, rows, d), lambda bi, ki, qi: (bi, ki, qi, 0)),
@@ -283,7 +306,7 @@ def chunk_lowbit_tiles(q: jax.Array, k: jax.Array, v: jax.Array, kv: LowbitKV, *
             out_specs=out_specs, out_shape=out_shape, name="lcx_lowbit_chunk",
             **pallas_call_kwargs(interpret, num_warps=4, num_stages=2),
         )(kv.win_start.astype(jnp.int32), offsets, qg, k, kv.k_scale, kv.k_zero, vp, vs, vz)
-    per_query = lambda x: einops.rearrange(x, "b k (t g) ... -> b k g t ...", g=g)[:, :, :, :t]  # noqa: E731
+    per_query = lambda x: einops.rearrange(x, "b k (t g) ... -> b k g t ...", g=gp)[:, :, :g, :t]  # noqa: E731
     codes = (per_query(o), per_query(jnp.where(l_codes > 0, m2 * LN2, -jnp.inf)), per_query(l_codes))
 
     # the float window: slots win_start + w, seen by query i when below the length and at or before its slot
@@ -307,4 +330,4 @@ def chunk_lowbit_tiles(q: jax.Array, k: jax.Array, v: jax.Array, kv: LowbitKV, *
     return result
 
 
-__all__ = ["chunk_lowbit_tiles", "decode_lowbit_tiles", "lowbit_chunk_kernel", "lowbit_kernel"]
+__all__ = ["chunk_lowbit_tiles", "decode_lowbit_tiles", "lowbit_chunk_kernel", "lowbit_kernel", "triton_compiles"]

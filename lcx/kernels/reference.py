@@ -12,6 +12,8 @@ import einops
 import jax
 import jax.numpy as jnp
 
+from lcx.kernels.mode import target_backend
+
 _HI = jax.lax.Precision.HIGHEST
 _LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -24,7 +26,7 @@ def _product(legend: str, a: jax.Array, b: jax.Array, precision) -> jax.Array:
     fusions take run, and which layout a product gets depends on the surrounding program (a batch-2, 256-token
     bfloat16 prefill crashed). Widening changes no value: the product of two bfloat16 / float16 numbers is exact in
     float32, so the dot is the same float32 accumulation of the same products."""
-    if jax.default_backend() == "cpu" and (a.dtype in _LOW or b.dtype in _LOW):
+    if target_backend() == "cpu" and (a.dtype in _LOW or b.dtype in _LOW):
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return jnp.einsum(legend, a, b, precision=precision, preferred_element_type=jnp.float32)
 

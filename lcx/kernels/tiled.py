@@ -31,6 +31,8 @@ import einops
 import jax
 import jax.numpy as jnp
 
+from lcx.kernels.mode import target_backend
+
 BLOCK_Q = 512  # queries per block of one row (times g query heads per KV head: the rows of one score tile) ...
 BLOCK_K = 512  # ... by keys per tile: [k, 512 g, 512] float32 scores, 9 MiB for 3 KV heads x 3 query heads each
 _LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -44,7 +46,7 @@ def _rows(x: jax.Array) -> jax.Array:
 
 def _product(legend: str, a: jax.Array, b: jax.Array) -> jax.Array:
     # XLA:CPU has no bf16 x bf16 -> f32 dot of its own (see ``reference._product``): widen there; exact in float32.
-    if jax.default_backend() == "cpu" and (a.dtype in _LOW or b.dtype in _LOW):
+    if target_backend() == "cpu" and (a.dtype in _LOW or b.dtype in _LOW):
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return jnp.einsum(legend, a, b, preferred_element_type=jnp.float32)
 
