@@ -209,6 +209,10 @@ class CacheKind(abc.ABC):
         over model)."""
         return False
 
+    def check_mesh(self, mesh) -> None:
+        """Raise ``ConfigError`` when this kind cannot split its buffers over ``mesh``'s axes (a shardable kind may
+        still refuse one axis). Default: every axis its fields' logical axes name."""
+
     def check_runs(self, policy, *, seq: int = 1) -> None:
         """Raise ``ConfigError`` when ``policy`` (a ``CachePolicy``) observes what this kind cannot give it: a
         reconstruction pass, a calibration or - on a mesh whose ``seq`` axis has ``seq`` > 1 devices - anything

@@ -36,6 +36,7 @@ Shape letters: L layers, P pool pages, b batch, T pages per row, g slots per pag
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -55,6 +56,8 @@ from lcx.config_base import ConfigError
 from lcx.kernels.paged_decode import gather_pages
 from lcx.model.config import AttentionSpec, ModelConfig
 from lcx.model.rope import apply_rope
+from lcx.parallel import sharding
+from lcx.parallel.sharding import BSKD, BT, BTHD, per_shard
 
 FIELDS: Mapping[str, Field] = {
     **KVStorage().page_fields(),  # float pages (the storage declares its own)
@@ -136,6 +139,16 @@ def refuse_windows(model: ModelConfig) -> None:
     if windowed:
         raise ConfigError(f"cache.layout='paged' on a model with sliding-window layers {windowed[:8]}: not "
                           "supported yet; allowed: layout 'contiguous' (its sliding layers keep their window)")
+
+
+def check_pool_mesh(mesh) -> None:
+    """Raise ``ConfigError`` for a mesh a paged cache cannot use: rows over ``data`` would write the pages of one
+    pool from several devices (a pool per data shard is not built yet); KV heads over ``model`` is what it does."""
+    data = sharding.axis_size(mesh, "data")
+    if data > 1:
+        raise ConfigError(f"mesh data={data}: a paged cache (cache.layout='paged') splits its pool by KV head over "
+                          "'model' only; use data=1 with model = the device count (tensor parallel), or the "
+                          "contiguous layout to split rows over data")
 
 
 def create(kind: CacheKind, batch: int, capacity: int, pages: int) -> PagedState:
@@ -230,10 +243,28 @@ class PagedKind(CacheKind):
         return self.nbytes(1, self.page)
 
     # ------------------------------------------------------------------------------------------- attention
+    @property
+    def shardable(self) -> bool:
+        return True  # the pool's pages split by KV head over "model"; ``check_mesh`` refuses a "data" axis
+
+    def check_mesh(self, mesh) -> None:
+        check_pool_mesh(mesh)
+
+    def layer_axes(self) -> PagedCache:
+        # the per-layer view keeps the table and the lengths (``PagedState.layers``): they enter the shard too
+        return super().layer_axes().replace(table=FIELDS["table"].axes, lengths=FIELDS["lengths"].axes)
+
     def attend(self, layer: PagedCache, q, key, val, *, cos, sin, positions, ok, stat_weights,
                spec: AttentionSpec | None = None):
         spec = spec or self.model.attention_specs()[0]
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+        # on a mesh: once per shard of KV heads (each device writes and reads its heads' pages, no collective)
+        axes = self.layer_axes()
+        core = functools.partial(self._attend_pages, spec=spec)
+        core.__name__ = "paged_attend"
+        return per_shard(core, (axes, BTHD, BSKD, BSKD, BT, BT), (BTHD, axes))(layer, q, key, val, positions, ok)
+
+    def _attend_pages(self, layer: PagedCache, q, key, val, positions, ok, *, spec: AttentionSpec):
         pages, page = layer.k.shape[0], self.page
         # write: position p of row b -> slot p % g of page table[b, p // g]; padding goes out of range (dropped)
         ids = jnp.take_along_axis(layer.table, jnp.clip(positions // page, 0, layer.table.shape[1] - 1), axis=1)
@@ -272,5 +303,6 @@ class PagedKind(CacheKind):
         return fork_pages(state, n, full, state.table.shape[1] - full)
 
 
-__all__ = ["FIELDS", "POOL_META", "PagedCache", "PagedKind", "PagedState", "create", "fork_pages",
+__all__ = ["FIELDS", "POOL_META", "PagedCache", "PagedKind", "PagedState", "check_pool_mesh", "create",
+           "fork_pages",
            "refuse_windows"]

@@ -138,6 +138,13 @@ class PagedSlotKind(SlotCacheKind):
         pooled = {n: f for n, f in self.fields().items() if "pages" in f.axes}
         return schema.nbytes(pooled, self.sizes(1, self.page), self.kv_dtype, "kv")
 
+    @property
+    def shardable(self) -> bool:
+        return True  # the pool and the per-slot metadata split by KV head over "model" (no "data": check_mesh)
+
+    def check_mesh(self, mesh) -> None:
+        paged.check_pool_mesh(mesh)
+
     # ------------------------------------------------------------------------------------------- attention
     def attend(self, layer: PagedSlotCache, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None,
                probe=None):

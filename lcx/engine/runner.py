@@ -26,6 +26,7 @@ from lcx.engine.programs import Programs, programs
 from lcx.engine.prompt_end import compress_rows, pl2
 from lcx.engine.sampling import sample_rows
 from lcx.engine.state import is_int
+from lcx.model.attention_choice import announce_attention
 from lcx.model.config import ModelConfig
 from lcx.model.decoder import is_unrolled
 from lcx.model.placement import shard_params
@@ -151,14 +152,16 @@ class Runner:
         sub = rows.gather(state, index)
         logits = jnp.zeros((batch, self.config.vocab_size), jnp.float32)
         narrow, wide = _narrowed(sub, width(setup, max(r.read + chunk for r in reading)))
-        narrow, logits = self.programs.prefill_chunk(self.params, narrow, jnp.asarray(ids), jnp.asarray(ok),
-                                                     jnp.asarray(last_index), logits,
-                                                     None if weights is None else jnp.asarray(weights))
+        with sharding.use_mesh(self.mesh):  # a server's mesh has no "data" axis: its inputs are replicated
+            narrow, logits = self.programs.prefill_chunk(self.params, narrow, self.put(ids), self.put(ok),
+                                                         self.put(last_index), self.put(logits),
+                                                         None if weights is None else self.put(weights))
         sub = self.kind.sync(_widened(narrow, wide))
         ending = [i for i in range(len(reading)) if last_index[i] >= 0]
         if setup.evicts and ending:  # the policy's end-of-prefill eviction, for the rows whose prompt ended only
-            sub = compress_rows(self.kind, self.programs, self.params, sub, ending,
-                                [reading[i].prompt for i in ending], self.reconstruction)
+            with sharding.use_mesh(self.mesh):
+                sub = compress_rows(self.kind, self.programs, self.params, sub, ending,
+                                    [reading[i].prompt for i in ending], self.reconstruction)
         state = rows.scatter(rows.rows_of(state), sub, index, len(row_ids))
         read = [int(n) for n in ok.sum(axis=1)[:len(reading)]]
         if not ending:
@@ -181,10 +184,11 @@ class Runner:
             eos_stops[row] = not request.ignore_eos
         held = max(r.prompt.size + len(r.tokens) for r in decoding.values())
         narrow, wide = _narrowed(state, width(setup, held + setup.segment))
-        narrow, tokens, emitted = self.programs.serve_segment(
-            self.params, narrow, jnp.asarray(token), jnp.asarray(active), jnp.asarray(left), jnp.asarray(eos_stops),
-            jax.tree.map(jnp.asarray, sampling), jnp.asarray(steps), n_steps=setup.segment,
-            sampled=bool(np.any(sampling.temperature[active] > 0)))  # all greedy: the argmax-only program
+        with sharding.use_mesh(self.mesh):
+            narrow, tokens, emitted = self.programs.serve_segment(
+                self.params, narrow, self.put(token), self.put(active), self.put(left), self.put(eos_stops),
+                jax.tree.map(self.put, sampling), self.put(steps), n_steps=setup.segment,
+                sampled=bool(np.any(sampling.temperature[active] > 0)))  # all greedy: the argmax-only program
         return self.kind.sync(_widened(narrow, wide)), np.asarray(tokens), np.asarray(emitted)
 
 
@@ -226,6 +230,7 @@ def build(config: ModelConfig, params, *, cache: CacheConfig | None = None, eos_
     policy measured on ``calibration``, KVzip's ``reconstruction`` present. ``unroll``: ``choose_unroll`` (None:
     when the copy of the layer weights fits; generators over the same params arrays share that copy). ``kind``: the
     cache kind and ``policy`` already made from ``cache`` (a ``ServeSetup``'s)."""
+    announce_attention(config)  # attention.impl this machine cannot run (cudnn on a CPU) fails here, untraced
     for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
         if value is not None and not (is_int(value) and 0 <= value < config.vocab_size):
             raise ConfigError(f"{name}={value!r} is invalid: must be a token id in [0, {config.vocab_size}) "
@@ -247,6 +252,8 @@ def build(config: ModelConfig, params, *, cache: CacheConfig | None = None, eos_
     if mesh is not None and not kind.shardable:
         raise ConfigError(f"cache.policy={cache.policy!r} (cache type {kind.name!r}) does not run on a device mesh "
                           "yet; generate on one device or use an eviction policy")
+    if mesh is not None:
+        kind.check_mesh(mesh)
     seq = sharding.axis_size(mesh, "seq")
     if seq > 1:  # a prompt split over seq: the kind must take it, the policy observe nothing while prefilling
         kind.check_runs(policy, seq=seq)

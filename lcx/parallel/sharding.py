@@ -78,6 +78,11 @@ LOGICAL_RULES: Mapping[str, str | None] = types.MappingProxyType({
     "key_groups": None,
     "value_groups": None,
     "residual": None,
+    # a paged cache's pool (lcx.cache.paged): the pages themselves are whole on every device of a data shard (each
+    # holds its KV heads' part of every page); a row's table of page ids and the pages' slots likewise
+    "pages": None,
+    "page": None,
+    "row_pages": None,
 })
 # Dimensions of these logical axes are replicated when their size does not divide the mesh axis (a shared keep set).
 REPLICATE_IF_INDIVISIBLE = frozenset({"keep_heads"})
