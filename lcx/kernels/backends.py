@@ -46,12 +46,16 @@ Residuals ``(m, l)`` are each row's logit max and sum of exponentials (natural l
 :func:`lcx.kernels.merge_partials` combines exactly: a cache may attend its parts separately and merge.
 
 Implementations: ``reference`` (pure jnp, float32 at HIGHEST precision: the oracle), ``xla`` (jnp / XLA attention at
-default precision; cuDNN through ``jax.nn.dot_product_attention`` for ``causal`` on GPU, query blocks that skip the
-upper triangle on CPU; ``chunk`` and ``column_sums`` in tiles that visit only the keys a query block can see,
-``kernels/tiled.py``), ``pallas`` (the flash, split-K decode and column-sum kernels: compiled on GPU, interpreted
-elsewhere - a test path, slow by design). ``auto`` (the default of ``attention.impl``) is ``pallas`` where the
-kernels compile (a GPU backend) and ``xla`` elsewhere. The list of valid ``attention.impl`` values is this table's
-keys plus ``auto``.
+default precision; ``causal`` through ``jax.nn.dot_product_attention``'s default implementation on GPU - XLA's, not
+cuDNN -, query blocks that skip the upper triangle on CPU; ``chunk`` and ``column_sums`` in tiles that visit only
+the keys a query block can see, ``kernels/tiled.py``), ``pallas`` (the flash, split-K decode and column-sum kernels:
+compiled on GPU, interpreted elsewhere - a test path, slow by design), ``cudnn`` (NVIDIA GPUs only: ``causal``
+through ``jax.nn.dot_product_attention(implementation="cudnn")`` - GQA, windows, training - for layers cuDNN can run,
+the Pallas flash kernel for the rest (soft-cap, packed documents, float32; ``kernels/cudnn.py``); every other op is
+the ``pallas`` row's: cuDNN has no form for statistics, bit-packed codes or pages). ``auto`` (the default of
+``attention.impl``) is ``cudnn`` on an NVIDIA GPU, ``pallas`` on other GPUs (the kernels compile there) and ``xla``
+elsewhere; ``cudnn`` without an NVIDIA GPU is a ``ValueError`` naming ``auto`` and ``xla``. The list of valid
+``attention.impl`` values is this table's keys plus ``auto``.
 """
 
 from __future__ import annotations
@@ -63,9 +67,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from lcx.kernels.mode import resolve_interpret
+from lcx.kernels.mode import resolve_interpret, target_backend
 from lcx.kernels.names import IMPLS
 from lcx.kernels.attended import Attended, attended
+from lcx.kernels.cudnn import cuda_gpu, cudnn_causal, require_cuda
 from lcx.kernels.decode import decode_attention
 from lcx.kernels.flash import flash_attention
 from lcx.kernels.lowbit_decode import decode_lowbit
@@ -200,7 +205,8 @@ def _xla_causal(q, k, v, *, sm_scale, segment_ids=None, window=None, softcap=Non
     if (jax.default_backend() == "cpu" and q.shape[1] >= CPU_MIN_LENGTH) or window is not None or softcap is not None:
         return _blocked_causal(q, k, v, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
                                softcap=softcap).astype(dtype)
-    # jax.nn.dot_product_attention handles GQA itself (K/V heads broadcast over query groups); cuDNN on GPU.
+    # jax.nn.dot_product_attention handles GQA itself (K/V heads broadcast over query groups); its default
+    # implementation is XLA's on every backend (cuDNN only when asked: the ``cudnn`` row)
     mask = None
     if segment_ids is not None:  # [b, 1, t, s], broadcast over heads; combined with the causal mask
         mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
@@ -285,17 +291,25 @@ BACKENDS: dict[str, Backend] = {
                       # fused XLA formulation; the kernels are checked in the interpreter, and benchmarked directly
                       lowbit_compiles=False),
 }
+# causal on cuDNN where it can run the layer; chunk, decode, statistics, pages and codes stay Pallas kernels (cuDNN's
+# fused attention returns no column sums and reads neither bit-packed codes nor a page table)
+BACKENDS["cudnn"] = dataclasses.replace(BACKENDS["pallas"], name="cudnn", causal=cudnn_causal)
 if IMPLS != ("auto", *BACKENDS):  # the names config checks read (lcx.kernels.names) must list these backends
     raise RuntimeError(f"lcx.kernels.names.IMPLS={IMPLS} does not match the backends {list(BACKENDS)}")
 
 
 def resolve(impl: str) -> str:
-    """The backend ``impl`` names: ``auto`` is ``pallas`` on a GPU backend (the kernels compile to Triton there)
-    and ``xla`` elsewhere (on CPU the kernels would run in the Pallas interpreter)."""
+    """The backend ``impl`` names: ``auto`` is ``cudnn`` on an NVIDIA GPU (cuDNN's fused attention for ``causal``,
+    the Pallas kernels compiled to Triton for the rest), ``pallas`` on other GPUs and ``xla`` elsewhere (on CPU the
+    kernels would run in the Pallas interpreter). ``cudnn`` off an NVIDIA GPU is a ``ValueError``."""
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        if target_backend() != "gpu":  # ``lowering_for("gpu")`` on a CPU: the GPU's choice, Pallas (no cuDNN here)
+            return "xla"
+        return "cudnn" if cuda_gpu() else "pallas"
     if impl not in BACKENDS:
         raise ValueError(f"attention impl={impl!r} is not available; allowed: {list(IMPLS)}")
+    if impl == "cudnn":
+        require_cuda(impl)
     return impl
 
 

@@ -24,10 +24,12 @@ LAYER_TYPES = (FULL, SLIDING)  # transformers' names
 # --------------------------------------------------------------------------------------------------- attention
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """Which attention implementation the model calls: a row of ``lcx.kernels.backends`` or ``auto`` (compiled
-    Pallas kernels on a GPU, XLA elsewhere). ``context_parallel``: how attention crosses a mesh's ``seq`` axis
-    (``ring`` or ``all_gather``, ``lcx.parallel.context``); unused without one. Training sets it from
-    ``train.context_parallel``."""
+    """Which attention implementation the model calls: a row of ``lcx.kernels.backends`` or ``auto`` (cuDNN and the
+    compiled Pallas kernels on an NVIDIA GPU, the Pallas kernels on other GPUs, XLA elsewhere). Only the name is
+    checked here; whether this machine can run it (``cudnn`` needs an NVIDIA GPU) is checked at setup
+    (``lcx.model.attention_choice``): a config is read before JAX starts on multi-host runs. ``context_parallel``: how
+    attention crosses a mesh's ``seq`` axis (``ring`` or ``all_gather``, ``lcx.parallel.context``); unused without
+    one. Training sets it from ``train.context_parallel``."""
 
     impl: str = "auto"
     context_parallel: str = "ring"

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from lcx.model.config import REMAT_POLICIES, ModelConfig
 from lcx.model.attention import Attention
+from lcx.model.attention_choice import resolve_attention
 from lcx.model.layers import MLP, RMSNorm
 from lcx.model.params import as_dtype, declare, normal
 from lcx.model.rope import apply_rope, rope_tables
@@ -193,6 +194,7 @@ def attention_inputs(config: ModelConfig, params, input_ids: jax.Array, rotated:
 
 def init_params(config: ModelConfig, key: jax.Array) -> dict:
     """Random parameters as a plain nested dict (logical-axis metadata stripped)."""
+    resolve_attention(config)  # an attention.impl this machine cannot run: a ConfigError here, not inside the trace
     ids = jnp.zeros((1, 1), jnp.int32)
     variables = jax.jit(Decoder(config).init)(key, ids)
     return nn.meta.unbox(variables["params"])

@@ -232,9 +232,9 @@ def _all_gather(spec: blockwise.BlockSpec, n: int, q, k, v, seg):
 
 # --------------------------------------------------------------------------------------------------- entry
 def block_impl(impl: str) -> str:
-    """The block ops of an ``attention.impl``: the Pallas flash kernels for ``pallas`` (``auto`` on a GPU), dense
-    jnp blocks otherwise."""
-    return "pallas" if resolve(impl) == "pallas" else "jnp"
+    """The block ops of an ``attention.impl``: the Pallas flash kernels for ``pallas`` and ``cudnn`` (``auto`` on a
+    GPU; a ring's blocks need the residuals cuDNN's causal op does not return), dense jnp blocks otherwise."""
+    return "pallas" if resolve(impl) in ("pallas", "cudnn") else "jnp"
 
 
 def sequence_axis() -> int:

@@ -214,7 +214,7 @@ def _memory_checkpoint(inputs: PlanInputs, n: dict[str, Any]) -> Checkpoint:
         advice.append(f"GQA with {SUGGESTED_KV_HEADS} KV heads would shrink the cache "
                       f"{model.n_heads // SUGGESTED_KV_HEADS}x, saving {format_bytes(saved)} of "
                       f"{format_bytes(n['kv_total'])} (needs uptraining)")
-    if model.attention.impl != "pallas":
+    if model.attention.impl not in ("pallas", "cudnn"):
         advice.append("flash kernels (attention.impl=pallas) so prefill never holds the T x T scores")
     more = _devices_that_fit(inputs)
     advice.append(f"{more} devices (tensor parallel {more}) would fit" if more is not None

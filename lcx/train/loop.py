@@ -37,6 +37,7 @@ from lcx.config import ConfigError, ModelConfig, to_dict
 from lcx.config_base import config_fields
 from lcx.data.batches import BatchSource
 from lcx.data.tokenizer import resolve_tokenizer
+from lcx.model.attention_choice import announce_attention, resolve_attention
 from lcx.train import checkpoint as ckpt
 from lcx.train import integrity
 from lcx.train import settings as history
@@ -159,6 +160,7 @@ def run_training(model: ModelConfig, train: TrainConfig, data: DataConfig, run_d
                           f"train.grad_accum={train.grad_accum}) is invalid on mesh.data={data_axis}: every "
                           f"micro-batch must split evenly over the data axis (a multiple of {data_axis})")
     context_parallel.check_length(train.seq_len, sharding.axis_size(mesh, "seq"), "train.seq_len")
+    resolve_attention(model)  # attention.impl this machine cannot run (cudnn on a CPU): refused before the run dir
     run_dir = Path(run_dir)
     make_run_dir(run_dir)
     with RunLock(run_dir):
@@ -181,6 +183,7 @@ def _run_locked(model, train, data, run_dir: Path, *, progress, max_steps, callb
     data_seed = train.seed if data.seed is None else data.seed
     tokenizer = resolve_tokenizer(data.tokenizer, init_from=train.init_from, vocab_size=model.vocab_size)
     task = data.make_task().with_tokenizer(tokenizer)
+    announce_attention(model, packed=task.packed)  # as trained: compute dtype, packed documents
     source = BatchSource(task, seq_len=train.seq_len, batch_size=train.batch_size, seed=data_seed,
                          prompt_loss_weight=data.prompt_loss_weight)
     optimizer = make_optimizer(train)

@@ -20,14 +20,17 @@ pytestmark = pytest.mark.pallas
 
 def test_backends_impls_derive_from_the_table():
     assert kernels.IMPLS == ("auto", *kernels.BACKENDS)
-    assert set(kernels.BACKENDS) == {"reference", "xla", "pallas"}
+    assert set(kernels.BACKENDS) == {"reference", "xla", "pallas", "cudnn"}
     with pytest.raises(ConfigError, match=r"attention.impl='flash3' is invalid: must be one of \['auto', "):
         lcx.AttentionConfig(impl="flash3")
     assert lcx.AttentionConfig().impl == "auto"
 
 
-def test_backends_auto_is_xla_on_cpu_and_pallas_on_gpu():
-    expected = "pallas" if jax.default_backend() == "gpu" else "xla"  # this suite also runs on a GPU machine
+def test_backends_auto_is_xla_on_cpu_and_cudnn_or_pallas_on_gpu():
+    from lcx.kernels.cudnn import cuda_gpu
+
+    # this suite also runs on a GPU machine: cuDNN (and the Pallas kernels) on NVIDIA, the Pallas kernels elsewhere
+    expected = ("cudnn" if cuda_gpu() else "pallas") if jax.default_backend() == "gpu" else "xla"
     assert kernels.resolve("auto") == expected and kernels.backend("auto") is kernels.BACKENDS[expected]
 
 
