@@ -52,6 +52,57 @@ def pytest_configure(config):
         compileall.compile_dir(Path(__file__).resolve().parents[1] / "lcx", quiet=1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Skip the ``cpu_only`` tests where jax's default backend is not the CPU: they check XLA:CPU's own code paths
+    (e.g. the ``xla`` backend's query blocks, taken on CPU only) or the CPU's defaults, which a GPU run does not
+    have - run there they fail on the platform, not on lcx."""
+    marked = [item for item in items if item.get_closest_marker("cpu_only")]
+    if not marked:
+        return
+    import jax  # lazily: collecting tests that are not marked needs no backend
+
+    platform = jax.default_backend()
+    if platform == "cpu":
+        return
+    skip = pytest.mark.skip(reason=f"cpu_only: checks behaviour of jax's CPU backend; this run's is {platform!r}")
+    for item in marked:
+        item.add_marker(skip)
+
+
+def on_gpu() -> bool:
+    """Whether jax runs on a GPU: the Pallas kernels are then compiled with Triton, not interpreted."""
+    import jax
+
+    return jax.default_backend() == "gpu"
+
+
+def interpreter_blocks(small):
+    """The block sizes a kernel test passes: ``small`` on CPU, where the Pallas interpreter runs them and small
+    tiles make short inputs span several tiles with ragged tails; None (the kernel's default tiles, those a GPU run
+    compiles) on a GPU, where the test then checks the kernel as it is used - the inputs' lengths, not multiples of
+    the default tiles either, still leave ragged tails."""
+    return None if on_gpu() else small
+
+
+# XLA:GPU computes a float32 dot at Precision.DEFAULT in TF32 (10 explicit mantissa bits: each operand rounded by up
+# to 2^-11 = 4.9e-4 of itself); XLA:CPU in full float32. The ``xla`` backend's decode and blocked causal attention
+# pass Precision.DEFAULT explicitly, and jax's ``default_matmul_precision`` (JAX_DEFAULT_MATMUL_PRECISION=highest
+# above) only fills in dots whose precision is None (jax/_src/lax/lax.py, ``canonicalize_precision``) - so on a GPU
+# those ops stay TF32 in the tests too. TF32 emulated on CPU (each dot's operands rounded to 10 bits), 200 draws of
+# the shapes of tests/kernels' comparisons against the reference: at most 2.1e-3 (paged decode, queries x2, head dim
+# 32); an H200 measured 4.4e-4 on tests/kernels/test_kernels_backends.py's row comparison. 5e-3 leaves 2.4x.
+TF32_ATOL = 5e-3
+
+
+def default_precision_atol(cpu_atol: float) -> float:
+    """The absolute tolerance of a float32 comparison of an op computed at ``Precision.DEFAULT`` (the ``xla``
+    backend's decode and blocked causal attention) against the HIGHEST reference: ``cpu_atol`` on CPU, where
+    DEFAULT is full float32 (unchanged there), ``TF32_ATOL`` elsewhere (see above)."""
+    import jax
+
+    return cpu_atol if jax.default_backend() == "cpu" else max(cpu_atol, TF32_ATOL)
+
+
 def tiered(cases, fast):
     """Parametrize ``cases`` with only the indices in ``fast`` in the fast tier; the others are marked ``slow``, so
     ``-m "not slow"`` runs a representative few (each kernel feature at least once) and the full suite all."""
