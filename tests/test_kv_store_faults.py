@@ -219,10 +219,10 @@ class _BrokenStore:
 
     directory = None
 
-    def missing(self, tokens):
+    def missing(self, tokens, salt=None):
         return list(range(len(tokens) // PAGE))
 
-    def put(self, tokens, indices, arrays):
+    def put(self, tokens, indices, arrays, salt=None):
         raise RuntimeError("store broken")
 
 

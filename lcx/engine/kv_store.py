@@ -10,6 +10,9 @@ Keys are deterministic: page ``i`` of a token sequence is keyed by a chain hash 
 content fingerprint and the cache settings: a different model or page size or KV dtype never reads these pages) and
 the tokens of pages ``0 .. i`` - the same key in every process, unlike a hash seeded per process. A page depends on
 every token before it (attention), which the chain captures; two prompts with the same first pages share them.
+A request's ``salt`` (``cache_salt``: a tenant's) enters the namespace the chain starts from (``salted``), so two
+salts - or a salt and none - share no page; no salt keys pages exactly as before (stores written earlier stay valid).
+Every method that keys by tokens takes it.
 
 Under an evicting policy a row's compressed state is one entry (``put_state`` / ``get_state``;
 ``lcx.engine.store_io``), keyed by the namespace and every token the row has seen, its length in the key's last 8
@@ -36,6 +39,15 @@ pages of a chain tie and are deleted in any order.
 A failing disk (an unwritable, deleted or full directory) degrades the store, never its caller: the write is skipped,
 the page stays in host memory (or is prefilled again later), and ``disk_errors`` counts the failures;
 ``disk_error`` holds the last one's message until a later write succeeds (then None): what a health check reports.
+
+Several processes may share one directory (replicas behind a load balancer, on a volume they all mount): lookups
+read the directory, not an index of this process's own, so a page another process wrote is found (``match`` checks
+the file; row states are listed again when the directory changed); each write goes to a temporary file of a unique
+name, renamed into place, so two writers of one page leave one whole file; a file another process deletes between a
+lookup and the read is missing, not an error; and a store opening the directory deletes only temporary files older
+than ``STALE_TMP_S`` (a younger one may be another process's write under way). Each process applies ``disk_bytes`` to
+the whole directory when its own writes since its last count cross it, so the directory may exceed the bound by what
+the others wrote since: give it headroom.
 """
 
 from __future__ import annotations
@@ -59,6 +71,14 @@ SUFFIX = ".kvp"
 DIGEST = 16  # bytes of the trailing digest
 STAMP_STEP_NS = 1_000  # how much older page i + 1 of a chain is stamped than page i
 STATE_KEY = 40  # hex digits of a row state's key (a page's has 32): the digest, then the token count
+STALE_TMP_S = 600  # a temporary file older than this is a killed writer's; a younger one may be a live replica's
+SALT_MARK = "\x00salt:"  # between a namespace and a salt: no namespace holds a NUL (JSON escapes it)
+
+
+def salted(namespace: str, salt: str | None) -> str:
+    """The namespace a request's chain starts from: ``namespace`` itself without a salt (the keys every store already
+    holds), else one that no other salt, and no unsalted request, shares - the one place a salt enters a key."""
+    return namespace if not salt else namespace + SALT_MARK + salt
 
 
 def chain(namespace: str, tokens: np.ndarray, page: int) -> list[str]:
@@ -148,20 +168,26 @@ class PageStore:
         self.disk_error: str | None = None
         self.directory = None if directory is None else Path(directory)
         self._state_lengths: set[int] = set()  # token counts of the row states kept (get_state tries each)
+        self._listed: int | None = None  # the directory's modification time when its states were last listed
         if self.directory is not None:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 self._sweep()
-                self._state_lengths = {int(p.stem[32:], 16) for p in self._files()
-                                       if len(p.stem) == STATE_KEY and _is_hex(p.stem)}
+                self._list_states()
             except OSError as err:
                 raise ConfigError(f"kv store directory {str(directory)!r} cannot be created or read: {err}") from err
         self._disk_used = self.disk_used()
 
     def _sweep(self) -> None:
-        """Delete what no reader can use: writes a killed process left unfinished, files of an earlier format."""
+        """Delete what no reader can use: writes a killed process left unfinished (old ones only: a recent one may
+        be another process's, under way), files of an earlier format."""
+        old = time.time() - STALE_TMP_S
         for stale in self.directory.glob(f".tmp-*{SUFFIX}"):
-            stale.unlink(missing_ok=True)
+            try:
+                if stale.stat().st_mtime < old:
+                    stale.unlink(missing_ok=True)
+            except FileNotFoundError:
+                continue  # renamed into place or deleted meanwhile by its writer
         for path in self._files():
             try:
                 with open(path, "rb") as f:
@@ -175,9 +201,19 @@ class PageStore:
         self.disk_errors += 1
         self.disk_error = f"kv store {what} failed: {err}"
 
+    def _list_states(self) -> None:
+        """Add the row states in the directory to ``_state_lengths`` when it changed since the last listing: states
+        another process (a replica on the same directory) wrote are found too."""
+        mtime = self.directory.stat().st_mtime_ns
+        if mtime == self._listed:
+            return
+        self._listed = mtime
+        self._state_lengths |= {int(p.stem[32:], 16) for p in self._files()
+                                if len(p.stem) == STATE_KEY and _is_hex(p.stem)}
+
     # ------------------------------------------------------------------------------------------- lookups
-    def keys(self, tokens: np.ndarray) -> list[str]:
-        return chain(self.namespace, tokens, self.page)
+    def keys(self, tokens: np.ndarray, salt: str | None = None) -> list[str]:
+        return chain(salted(self.namespace, salt), tokens, self.page)
 
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}{SUFFIX}"
@@ -193,25 +229,26 @@ class PageStore:
             self._failed("lookup", err)
             return False
 
-    def match(self, tokens: np.ndarray) -> int:
-        """How many leading whole pages of ``tokens`` the store holds (files are checked when read)."""
+    def match(self, tokens: np.ndarray, salt: str | None = None) -> int:
+        """How many leading whole pages of ``tokens`` (under ``salt``) the store holds - in host memory or in the
+        directory, whoever wrote them (files are checked when read)."""
         n = 0
-        for key in self.keys(tokens):
+        for key in self.keys(tokens, salt):
             if not self._has(key):
                 break
             n += 1
         return n
 
-    def missing(self, tokens: np.ndarray) -> list[int]:
-        """The indices of the whole pages of ``tokens`` the store lacks."""
-        return [i for i, key in enumerate(self.keys(tokens)) if not self._has(key)]
+    def missing(self, tokens: np.ndarray, salt: str | None = None) -> list[int]:
+        """The indices of the whole pages of ``tokens`` (under ``salt``) the store lacks."""
+        return [i for i, key in enumerate(self.keys(tokens, salt)) if not self._has(key)]
 
-    def get(self, tokens: np.ndarray, layout: dict[str, tuple[str, tuple[int, ...]]] | None = None
-            ) -> tuple[int, dict[str, np.ndarray] | None]:
+    def get(self, tokens: np.ndarray, layout: dict[str, tuple[str, tuple[int, ...]]] | None = None,
+            salt: str | None = None) -> tuple[int, dict[str, np.ndarray] | None]:
         """``(n, arrays)``: the leading pages of ``tokens`` the store can give (a bad file ends the run: it is
         deleted and the rest is prefilled), each array ``[L, n, ...]``; ``(0, None)`` if none. ``layout``: what
         one page must be (``layout_of``: names, dtypes and shapes, exactly); a file of another is bad."""
-        keys, pages = self.keys(tokens), []
+        keys, pages = self.keys(tokens, salt), []
         for key in keys:
             arrays = self._fetch(key, layout)
             if arrays is None:
@@ -240,25 +277,27 @@ class PageStore:
         return arrays
 
     # ------------------------------------------------------------------------------------------- row states
-    def state_key(self, tokens: np.ndarray) -> str:
+    def state_key(self, tokens: np.ndarray, salt: str | None = None) -> str:
         """The key of a compressed row's state after ``tokens`` (hex, as a page's; its last 8 digits the length)."""
         tokens = np.asarray(tokens, "<i4")
-        return self._state_keys(tokens, [tokens.size])[0]
+        return self._state_keys(tokens, [tokens.size], salt)[0]
 
-    def _state_keys(self, tokens: np.ndarray, lengths: list[int]) -> list[str]:
+    def _state_keys(self, tokens: np.ndarray, lengths: list[int], salt: str | None = None) -> list[str]:
         """The keys of the states after ``tokens[:n]`` for each ``n`` of ``lengths`` (ascending): one running hash."""
         tokens = np.asarray(tokens, "<i4")
-        digest, done, keys = hashlib.blake2b(b"state:" + self.namespace.encode(), digest_size=16), 0, []
+        namespace = salted(self.namespace, salt)
+        digest, done, keys = hashlib.blake2b(b"state:" + namespace.encode(), digest_size=16), 0, []
         for n in lengths:
             digest.update(tokens[done:n].tobytes())
             done = n
             keys.append(digest.copy().hexdigest() + f"{n:08x}")
         return keys
 
-    def put_state(self, tokens: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+    def put_state(self, tokens: np.ndarray, arrays: dict[str, np.ndarray], salt: str | None = None) -> None:
         """Keep the state a row reached after ``tokens`` (``lcx.engine.store_io.snapshot``), as one entry. Keyed
-        by the tokens only: a state reached by other turns over the same tokens is the same entry (the first kept)."""
-        key = self.state_key(tokens)
+        by the tokens (and ``salt``) only: a state reached by other turns over the same tokens is the same entry
+        (the first kept)."""
+        key = self.state_key(tokens, salt)
         self._keep(key, arrays)
         self._state_lengths.add(int(np.asarray(tokens).size))
         if self.directory is not None:
@@ -266,13 +305,19 @@ class PageStore:
             self._stamp([key])
             self._bound_disk()
 
-    def get_state(self, tokens: np.ndarray, accept=None) -> tuple[int, dict[str, np.ndarray] | None]:
+    def get_state(self, tokens: np.ndarray, accept=None, salt: str | None = None
+                  ) -> tuple[int, dict[str, np.ndarray] | None]:
         """``(n, arrays)``: the state stored after the longest ``tokens[:n]`` (``n < tokens.size``: the rest is
         the request's own) that ``accept(arrays)`` takes (default: any), or ``(0, None)``. One it refuses (another
         server's layout: another max_model_len shares the namespace) is skipped, not deleted."""
         tokens = np.asarray(tokens)
+        if self.directory is not None:
+            try:
+                self._list_states()
+            except OSError as err:  # the directory gone or unreadable: what this process knows of still serves
+                self._failed(f"listing of {self.directory}", err)
         lengths = sorted(n for n in self._state_lengths if n < tokens.size)
-        for n, key in reversed(list(zip(lengths, self._state_keys(tokens, lengths)))):
+        for n, key in reversed(list(zip(lengths, self._state_keys(tokens, lengths, salt)))):
             arrays = self._fetch(key, None)
             if arrays is not None and (accept is None or accept(arrays)):
                 self.hits += 1
@@ -282,10 +327,11 @@ class PageStore:
         return 0, None
 
     # ------------------------------------------------------------------------------------------- writes
-    def put(self, tokens: np.ndarray, indices: list[int], arrays: dict[str, np.ndarray]) -> None:
-        """Keep pages ``indices`` of ``tokens``; ``arrays[name] [L, len(indices), ...]`` holds their contents. The
-        disk tier's failures are counted (``disk_errors`` / ``disk_error``), never raised."""
-        keys = self.keys(tokens)
+    def put(self, tokens: np.ndarray, indices: list[int], arrays: dict[str, np.ndarray],
+            salt: str | None = None) -> None:
+        """Keep pages ``indices`` of ``tokens`` (under ``salt``); ``arrays[name] [L, len(indices), ...]`` holds their
+        contents. The disk tier's failures are counted (``disk_errors`` / ``disk_error``), never raised."""
+        keys = self.keys(tokens, salt)
         for j, i in enumerate(indices):
             one = {n: np.ascontiguousarray(x[:, j]) for n, x in arrays.items()}
             self._keep(keys[i], one)
@@ -313,14 +359,18 @@ class PageStore:
             if path.is_file():
                 return
             data = encode_page(key, arrays)
+            # a name no other writer has (mkstemp: random, created exclusively), the pid to say whose it was
+            prefix = f".tmp-{os.getpid()}-"
             try:
-                fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=SUFFIX)
+                fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=prefix, suffix=SUFFIX)
             except FileNotFoundError:  # the directory was deleted under the server: make it again, once
                 self.directory.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=SUFFIX)
+                fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=prefix, suffix=SUFFIX)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-            os.replace(tmp, path)  # atomic: readers (and a restart after kill -9) see a whole file or none
+            # atomic: readers (and a restart after kill -9) see a whole file or none; two writers of one page
+            # (replicas) each rename a whole file of the same contents, the last one stays
+            os.replace(tmp, path)
             self._disk_used += len(data)
             self.disk_error = None
         except OSError as err:  # unwritable, deleted, full: the page stays in host memory only
@@ -408,4 +458,5 @@ class PageStore:
         return used
 
 
-__all__ = ["DIGEST", "MAGIC", "SUFFIX", "PageStore", "chain", "decode_page", "encode_page", "layout_of", "page_digest"]
+__all__ = ["DIGEST", "MAGIC", "STALE_TMP_S", "SUFFIX", "PageStore", "chain", "decode_page", "encode_page", "layout_of",
+           "page_digest", "salted"]

@@ -9,7 +9,11 @@ running requests that read it or made it); the host reference counts of those pa
 spill to the store first: host memory, and disk with a directory); at most ``prefix_entries`` are kept.
 
 The store (full policy: prompt pages; evicting: a finished request's compressed state) is reached only through here:
-``stored`` finds what it holds of a prompt, ``load`` writes it into a row, ``spill`` / ``keep_state`` write to it.
+``stored`` finds what it holds of a prompt, ``load`` writes it into a row, ``spill`` / ``finished`` write to it.
+
+A request's ``salt`` (``cache_salt``: a tenant's) starts its chain here and in the store (``kv_store.salted``): two
+salts never share a kept or a stored page, as if their prompts differed from the first token; no salt is the
+unsalted chain every request had before salts existed.
 """
 
 from __future__ import annotations
@@ -21,18 +25,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from lcx.engine import rows, store_io
-from lcx.engine.kv_store import chain
+from lcx.engine.kv_store import chain, salted
 
 
 @dataclasses.dataclass
 class Entry:
-    """A kept prefix: ``tokens`` (whole pages), their chain ``keys``, the pool ``pages`` holding them, and the
-    running requests that read it (``users``: while any does, it is not released)."""
+    """A kept prefix: ``tokens`` (whole pages), their chain ``keys``, the pool ``pages`` holding them, the
+    running requests that read it (``users``: while any does, it is not released) and the ``salt`` its keys
+    started from (its pages spill to the store under it)."""
 
     tokens: np.ndarray
     keys: list[str]
     pages: list[int]
     users: int = 0
+    salt: str | None = None
 
 
 class PrefixCache:
@@ -47,14 +53,16 @@ class PrefixCache:
         self.refs: collections.Counter[int] = collections.Counter()  # pool page -> entries holding it (host)
 
     # ------------------------------------------------------------------------------------------- the index
-    def keys(self, tokens: np.ndarray) -> list[str]:
-        """The chain keys of the whole pages of ``tokens`` (namespace-free: they index this pool only)."""
-        return chain("", tokens, self.page)
+    def keys(self, tokens: np.ndarray, salt: str | None = None) -> list[str]:
+        """The chain keys of the whole pages of ``tokens`` under ``salt`` (no model namespace: they index this
+        pool only)."""
+        return chain(salted("", salt), tokens, self.page)
 
     def prompt_keys(self, request) -> list[str]:
         """The keys of the whole pages of ``request``'s prompt that leave it one token (computed once)."""
         if request.keys is None:
-            request.keys = self.keys(request.prompt[:(request.prompt.size - 1) // self.page * self.page])
+            request.keys = self.keys(request.prompt[:(request.prompt.size - 1) // self.page * self.page],
+                                     request.salt)
         return request.keys
 
     def lookup(self, request) -> tuple[str | None, int]:
@@ -70,18 +78,18 @@ class PrefixCache:
         holders = set(self._holders[keys[n - 1]])
         return next(k for k in self.entries if k in holders), n
 
-    def entry(self, tokens) -> Entry | None:
-        """The entry kept for exactly the whole pages ``tokens``, or None."""
-        keys = self.keys(np.asarray(tokens, np.int32))
+    def entry(self, tokens, salt: str | None = None) -> Entry | None:
+        """The entry kept for exactly the whole pages ``tokens`` (under ``salt``), or None."""
+        keys = self.keys(np.asarray(tokens, np.int32), salt)
         return self.entries.get(keys[-1]) if keys else None
 
     def kept_pages(self) -> int:
         """Pool pages the kept prefixes hold (entries overlap on shared pages: each counted once)."""
         return len(self.refs)
 
-    def _add(self, tokens: np.ndarray, keys: list[str], pages: list[int], users: int) -> str:
+    def _add(self, tokens: np.ndarray, keys: list[str], pages: list[int], users: int, salt: str | None) -> str:
         self.ref.state = rows.hold(self.ref.state, rows.padded(pages), jnp.int32(1))
-        self.entries[keys[-1]] = Entry(tokens, keys, pages, users)
+        self.entries[keys[-1]] = Entry(tokens, keys, pages, users, salt)
         for k in keys:
             self._holders.setdefault(k, []).append(keys[-1])
         self.refs.update(pages)
@@ -107,7 +115,7 @@ class PrefixCache:
             return key
         short = entry.keys[shared - 1]
         if short not in self.entries:
-            self._add(entry.tokens[:shared * self.page], entry.keys[:shared], entry.pages[:shared], 0)
+            self._add(entry.tokens[:shared * self.page], entry.keys[:shared], entry.pages[:shared], 0, entry.salt)
         return short
 
     def pin(self, key: str) -> list[int]:
@@ -132,7 +140,7 @@ class PrefixCache:
         if not keys or keys[-1] in self._holders:
             return None
         pages = [int(p) for p in table_row[:len(keys)]]
-        key = self._add(request.prompt[:len(keys) * self.page], keys, pages, users=1)
+        key = self._add(request.prompt[:len(keys) * self.page], keys, pages, users=1, salt=request.salt)
         while len(self.entries) > self.limit and self.drop_lru(keep=key):
             pass
         return key
@@ -143,7 +151,7 @@ class PrefixCache:
         for key, entry in self.entries.items():
             if entry.users == 0 and key != keep:
                 try:
-                    self.spill(entry.tokens, entry.pages)
+                    self.spill(entry.tokens, entry.pages, entry.salt)
                 finally:
                     self.ref.state = rows.hold(self.ref.state, rows.padded(entry.pages), jnp.int32(-1))
                     self._remove(key)
@@ -159,13 +167,14 @@ class PrefixCache:
             return 0
         state = self.ref.state
         if request.stored is None and self.evicts:  # the compressed state its prompt continues, if one is kept
-            request.stored = store_io.continued(self.store, state, request.prompt)
+            request.stored = store_io.continued(self.store, state, request.prompt, request.salt)
         if request.stored is None:
-            n = self.store.match(request.prompt[:(request.prompt.size - 1) // self.page * self.page])
+            n = self.store.match(request.prompt[:(request.prompt.size - 1) // self.page * self.page], request.salt)
             # reading checks each file and its layout (the pool's: another failed the step, for every row): a bad
             # one ends the run there (and may leave fewer pages than a kept prefix)
             layout = rows.page_layout(state)
-            request.stored = self.store.get(request.prompt[:n * self.page], layout) if n > shared else (0, None)
+            request.stored = (self.store.get(request.prompt[:n * self.page], layout, request.salt) if n > shared
+                              else (0, None))
         return request.stored[0]
 
     def load(self, request) -> None:
@@ -178,21 +187,21 @@ class PrefixCache:
         else:
             self.ref.state = store_io.load_pages(self.ref.state, request.row, n, arrays)
 
-    def spill(self, tokens: np.ndarray, pages) -> None:
-        """Write the whole pages of ``tokens``, held in the pool pages ``pages`` (in order), that the store lacks
-        (full policy only: an evicting row's pages are no prefix)."""
+    def spill(self, tokens: np.ndarray, pages, salt: str | None = None) -> None:
+        """Write the whole pages of ``tokens`` (under ``salt``), held in the pool pages ``pages`` (in order), that
+        the store lacks (full policy only: an evicting row's pages are no prefix)."""
         if self.store is not None and not self.evicts:
-            store_io.store_pages(self.ref.state, self.store, tokens, pages)
+            store_io.store_pages(self.ref.state, self.store, tokens, pages, salt)
 
-    def finished(self, held: np.ndarray, row: int) -> None:
-        """A request ends holding the tokens ``held`` in row ``row``: its pages (full policy) or its compressed state
-        (evicting) go to the store, where the conversation's next turn finds them."""
+    def finished(self, held: np.ndarray, row: int, salt: str | None = None) -> None:
+        """A request (of ``salt``) ends holding the tokens ``held`` in row ``row``: its pages (full policy) or its
+        compressed state (evicting) go to the store, where the conversation's next turn finds them."""
         if self.store is None:
             return
         if self.evicts:
-            self.store.put_state(held, store_io.snapshot(self.ref.state, row))
+            self.store.put_state(held, store_io.snapshot(self.ref.state, row), salt)
         else:
-            self.spill(held, np.asarray(self.ref.state.table[row]))
+            self.spill(held, np.asarray(self.ref.state.table[row]), salt)
 
 
 __all__ = ["Entry", "PrefixCache"]

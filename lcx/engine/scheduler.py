@@ -25,6 +25,7 @@ from lcx.engine.prompt_end import pages_still_needed
 from lcx.engine.sampling import SamplingConfig, request_key
 
 SUGGESTED_POLICY = "streaming"  # what a refusal proposes: bounded pages for any prompt, no statistics to gather
+MAX_SALT = 256  # characters of a request's cache salt: enough for any tenant id or random token, hashed per page
 
 
 @dataclasses.dataclass
@@ -44,6 +45,7 @@ class Request:
     stored: tuple | None = None  # (pages, arrays) the store gave it, until loaded
     ignore_eos: bool = False  # generate max_new_tokens whatever it samples (EOS included, as any token)
     keys: list | None = None  # the chain keys of its prompt's whole pages (PrefixCache.prompt_keys)
+    salt: str | None = None  # its tenant's cache salt: its pages are shared only with requests of the same salt
 
     @property
     def prefilling(self) -> bool:
@@ -73,7 +75,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------- requests
     def submit(self, prompt, max_new_tokens: int, sampling: SamplingConfig | None = None, seed: int | None = None,
-               ignore_eos: bool = False) -> int:
+               ignore_eos: bool = False, salt: str | None = None) -> int:
         """Queue a request (checked: ``Server.submit``); its id."""
         prompt = np.asarray(prompt, np.int32)
         if prompt.ndim != 1 or prompt.size == 0:
@@ -87,8 +89,12 @@ class Scheduler:
             raise ConfigError(f"Server.submit: sampling={sampling!r:.60} is invalid: must be a lcx.SamplingConfig")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ConfigError(f"Server.submit: seed={seed!r:.60} is invalid: must be an integer or None")
+        if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT):
+            raise ConfigError(f"Server.submit: salt={salt!r:.60} is invalid: must be None or a non-empty string of at "
+                              f"most {MAX_SALT} characters")
         request = Request(self.next_id, prompt, max_new_tokens, sampling=sampling or SamplingConfig(),
-                          key=request_key(self.next_id if seed is None else seed), ignore_eos=bool(ignore_eos))
+                          key=request_key(self.next_id if seed is None else seed), ignore_eos=bool(ignore_eos),
+                          salt=salt)
         self.next_id += 1
         self.queue.append(request)
         return request.id
@@ -129,7 +135,9 @@ class Scheduler:
         while self.queue and free_rows:
             request = self.queue[0]
             key, shared = prefixes.lookup(request)
-            reading = [r for r in self.running.values() if r.prefilling and setup.prefix_entries]
+            # a prompt of another salt shares no page with it, however alike the tokens: nothing to wait for
+            reading = [r for r in self.running.values()
+                       if r.prefilling and setup.prefix_entries and r.salt == request.salt]
             if any(common_pages(request.prompt, other.prompt, setup.page) > shared for other in reading):
                 break  # it shares more with a prompt still being read: wait, then read that prompt's kept pages
             stored = prefixes.stored(request, shared)
@@ -214,4 +222,4 @@ class Scheduler:
         return True
 
 
-__all__ = ["Request", "SUGGESTED_POLICY", "Scheduler", "common_pages"]
+__all__ = ["MAX_SALT", "Request", "SUGGESTED_POLICY", "Scheduler", "common_pages"]

@@ -30,7 +30,8 @@ Prefix pages (full policy): after its prefill, the whole pages of a request's pr
 prompt starts with the same whole pages gets them without prefilling them. With a ``store`` the whole pages of every
 prompt, and of a finished request's prompt + answer, also go to host memory (and disk); a prompt that extends stored
 pages further than any kept prefix loads them. Under an evicting policy (not KVzip) the store keeps a finished
-request's compressed state instead, and a prompt that continues it starts from it (``lcx.engine.store_io``).
+request's compressed state instead, and a prompt that continues it starts from it (``lcx.engine.store_io``). A
+request's ``salt`` (a tenant's) keys its pages apart: kept and stored pages are shared only within one salt.
 """
 
 from __future__ import annotations
@@ -99,11 +100,13 @@ class Server:
 
     # ----------------------------------------------------------------------------------------------- requests
     def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
-               seed: int | None = None, *, ignore_eos: bool = False) -> int:
+               seed: int | None = None, *, ignore_eos: bool = False, salt: str | None = None) -> int:
         """Queue a request; returns its id. Refused (``CacheCapacityError``) if it exceeds ``max_len`` or needs
         more pages than the whole pool. ``sampling``: its settings (default greedy); ``seed``: its random stream
-        (default: its request id); ``ignore_eos``: EOS does not end it (``max_new_tokens`` are generated)."""
-        return self.scheduler.submit(prompt, max_new_tokens, sampling, seed, ignore_eos)
+        (default: its request id); ``ignore_eos``: EOS does not end it (``max_new_tokens`` are generated);
+        ``salt``: its tenant's cache salt (a non-empty string of at most ``scheduler.MAX_SALT`` characters; None:
+        the pages every unsalted request shares) - it reads and leaves kept and stored pages under that salt only."""
+        return self.scheduler.submit(prompt, max_new_tokens, sampling, seed, ignore_eos, salt)
 
     def check(self, prompt: int, max_new_tokens: int) -> None:
         """A ``CacheCapacityError`` if a request of ``prompt`` + ``max_new_tokens`` tokens can never be served:
@@ -188,7 +191,7 @@ class Server:
             table_row = self._table_row(request)
             self.scheduler.prompt_read(request, table_row)
             if self.store is not None and self.store.directory is not None:
-                self.prefixes.spill(request.prompt[:request.prompt.size - 1], table_row)
+                self.prefixes.spill(request.prompt[:request.prompt.size - 1], table_row, request.salt)
             self._emit(request, int(first[j]), emit, done)
 
     def _decode(self, emit, done) -> None:
@@ -218,7 +221,7 @@ class Server:
             # turn resent with this answer in its history reads these pages (or continues this compressed state)
             if self.store is not None:
                 held = np.concatenate([request.prompt, np.asarray(request.tokens[:-1], np.int32)])
-                self.prefixes.finished(held, request.row)
+                self.prefixes.finished(held, request.row, request.salt)
             self.scheduler.end(request)
             done[request.id] = request.tokens
 

@@ -32,16 +32,17 @@ def load_pages(state, row: int, n_pages: int, arrays: dict[str, np.ndarray]):
                                                                         arrays.items()})
 
 
-def store_pages(state, store, tokens: np.ndarray, pages) -> None:
-    """Write the whole pages of ``tokens``, held in the pool pages ``pages`` (in order), that ``store`` lacks."""
+def store_pages(state, store, tokens: np.ndarray, pages, salt: str | None = None) -> None:
+    """Write the whole pages of ``tokens`` (under ``salt``), held in the pool pages ``pages`` (in order), that
+    ``store`` lacks."""
     page = state.kind.page
     n_pages = min(tokens.size // page, len(pages))
-    missing = store.missing(tokens[:n_pages * page]) if n_pages else []
+    missing = store.missing(tokens[:n_pages * page], salt) if n_pages else []
     if not missing:
         return
     ids = rows.padded([int(pages[i]) for i in missing], fill=0)
     arrays = {n: np.asarray(rows.take_pages(getattr(state, n), ids))[:, :len(missing)] for n in rows.kv_names(state)}
-    store.put(tokens[:n_pages * page], missing, arrays)
+    store.put(tokens[:n_pages * page], missing, arrays, salt)
 
 
 def snapshot(state, row: int) -> dict[str, np.ndarray]:
@@ -71,10 +72,11 @@ def fits(state, arrays: dict[str, np.ndarray]) -> bool:
     return got == want | pages and all(x.shape[1] == n for k, x in arrays.items() if k.startswith("page."))
 
 
-def continued(store, state, prompt: np.ndarray) -> tuple[int, dict[str, np.ndarray] | None]:
-    """``(n, arrays)``: the compressed state ``store`` keeps after the longest ``prompt[:n]`` that is of this
-    pool's layout (``fits``), or ``(0, None)``."""
-    return store.get_state(prompt, accept=lambda arrays: fits(state, arrays))
+def continued(store, state, prompt: np.ndarray, salt: str | None = None
+              ) -> tuple[int, dict[str, np.ndarray] | None]:
+    """``(n, arrays)``: the compressed state ``store`` keeps after the longest ``prompt[:n]`` (under ``salt``) that
+    is of this pool's layout (``fits``), or ``(0, None)``."""
+    return store.get_state(prompt, accept=lambda arrays: fits(state, arrays), salt=salt)
 
 
 def restore(state, row: int, arrays: dict[str, np.ndarray]):

@@ -74,7 +74,7 @@ from lcx.kernels.cudnn import cuda_gpu, cudnn_causal, require_cuda
 from lcx.kernels.decode import decode_attention
 from lcx.kernels.flash import flash_attention
 from lcx.kernels.lowbit_decode import decode_lowbit
-from lcx.kernels.lowbit_pallas import chunk_lowbit_tiles, decode_lowbit_tiles
+from lcx.kernels.lowbit_pallas import chunk_lowbit_tiles, decode_lowbit_tiles, triton_compiles
 from lcx.kernels.paged_decode import gather_pages, paged_decode_attention
 from lcx.kernels.quant import dequantize
 from lcx.kernels.reference import (attention_column_sums_reference, attention_mask, attention_reference,
@@ -97,24 +97,25 @@ class Backend:
     paged_decode: Callable | None = None  # None: gather the pages and call ``decode``
     lowbit_decode: Callable = decode_lowbit  # ``decode`` on a bit-packed cache's codes (default: fused XLA)
     lowbit_chunk: Callable | None = None  # ``chunk`` on the codes (None: the caller dequantizes the layer)
-    # Whether the two ops above also run compiled (Triton, on a GPU); False: only in the Pallas interpreter, and a
-    # compiled run takes the fused XLA decode and dequantizes a chunk's layer (``lowbit_ops``)
-    lowbit_compiles: bool = True
+    # Whether the two ops above also run compiled (Triton, on a GPU) at a head dim; where not, a compiled run takes
+    # the fused XLA decode and dequantizes a chunk's layer (``lowbit_ops``); the interpreter runs them at any
+    lowbit_compiles: Callable[[int], bool] = lambda head_dim: True
 
     def __post_init__(self):
         if self.paged_decode is None:
             object.__setattr__(self, "paged_decode", _gathered_paged_decode(self.decode))
 
-    def lowbit_ops(self) -> tuple[Callable, Callable | None]:
-        """``(decode on the codes, chunk on the codes or None)`` as they run here (decided at trace time)."""
-        if self.lowbit_compiles or resolve_interpret(None):
+    def lowbit_ops(self, head_dim: int) -> tuple[Callable, Callable | None]:
+        """``(decode on the codes, chunk on the codes or None)`` as they run here at ``head_dim`` (decided at trace
+        time)."""
+        if resolve_interpret(None) or self.lowbit_compiles(head_dim):
             return self.lowbit_decode, self.lowbit_chunk
         return decode_lowbit, None
 
 
 def _compute_dtype(*xs):
     """XLA:CPU has no float16 dot with float32 accumulation: compute float16 inputs in float32 there."""
-    if jax.default_backend() == "cpu" and any(x.dtype == jnp.float16 for x in xs):
+    if target_backend() == "cpu" and any(x.dtype == jnp.float16 for x in xs):
         return tuple(x.astype(jnp.float32) for x in xs)
     return xs
 
@@ -202,7 +203,7 @@ def _xla_causal(q, k, v, *, sm_scale, segment_ids=None, window=None, softcap=Non
     dtype = q.dtype
     q, k, v = _compute_dtype(q, k, v)
     # dot_product_attention has no soft-cap; the blocked path computes windows and caps on any backend
-    if (jax.default_backend() == "cpu" and q.shape[1] >= CPU_MIN_LENGTH) or window is not None or softcap is not None:
+    if (target_backend() == "cpu" and q.shape[1] >= CPU_MIN_LENGTH) or window is not None or softcap is not None:
         return _blocked_causal(q, k, v, sm_scale=sm_scale, segment_ids=segment_ids, window=window,
                                softcap=softcap).astype(dtype)
     # jax.nn.dot_product_attention handles GQA itself (K/V heads broadcast over query groups); its default
@@ -286,10 +287,9 @@ BACKENDS: dict[str, Backend] = {
                       chunk=_chunk_op(_pallas_chunk), decode=_decode_op(_pallas_decode),
                       column_sums=_pallas_column_sums, paged_decode=_pallas_paged_decode,
                       lowbit_decode=decode_lowbit_tiles, lowbit_chunk=chunk_lowbit_tiles,
-                      # Compiled with Triton (an H200, jax 0.11.2) some shapes do not lower yet - a ``slice`` in the
-                      # decode kernel's loop, non-power-of-two blocks in the chunk kernel - so a GPU run takes the
-                      # fused XLA formulation; the kernels are checked in the interpreter, and benchmarked directly
-                      lowbit_compiles=False),
+                      # Triton takes the kernels at power-of-two head dims (tests/kernels/test_cuda_lowering.py lowers
+                      # them for CUDA from a CPU); a model with another head dim decodes its codes in XLA
+                      lowbit_compiles=triton_compiles),
 }
 # causal on cuDNN where it can run the layer; chunk, decode, statistics, pages and codes stay Pallas kernels (cuDNN's
 # fused attention returns no column sums and reads neither bit-packed codes nor a page table)

@@ -44,6 +44,7 @@ class Generation:
     stops: list[str]
     loop: asyncio.AbstractEventLoop
     ignore_eos: bool = False
+    salt: str | None = None  # the request's cache_salt: its pages are shared only within this salt
     top: int | None = None  # alternatives per token to report; None: no log-probabilities wanted
     echo: bool = False
     prompt_text: str = ""  # what echo shows of the prompt
@@ -177,7 +178,7 @@ class Engine:
                 return
             try:
                 gen.request_id = self.server.submit(gen.prompt, gen.max_tokens, gen.sampling, gen.seed,
-                                                    ignore_eos=gen.ignore_eos)
+                                                    ignore_eos=gen.ignore_eos, salt=gen.salt)
             except Exception:  # the handler checked it; a refusal here is a bug, and only this request's
                 log.error("request %s refused by the serving loop:\n%s", gen.id, traceback.format_exc())
                 self._finish(gen, "error")

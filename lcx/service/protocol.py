@@ -12,6 +12,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from lcx.engine.scheduler import MAX_SALT
+
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 256  # characters per stop string: each is searched at every token
 MAX_PROMPTS = 64  # prompts of one /v1/completions request (each a choice)
@@ -84,6 +86,8 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # an extension (vLLM's): generate the limit's tokens, EOS or not
     user: str | None = None
+    # an extension (vLLM's): a tenant's salt - its prompt pages are shared only with requests of the same salt
+    cache_salt: str | None = Field(default=None, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -102,6 +106,14 @@ class _Sampling(BaseModel):
         if len(stops) > MAX_STOP or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"at most {MAX_STOP} non-empty stop strings of at most {MAX_STOP_CHARS} characters")
         return stops
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, value):
+        if value is not None and not 0 < len(value) <= MAX_SALT:
+            raise ValueError(f"must be a non-empty string of at most {MAX_SALT} characters (or left unset: the "
+                             "pages every unsalted request shares)")
+        return value
 
     @property
     def stops(self) -> list[str]:

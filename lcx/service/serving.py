@@ -106,7 +106,8 @@ def _generation(service: Service, request, prompt: list[int], kind: str, index: 
         raise ApiError(400, str(err), None) from err
     return Generation(kind=kind, prompt=prompt, max_tokens=limit, sampling=sampling, seed=request.seed,
                       stops=request.stops, loop=asyncio.get_running_loop(), ignore_eos=request.ignore_eos,
-                      top=request.top, echo=echo, prompt_text=prompt_text if echo else "", index=index)
+                      salt=request.cache_salt, top=request.top, echo=echo, prompt_text=prompt_text if echo else "",
+                      index=index)
 
 
 # --------------------------------------------------------------------------------------------------- responses

@@ -35,19 +35,21 @@ def test_backends_auto_is_xla_on_cpu_and_cudnn_or_pallas_on_gpu():
     assert kernels.resolve("auto") == expected and kernels.backend("auto") is kernels.BACKENDS[expected]
 
 
-def test_backends_bit_packed_kernels_run_interpreted_and_a_compiled_run_takes_the_xla_ops(monkeypatch):
-    """The Pallas kernels on the codes are checked in the interpreter; compiled with Triton some shapes do not lower
-    yet, so a compiled run (a GPU) takes the fused XLA decode and dequantizes a chunk's layer."""
+def test_backends_bit_packed_kernels_run_compiled_at_power_of_two_head_dims_else_take_the_xla_ops(monkeypatch):
+    """The Pallas kernels on the codes run interpreted at any head dim; compiled (Triton, a GPU) at the head dims
+    Triton takes (powers of two: tests/kernels/test_cuda_lowering.py lowers them), and a model with another head dim
+    takes the fused XLA decode and dequantizes a chunk's layer."""
     from lcx.kernels import backends
     from lcx.kernels.lowbit_decode import decode_lowbit
     from lcx.kernels.lowbit_pallas import chunk_lowbit_tiles, decode_lowbit_tiles
 
     pallas = kernels.BACKENDS["pallas"]
     monkeypatch.setattr(backends, "resolve_interpret", lambda interpret: True)
-    assert pallas.lowbit_ops() == (decode_lowbit_tiles, chunk_lowbit_tiles)
+    assert pallas.lowbit_ops(80) == (decode_lowbit_tiles, chunk_lowbit_tiles)
     monkeypatch.setattr(backends, "resolve_interpret", lambda interpret: False)
-    assert pallas.lowbit_ops() == (decode_lowbit, None)
-    assert kernels.BACKENDS["xla"].lowbit_ops() == (decode_lowbit, None)
+    assert pallas.lowbit_ops(64) == pallas.lowbit_ops(256) == (decode_lowbit_tiles, chunk_lowbit_tiles)
+    assert pallas.lowbit_ops(80) == (decode_lowbit, None)
+    assert kernels.BACKENDS["xla"].lowbit_ops(64) == (decode_lowbit, None)
 
 
 @pytest.mark.cpu_only  # on a GPU the default is the compiled kernels

@@ -110,7 +110,8 @@ class PackedStorage(KVStorage):
 
     def view(self, bufs, dtype, *, impl, queries, counted, codes):
         # on the codes: a decode step, or a chunk where the backend has the kernel (pallas) and no statistic is asked
-        if codes and (queries == 1 or (backend(impl).lowbit_ops()[1] is not None and not counted)):
+        head_dim = bufs.v.shape[-1] * 8 // self.bits  # the value codes' bytes per token and KV head
+        if codes and (queries == 1 or (backend(impl).lowbit_ops(head_dim)[1] is not None and not counted)):
             return PackedKV(k=bufs.k, v=bufs.v,
                             lowbit=lowbit_slots.decode_view(bufs, self))
         return FloatKV(*self.float_kv(bufs, dtype))  # one layer dequantized, the window overlaid

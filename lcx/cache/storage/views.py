@@ -111,12 +111,12 @@ class PackedKV:
                          "dequantized (KVStorage.view(..., codes=False))")
 
     def decode(self, backend, q, *, valid, sm_scale, weights, residuals, extra):
-        lowbit_decode, _ = backend.lowbit_ops()  # fused XLA, or the Pallas kernel
+        lowbit_decode, _ = backend.lowbit_ops(q.shape[-1])  # fused XLA, or the Pallas kernel
         return lowbit_decode(q, self.k, self.v, self.lowbit, valid=valid, sm_scale=sm_scale,
                              softcap=extra.get("softcap"), weights=weights, residuals=residuals)
 
     def chunk(self, backend, q, *, q_offsets, kv_lengths, sm_scale, causal, residuals, extra, stat_weights=None):
-        _, lowbit_chunk = backend.lowbit_ops()
+        _, lowbit_chunk = backend.lowbit_ops(q.shape[-1])
         if lowbit_chunk is None or stat_weights is not None:
             raise ValueError(f"a bit-packed KVView (lowbit) is read by one-query calls, and by the chunks of a backend "
                              f"with a lowbit_chunk op without statistics (pallas); a chunk of {q.shape[1]} queries on "
