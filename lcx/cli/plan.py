@@ -124,22 +124,30 @@ def _cache_section(policy: str | None, budget: int | None, params: Sequence[str]
 def _serve(args: argparse.Namespace, model: ModelConfig, gpu_mem: int) -> int:
     """``lcx plan --serve``: the pool ``lcx serve`` would size with these flags (``lcx.plan.serving``)."""
     from lcx.cache.config import CacheConfig
+    from lcx.plan.arithmetic import weight_bytes_per_device
     from lcx.plan.inference import weight_bytes
-    from lcx.plan.serving import serve_plan
+    from lcx.plan.serving import serve_plan, tensor_parallel_sizes
 
     cache = _cache_section(args.cache_policy or "full", args.budget, args.cache_param, args.page_size or 16)
     if args.kv_dtype is not None:
         cache = CacheConfig(**(cache.to_dict() | {"kv_dtype": args.kv_dtype}))
+    if args.data != 1:
+        raise ConfigError(f"--data={args.data} with --serve: lcx serve splits its pool by KV head over all --devices "
+                          "(--tensor-parallel-size); allowed --data 1")
+    dtype = args.weight_dtype or model.param_dtype
     plan = serve_plan(model, cache, max_num_seqs=args.max_num_seqs, max_model_len=args.context,
                       kv_memory=None if args.kv_memory is None else parse_bytes(args.kv_memory, "--kv-memory"),
-                      free_bytes=gpu_mem, utilization=args.utilization,
-                      weight_bytes=weight_bytes(model, args.weight_dtype or model.param_dtype))
+                      free_bytes=gpu_mem, utilization=args.utilization, tensor_parallel_size=args.devices,
+                      weight_bytes=weight_bytes(model, dtype) if args.devices == 1
+                      else weight_bytes_per_device(model, dtype, args.devices))
     if args.json:
         print(json.dumps(dataclasses.asdict(plan) | {"pool_bytes": plan.pool_bytes,
                                                       "at_max_length": plan.at_max_length}, indent=2))
     else:
         print(f"lcx serve plan for {args.config} (policy {cache.policy!r}, kv dtype {cache.kv_dtype or model.dtype})")
         print("\n".join(plan.lines()))
+        print(f"serve it with: lcx serve MODEL --tensor-parallel-size {args.devices} (the sizes that fit "
+              f"{model.n_kv_heads} KV groups: {tensor_parallel_sizes(model)})")
     return 0
 
 

@@ -54,9 +54,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import json
 import os
-import struct
 import tempfile
 import time
 from pathlib import Path
@@ -64,11 +62,9 @@ from pathlib import Path
 import numpy as np
 
 from lcx.config_base import ConfigError
+from lcx.engine.page_file import (DIGEST, FAMILY, MAGIC, SUFFIX, decode_page, encode_page,  # noqa: F401 (public)
+                                  layout_of, page_digest)
 
-MAGIC = b"LCXKVP2\n"  # 2: the digest covers the key, the header and the payload (1: the payload only)
-FAMILY = b"LCXKVP"  # what every format's magic starts with: a file of another version of it is stale, not corrupt
-SUFFIX = ".kvp"
-DIGEST = 16  # bytes of the trailing digest
 STAMP_STEP_NS = 1_000  # how much older page i + 1 of a chain is stamped than page i
 STATE_KEY = 40  # hex digits of a row state's key (a page's has 32): the digest, then the token count
 STALE_TMP_S = 600  # a temporary file older than this is a killed writer's; a younger one may be a live replica's
@@ -90,59 +86,6 @@ def chain(namespace: str, tokens: np.ndarray, page: int) -> list[str]:
         digest = hashlib.blake2b(digest + tokens[i * page:(i + 1) * page].tobytes(), digest_size=16).digest()
         keys.append(digest.hex())
     return keys
-
-
-def page_digest(key: str, body: bytes) -> bytes:
-    """The digest a page file under ``key`` ends with: of ``body`` (everything before it), keyed by the key."""
-    return hashlib.blake2b(body, digest_size=DIGEST, key=bytes.fromhex(key)).digest()
-
-
-def encode_page(key: str, arrays: dict[str, np.ndarray]) -> bytes:
-    """The file contents of page ``key`` holding ``arrays``."""
-    payload = b"".join(np.ascontiguousarray(x).tobytes() for x in arrays.values())
-    header = json.dumps({"arrays": [[n, str(x.dtype), list(x.shape)] for n, x in arrays.items()],
-                         "nbytes": len(payload)}).encode()
-    body = MAGIC + struct.pack("<Q", len(header)) + header + payload
-    return body + page_digest(key, body)
-
-
-def decode_page(key: str, data: bytes) -> dict[str, np.ndarray]:
-    """The arrays of a page file's contents ``data`` read under ``key``; ``ValueError`` naming what is wrong."""
-    import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for dtype names read back)
-
-    if not data.startswith(MAGIC):
-        raise ValueError("bad magic")
-    if len(data) < len(MAGIC) + 8 + DIGEST:
-        raise ValueError("truncated")
-    body = data[:-DIGEST]
-    # checked before the header is parsed: nothing of a file that is not this page's is trusted
-    if page_digest(key, body) != data[-DIGEST:]:
-        raise ValueError("checksum (a corrupt file, or another page's)")
-    try:
-        (size,) = struct.unpack_from("<Q", body, len(MAGIC))
-        start = len(MAGIC) + 8
-        header = json.loads(body[start:start + size])
-        payload = body[start + size:]
-        if len(payload) != header["nbytes"]:
-            raise ValueError("truncated")
-        out, at = {}, 0
-        for name, dtype, shape in header["arrays"]:
-            dt = np.dtype(dtype)
-            if any(not isinstance(s, int) or s < 0 for s in shape):
-                raise ValueError(f"shape {shape}")
-            n = int(np.prod(shape)) * dt.itemsize
-            out[name] = np.frombuffer(payload[at:at + n], dt).reshape(shape)
-            at += n
-    except (KeyError, TypeError, struct.error, json.JSONDecodeError) as err:
-        raise ValueError(f"header: {err}") from err
-    if at != len(payload):
-        raise ValueError("layout")
-    return out
-
-
-def layout_of(arrays: dict[str, np.ndarray]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """A page's layout: each array's name -> (dtype name, shape)."""
-    return {n: (str(x.dtype), tuple(int(s) for s in x.shape)) for n, x in arrays.items()}
 
 
 def _is_hex(text: str) -> bool:

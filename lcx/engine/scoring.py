@@ -41,8 +41,9 @@ class Scorer:
     is contiguous whatever ``cache`` says). Not thread-safe: one caller (a server's engine thread)."""
 
     def __init__(self, config: ModelConfig, params, cache: CacheConfig, *, eos_id: int | None, max_len: int,
-                 reconstruction=None):
+                 reconstruction=None, mesh=None):
         self.config, self.params, self.eos_id, self.max_len = config, params, eos_id, max_len
+        self.mesh = mesh  # the server's mesh (tensor parallel): scoring splits the weights the same way
         self.reconstruction = reconstruction  # KVzip's repeat prompt (a Generator of that policy needs one)
         self.cache = CacheConfig(**(cache.to_dict() | {"layout": "contiguous"}))
         self._generators: dict[int, Generator] = {}
@@ -53,7 +54,7 @@ class Scorer:
         if gen is None:
             gen = self._generators[bucket] = Generator(self.config, self.params, max_new_tokens=bucket,
                                                        cache=self.cache, eos_id=self.eos_id,
-                                                       reconstruction=self.reconstruction)
+                                                       reconstruction=self.reconstruction, mesh=self.mesh)
         return gen, bucket
 
     def score(self, ids) -> Scored:

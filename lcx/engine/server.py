@@ -52,6 +52,7 @@ from lcx.engine.sampling import RowSampling, SamplingConfig
 from lcx.engine.scheduler import Request, Scheduler
 from lcx.engine.setup import ServeSetup, resolve, server_policies
 from lcx.model.config import ModelConfig
+from lcx.parallel import sharding
 
 
 class Server:
@@ -63,7 +64,10 @@ class Server:
     requests (0: none; the full policy only); ``store``: a ``PageStore`` (prompt pages; compressed states under
     eviction); ``reconstruction``: KVzip's repeat prompt (one-shot: budget + interval >= ``max_len``). ``setup``: a
     ``ServeSetup`` already resolved (``lcx.engine.setup.resolve``; ``ServeConfig.resolve``) instead of those
-    settings - the server checks nothing again.
+    settings - the server checks nothing again. ``mesh``: a device mesh (``lcx.parallel.sharding.make_mesh``, no
+    ``data`` axis; with ``setup``, the setup's): the weights and the pool split by KV head over ``model`` - each
+    device holds its heads' part of every page - and every step runs on all of them (``lcx serve
+    --tensor-parallel-size M``).
 
     ``cancel(request_id)`` ends a request early (waiting or running; usable from inside ``on_token``); a request
     whose ``on_token`` raises an ``Exception`` is cancelled the same way. ``cancelled``: every cancelled request's id
@@ -73,18 +77,19 @@ class Server:
                  max_len: int = setup_.MAX_LEN, pages: int | None = None, cache: CacheConfig | None = None,
                  eos_id: int | None = None, segment: int = setup_.SEGMENT, prefill_chunk: int = setup_.PREFILL_CHUNK,
                  prefix_entries: int = setup_.PREFIX_ENTRIES, store=None, reconstruction=None,
-                 setup: ServeSetup | None = None):
+                 setup: ServeSetup | None = None, mesh=None):
         s = setup or resolve(config, cache, max_num_seqs=max_num_seqs, max_len=max_len, pages=pages,
                              segment=segment, prefill_chunk=prefill_chunk, prefix_entries=prefix_entries,
-                             store=store is not None, reconstruction=reconstruction)
+                             store=store is not None, reconstruction=reconstruction, mesh=mesh)
         self.setup, self.config, self.eos_id = s, config, eos_id
         self.runner = build(config, params, cache=s.cache, eos_id=eos_id, reconstruction=s.reconstruction,
-                            kind=s.kind, policy=s.policy)
+                            kind=s.kind, policy=s.policy, mesh=s.mesh)
         self.kind, self.cache_config, self.evicts, self.reconstruction = s.kind, s.cache, s.evicts, s.reconstruction
         self.page, self.max_len, self.row_pages, self.pages, self.rows = s.page, s.max_len, s.row_pages, s.pages, \
             s.max_num_seqs
         self.segment, self.chunk, self.prefix_entries = s.segment, s.chunk, s.prefix_entries
-        self.ref = rows.StateRef(paged.create(self.kind, self.rows, self.row_pages * self.page, self.pages))
+        self.mesh = s.mesh
+        self.ref = rows.StateRef(new_state(self.kind, self.rows, self.row_pages * self.page, self.pages, s.mesh))
         self.prefixes = PrefixCache(s, store, self.ref)
         self.scheduler = Scheduler(s, self.prefixes, self.ref, config.vocab_size)
         self.cancelled = self.scheduler.cancelled
@@ -204,7 +209,7 @@ class Server:
                     self._emit(request, int(tokens[step, row]), emit, done)
 
     def _table_row(self, request: Request) -> np.ndarray:
-        return np.asarray(self.state.table[request.row])
+        return sharding.to_host(self.state.table[request.row])  # on every process of a mesh
 
     def _emit(self, request: Request, token: int, emit, done) -> None:
         request.tokens.append(token)
@@ -226,4 +231,13 @@ class Server:
             done[request.id] = request.tokens
 
 
-__all__ = ["ServeSetup", "Server", "resolve", "server_policies"]
+def new_state(kind, rows: int, capacity: int, pages: int, mesh=None):
+    """An empty pool of ``pages`` pages for ``rows`` rows of ``capacity`` slots, made where it lives: on a mesh each
+    device allocates only its shard (its KV heads' part of every page), never the whole pool on one device."""
+    make = lambda: paged.create(kind, rows, capacity, pages)  # noqa: E731
+    if mesh is None:
+        return make()
+    return jax.jit(make, out_shardings=kind.shardings(jax.eval_shape(make), mesh))()
+
+
+__all__ = ["ServeSetup", "Server", "new_state", "resolve", "server_policies"]

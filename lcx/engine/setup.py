@@ -14,6 +14,7 @@ from typing import Any
 from lcx.cache.config import CacheConfig
 from lcx.cache.storage import FORMATS, storage_for
 from lcx.config_base import ConfigError
+from lcx.parallel import sharding
 from lcx.model.config import ModelConfig
 
 # The defaults of a served configuration, one place: ``Server``'s and ``lcx serve``'s (``ServeConfig``) read these
@@ -47,6 +48,7 @@ class ServeSetup:
     store: str | None
     reconstruction: Any = None
     settings: CacheConfig | None = None  # the cache config as given (what a store's pages are keyed by)
+    mesh: Any = None  # the device mesh the server runs on (KV heads over "model"; None: one device)
     make_store: bool = False  # a store is made (``lcx serve``: always for pages, for states only with --kv-store)
     plan: Any = None  # how the pool was sized (``lcx.plan.serving.ServePlan``), when it was
 
@@ -93,11 +95,12 @@ def _positive(name: str, value) -> None:
 def resolve(model: ModelConfig, cache: CacheConfig | None = None, *, max_num_seqs: int = MAX_NUM_SEQS,
             max_len: int = MAX_LEN, pages: int | None = None, segment: int = SEGMENT,
             prefill_chunk: int = PREFILL_CHUNK, prefix_entries: int = PREFIX_ENTRIES, store: bool = False,
-            reconstruction=None) -> ServeSetup:
+            reconstruction=None, mesh=None) -> ServeSetup:
     """The ``ServeSetup`` of these settings, or a ``ConfigError`` naming the setting, the value and what is allowed.
     ``pages``: the pool (None: every row at its largest); ``store``: a store will be passed (refused where none may
     keep anything); ``reconstruction``: KVzip's repeat prompt, or a function making it (called only when the policy
-    reconstructs)."""
+    reconstructs); ``mesh``: the device mesh (``lcx.parallel.sharding.make_mesh``; its ``model`` axis splits the KV
+    heads - replicated where it is a multiple of them - and it has no ``data`` axis)."""
     from lcx.engine.planning import cache_kind
 
     cache = cache or CacheConfig(layout="paged")
@@ -119,7 +122,10 @@ def resolve(model: ModelConfig, cache: CacheConfig | None = None, *, max_num_seq
         raise ConfigError(f"cache.policy={cache.policy!r} scores a prompt by asking the model to repeat it: pass "
                           "Server(reconstruction=...) (lcx.data.haystack.Frame(tokenizer, chat).reconstruction())")
     settings, cache = cache, CacheConfig(**(cache.to_dict() | {"prefill_chunk": prefill_chunk}))
-    kind = cache_kind(model, cache)
+    kind = cache_kind(model, cache, mesh)
+    if mesh is not None:
+        sharding.mesh_topology(model, mesh)  # a model axis that cannot split the KV heads, with the valid sizes
+        kind.check_mesh(mesh)
     # a row's slots: every token under the full policy, the policy's plan (budget + interval) under eviction
     slots = kind.plan(1, max_len, 0) if policy.evicts else max_len
     if reconstruction is not None and slots < max_len:  # it compresses a prompt once, having read it all
@@ -143,7 +149,8 @@ def resolve(model: ModelConfig, cache: CacheConfig | None = None, *, max_num_seq
                       slots=slots, row_pages=row_pages, pages=pages, segment=segment,
                       chunk=kind.prefill_chunk(prefill_chunk, max_len, row_pages * kind.page),
                       prefix_entries=0 if policy.evicts or not kind.storage.pages_hold_rows else prefix_entries,
-                      store=kept, reconstruction=reconstruction, settings=settings, make_store=bool(store))
+                      store=kept, reconstruction=reconstruction, settings=settings, make_store=bool(store),
+                      mesh=mesh)
 
 
 __all__ = ["MAX_LEN", "MAX_NUM_SEQS", "PREFILL_CHUNK", "PREFIX_ENTRIES", "SEGMENT", "STORE_PAGES", "STORE_STATES",

@@ -11,6 +11,7 @@ from typing import Any
 from lcx.service.config import ServeConfig, store_namespace
 from lcx.service.engine import Engine
 from lcx.service.idempotency import IdempotencyKeys
+from lcx.service import multihost
 from lcx.service.metrics import Metrics
 
 
@@ -18,7 +19,9 @@ from lcx.service.metrics import Metrics
 class Service:
     """What an app serves: the model (``lcx.lm.LM``), the serving loop and its engine thread, the metrics, the
     pool's plan, the idempotency keys and what the warm-up ran (``lcx.service.warmup.WarmupReport``, or None).
-    ``setup``: the resolved configuration (``lcx.engine.setup.ServeSetup``) everything was built from."""
+    ``setup``: the resolved configuration (``lcx.engine.setup.ServeSetup``) everything was built from. Across
+    processes (``lcx.service.multihost``) process 0's ``server`` is a ``Lockstep``; a follower's service has the
+    ``Server`` and no engine, metrics or keys (None)."""
 
     config: ServeConfig
     lm: Any
@@ -31,7 +34,12 @@ class Service:
     setup: Any = None
 
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:  # None on a follower process (lcx.service.multihost)
+            self.engine.close()
+        from lcx.engine.lockstep import Lockstep
+
+        if isinstance(self.server, Lockstep) and not self.engine.running:
+            self.server.close()  # the followers return (after the engine thread: the Lockstep's only caller)
 
 
 def build_service(config: ServeConfig, lm=None) -> Service:
@@ -42,12 +50,18 @@ def build_service(config: ServeConfig, lm=None) -> Service:
     from lcx.engine.scoring import Scorer
     from lcx.engine.server import Server
     from lcx.parallel.device_memory import free_bytes
+    from lcx.plan.arithmetic import weight_bytes_per_device
     from lcx.plan.inference import weight_bytes
     from lcx.service.warmup import chat_head, parse_warmup, warm_up
 
+    multihost.check(config)  # across processes: refused before the model loads
     lm = lm or lcx.load(config.model, dtype=config.dtype)
+    mesh = config.mesh(lm.config)  # --tensor-parallel-size: the weights and the pool split by KV head
+    weights = (weight_bytes(lm.config, lm.config.param_dtype) if mesh is None
+               else weight_bytes_per_device(lm.config, lm.config.param_dtype, mesh.shape["model"]))
     setup = config.resolve(lm.config, reconstruction=lambda: repeat_prompt(lm), free_bytes=free_bytes(),
-                           weight_bytes=weight_bytes(lm.config, lm.config.param_dtype))
+                           weight_bytes=weights, mesh=mesh)
+    setup = multihost.agreed(setup)  # across processes: one pool size (the smallest any process planned)
     # pages (full: the same keys and values whoever computed them) or, asked for, compressed states (a session's
     # state gives its next turn other tokens than a fresh compression: only with --kv-store)
     store = None
@@ -58,10 +72,17 @@ def build_service(config: ServeConfig, lm=None) -> Service:
     server = Server(lm.config, lm.params, eos_id=lm.eos_id, store=store, setup=setup)
     # before the engine thread and the metrics exist: the dummies leave neither a trace
     warmed = warm_up(server, parse_warmup(config.warmup), head=chat_head(lm)) if config.warmup else None
+    if not multihost.leads():  # a follower: the steps process 0 drives, no HTTP (lcx.service.multihost)
+        return Service(config=config, lm=lm, server=server, engine=None, metrics=None, plan=setup.plan, keys=None,
+                       warmup=warmed, setup=setup)
     metrics = Metrics(page_bytes=setup.plan.page_bytes, pages_total=setup.pages)
-    scorer = Scorer(lm.config, lm.params, setup.settings, eos_id=lm.eos_id, max_len=config.max_model_len,
-                    reconstruction=setup.reconstruction)
-    engine = Engine(server, lm.tokenizer, metrics, eos_id=lm.eos_id, scorer=scorer)
+    # across processes the scorer's passes would run on process 0 alone, on a mesh every process must step
+    scorer = None if multihost.spans() else Scorer(lm.config, lm.params, setup.settings, eos_id=lm.eos_id,
+                                                    max_len=config.max_model_len,
+                                                    reconstruction=setup.reconstruction, mesh=setup.mesh)
+    server = multihost.lead(server)  # across processes: its Lockstep, every step broadcast to the followers
+    engine = Engine(server, lm.tokenizer, metrics, eos_id=lm.eos_id, scorer=scorer,
+                    heartbeat=multihost.HEARTBEAT_S if multihost.spans() else None)
     return Service(config=config, lm=lm, server=server, engine=engine, metrics=metrics, plan=setup.plan,
                    keys=IdempotencyKeys(config.idempotency_ttl), warmup=warmed, setup=setup)
 

@@ -78,18 +78,29 @@ class ServeConfig:
         "are compiled and the first requests pay no compile (default: none; minutes on a CPU, printed)",
         metavar="PROMPT_TOKENS[:NEW_TOKENS][@SHARED_TOKENS],...")
     dtype: str | None = _flag(None, "parameter / compute dtype (default: the checkpoint's)")
+    tensor_parallel_size: int = _flag(
+        1, "devices the weights and the KV pool are split over, by KV head (the model axis; default {default})")
+    data_parallel_size: int = _flag(
+        1, "row groups over devices (default {default}; only 1 so far: run replicas on one --kv-store instead)")
 
     def __post_init__(self):
         for flag, value in (("--port", self.port), ("--max-num-seqs", self.max_num_seqs),
                             ("--max-model-len", self.max_model_len), ("--page-size", self.page_size),
                             ("--segment", self.segment), ("--prefill-chunk", self.prefill_chunk),
                             ("--default-max-tokens", self.default_max_tokens),
-                            ("--max-body-bytes", self.max_body_bytes), ("--max-connections", self.max_connections)):
+                            ("--max-body-bytes", self.max_body_bytes), ("--max-connections", self.max_connections),
+                            ("--tensor-parallel-size", self.tensor_parallel_size),
+                            ("--data-parallel-size", self.data_parallel_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{flag}={value!r} is invalid: must be a positive integer")
         t = self.header_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ConfigError(f"--header-timeout={t!r} is invalid: must be a positive number of seconds")
+        if self.data_parallel_size != 1:
+            # a pool per data shard (rows and their pages on one group of devices) is not built; replicas are
+            raise ConfigError(f"--data-parallel-size={self.data_parallel_size} is invalid: allowed 1 (the pool is "
+                              "split by KV head over --tensor-parallel-size devices); for more throughput run "
+                              "replicas behind a load balancer on one --kv-store")
         if self.port > 65535:
             raise ConfigError(f"--port={self.port} is invalid: must be in 1 .. 65535")
         if self.kv_memory is not None and self.gpu_memory_utilization is not None:
@@ -122,19 +133,32 @@ class ServeConfig:
                               f"a cache type of its own); allowed: {', '.join(allowed)}")
         return cache
 
-    def resolve(self, model, *, reconstruction=None, free_bytes: int | None = None, weight_bytes: int = 0):
+    def mesh(self, model, devices=None):
+        """The device mesh of ``--tensor-parallel-size`` for ``model`` (None: one device); ``devices``: the
+        process's devices (None: ``jax.devices()``)."""
+        from lcx.plan.serving import tensor_parallel_mesh
+
+        if self.tensor_parallel_size == 1:
+            return None
+        import jax
+
+        return tensor_parallel_mesh(model, self.tensor_parallel_size, jax.devices() if devices is None else devices)
+
+    def resolve(self, model, *, reconstruction=None, free_bytes: int | None = None, weight_bytes: int = 0,
+                mesh=None):
         """The one ``lcx.engine.setup.ServeSetup`` these options describe for ``model`` (a ``ModelConfig``): the
         cache config, its policy and kind, what a store may keep, the pool (``lcx.plan.serving``: ``--kv-memory``,
         else ``--gpu-memory-utilization`` of ``free_bytes`` less ``weight_bytes``, else every row at its largest;
         the plan in ``setup.plan``). ``reconstruction``: KVzip's repeat prompt or a function making it (called only
-        for a policy that reconstructs). Errors name the flag."""
+        for a policy that reconstructs); ``mesh``: ``self.mesh(model)`` (budgets and ``weight_bytes`` are then
+        per device). Errors name the flag."""
         from lcx.engine.setup import prefix_formats, resolve
         from lcx.plan.serving import pool_plan
 
         cache = self.cache()
         setup = resolve(model, cache, max_num_seqs=self.max_num_seqs, max_len=self.max_model_len,
                         segment=self.segment, prefill_chunk=self.prefill_chunk, prefix_entries=self.prefix_entries,
-                        reconstruction=reconstruction)
+                        reconstruction=reconstruction, mesh=mesh)
         if self.kv_store is not None and setup.store is None:
             if not setup.pages_hold_rows:
                 raise ConfigError(f"--kv-store with --kv-dtype {cache.kv_dtype}: this format keeps part of each "

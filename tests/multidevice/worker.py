@@ -5,6 +5,7 @@ before jax starts: ``python tests/multidevice/worker.py SCENARIO JSON_ARGS``. Th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -380,8 +381,109 @@ def context_parallel(directory: str) -> dict:
     return out
 
 
+def serve_mesh(cases: list[dict], directory: str) -> dict:
+    """``lcx serve``'s Server on a tensor-parallel mesh (``--tensor-parallel-size``) against one device, per case
+    ``{name, impl, n_kv_heads, n_heads, d_model, model_axis, cache}``: the tokens of 8 ragged requests (4 rows, so
+    rows are reused), the pool's global / per-device shapes and bytes, the planner's pool for the same budget, and the
+    compiled decode segment's HLO (written to ``directory``)."""
+    from lcx.engine.server import Server
+    from lcx.engine.setup import resolve
+    from lcx.plan.serving import pool_plan, serve_plan, tensor_parallel_mesh
+
+    out = {}
+    for case in cases:
+        config = dataclasses.replace(tiny(case["impl"], case["n_kv_heads"], case["n_heads"], case["d_model"]),
+                                     d_ff=case.get("d_ff", 128))
+        params = lcx.init_params(config, jax.random.key(0))
+        cache = lcx.CacheConfig(layout="paged", **case["cache"])
+        budget = 40 * 1024  # per device: fewer pages than every row at its largest, so the budget decides
+        kw = dict(max_num_seqs=4, max_len=48, segment=4, prefill_chunk=16)
+
+        def served(mesh):
+            setup = resolve(config, cache, mesh=mesh, **kw)
+            setup = dataclasses.replace(setup, pages=pool_plan(setup, kv_memory=budget).pages)
+            server = Server(config, params, setup=setup)
+            ids = [server.submit(p, 6) for p in prompts()]
+            got = server.run()
+            return [list(map(int, got[i])) for i in ids], server
+
+        ref, _ = served(None)
+        mesh = tensor_parallel_mesh(config, case["model_axis"], jax.devices())
+        tokens, server = served(mesh)
+        plan = serve_plan(config, cache, max_num_seqs=kw["max_num_seqs"], max_model_len=kw["max_len"],
+                          kv_memory=budget, tensor_parallel_size=case["model_axis"])
+        state = server.state
+        pool = [n for n, f in server.kind.fields().items() if "pages" in f.axes and f.role == "kv"]
+        # the compiled decode segment, as the server calls it (its cache narrowed to the rows' pages)
+        b = server.rows
+        rows_ = lambda dtype: sharding.put(np.zeros(b, dtype), sharding.replicated(mesh))  # noqa: E731
+        with sharding.use_mesh(mesh):
+            text = server.programs.serve_segment.lower(
+                server.runner.params, state, rows_(np.int32), rows_(bool), rows_(np.int32), rows_(bool),
+                jax.tree.map(lambda x: sharding.put(np.asarray(x), sharding.replicated(mesh)), server.sampling),
+                rows_(np.int32), n_steps=4, sampled=False).compile().as_text()
+        path = Path(directory) / f"{case['name']}.hlo.txt"
+        path.write_text(text)
+        out[case["name"]] = {
+            "tokens": tokens, "ref_tokens": ref, "pages": server.pages, "plan_pages": plan.pages,
+            "plan_page_bytes": plan.page_bytes, "hlo": str(path),
+            "pool": {n: {"global": list(getattr(state, n).shape),
+                         "shard": list(getattr(state, n).addressable_shards[0].data.shape),
+                         "shard_bytes": int(getattr(state, n).addressable_shards[0].data.nbytes),
+                         "bytes": int(getattr(state, n).nbytes),
+                         "spec": [None if a is None else str(a) for a in getattr(state, n).sharding.spec]}
+                     for n in pool}}
+    return out
+
+
+def serve_lockstep(new_tokens: int = 6, model_axis: int = 8) -> dict:
+    """``lcx serve`` across processes (``lcx.engine.lockstep``): every process builds the same Server on a tensor-
+    parallel mesh over all processes' devices; process 0 submits 8 ragged prompts (4 rows: rows are reused) and one
+    more that its ``on_token`` cancels at its second token, the others ``follow``. Process 0 reports the tokens, the
+    cancelled ids and the steps, and one local device's Server's tokens for the same prompts (after the followers
+    returned: nothing spans processes then)."""
+    import time
+
+    from lcx.engine.lockstep import Lockstep, follow
+    from lcx.engine.server import Server
+    from lcx.plan.serving import tensor_parallel_mesh
+
+    config = tiny("xla", 8)
+    params = lcx.init_params(config, jax.random.key(0))
+    cache = lcx.CacheConfig(layout="paged")
+    kw = dict(max_num_seqs=4, max_len=48, segment=4, prefill_chunk=16)
+    mesh = tensor_parallel_mesh(config, model_axis, jax.devices())
+    t0 = time.perf_counter()
+    server = Server(config, params, cache=cache, mesh=mesh, **kw)
+    if jax.process_index() != 0:
+        follow(server)
+        return {}
+    lead = Lockstep(server)
+    ids = [lead.submit(p, new_tokens) for p in prompts()]
+    stopped = lead.submit(prompts()[0], new_tokens)
+    seen: dict[int, int] = {}
+
+    def on_token(request_id: int, token: int) -> None:
+        seen[request_id] = seen.get(request_id, 0) + 1
+        if request_id == stopped and seen[request_id] == 2:
+            lead.cancel(request_id)  # deferred to the step's end, as a stop string is
+
+    got = lead.run(on_token)
+    lead.close()
+    elapsed = time.perf_counter() - t0
+    ref_server = Server(config, params, cache=cache, **kw)  # one device (this process's first)
+    ref_ids = [ref_server.submit(p, new_tokens) for p in prompts()]
+    ref = ref_server.run()
+    return {"processes": jax.process_count(), "devices": len(jax.devices()), "mesh": dict(mesh.shape),
+            "tokens": [list(map(int, got[i])) for i in ids], "ref_tokens": [list(map(int, ref[i])) for i in ref_ids],
+            "stopped": {"id": stopped, "in_result": stopped in got, "streamed": seen.get(stopped, 0),
+                        "cancelled": sorted(lead.server.cancelled)},
+            "lockstep_s": round(elapsed, 1)}
+
+
 SCENARIOS = {f.__name__: f for f in (parity, hybrid_parity, topology_error, decode_hlo, checkpoint_save,
-                                     checkpoint_restore, generate_tokens, train_sharded, context_parallel)}
+                                     checkpoint_restore, generate_tokens, train_sharded, context_parallel,
+                                     serve_mesh, serve_lockstep)}
 
 if __name__ == "__main__":
     result = SCENARIOS[sys.argv[1]](**json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}"))
