@@ -64,6 +64,17 @@ def padded_head_dim(d: int) -> int:
     return max(16, pl.next_power_of_2(d))
 
 
+DEFAULT_SMS = 132  # an H100 / H200: the count assumed where no GPU says its own (CPU, lowering for CUDA from one)
+
+
+def target_programs(waves: int = 2) -> int:
+    """Programs a split-K decode kernel aims for: ``waves`` waves of the GPU's streaming multiprocessors (a jax GPU
+    device's ``core_count``), so that a batch-1 step still fills the chip; ``waves x DEFAULT_SMS`` elsewhere."""
+    device = jax.devices()[0]
+    sms = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return waves * (sms if isinstance(sms, int) and sms > 0 else DEFAULT_SMS)
+
+
 def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
     """Zero-pad ``axis`` of ``x`` to ``size`` (no copy when it already has that size)."""
     if x.shape[axis] == size:

@@ -30,21 +30,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from lcx.kernels.common import (LN2, combine_splits, fit_block, online_softmax, online_update, pad_axis,
-                                padded_head_dim, row_ints, scaled_logits)
+                                padded_head_dim, row_ints, scaled_logits, target_programs)
 from lcx.kernels.mode import pallas_call_kwargs
 from lcx.kernels.reference import decode_attention_reference
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
-    """Cache tile per loop step, number of splits (None: enough programs for ~2 waves on a 132-SM GPU).
+    """Cache tile per loop step, number of splits (None: enough programs for ``target_programs``, whose None is ~2
+    waves of the GPU's SMs: ``lcx.kernels.common.target_programs``).
 
     ``block_sizes=None`` in :func:`decode_attention` uses ``block_k=128``, or 64 for 4-byte caches. Untuned on hardware.
     """
 
     block_k: int = 128
     num_splits: int | None = None
-    target_programs: int = 264
+    target_programs: int | None = None
     num_warps: int = 4
     num_stages: int = 2
 
@@ -155,7 +156,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, valid: jax.Arr
     dp = padded_head_dim(d)
     bk = fit_block(bs.block_k, s)
     n_tiles = -(-s // bk)
-    n_splits = _num_splits(n_tiles, bs.num_splits or -(-bs.target_programs // (b * kvh)))
+    n_splits = _num_splits(n_tiles, bs.num_splits or -(-(bs.target_programs or target_programs()) // (b * kvh)))
     s_pad = n_tiles * bk
     rows = max(16, pl.next_power_of_2(g))
     st = _Static(block_k=bk, split_len=s_pad // n_splits, rows=rows, score_rows=pl.next_power_of_2(g),

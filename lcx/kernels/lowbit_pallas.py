@@ -40,14 +40,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lcx.kernels.attended import Attended
-from lcx.kernels.common import LN2, LOG2E, combine_splits, merge_partials, online_softmax, online_update, pad_axis
+from lcx.kernels.common import (LN2, LOG2E, combine_splits, merge_partials, online_softmax, online_update, pad_axis,
+                               target_programs)
 from lcx.kernels.lowbit import LOWBIT
 from lcx.kernels.lowbit_decode import LowbitKV
 from lcx.kernels.mode import pallas_call_kwargs, resolve_interpret
 from lcx.kernels.reference import capped
 
 _F32 = jnp.float32
-TARGET_PROGRAMS = 264  # ~2 waves of a 132-SM GPU, as the float decode kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +133,7 @@ def decode_lowbit_tiles(q: jax.Array, k: jax.Array, v: jax.Array, kv: LowbitKV, 
     padded = groups * G  # C': the key codes' slots
     g = heads // kv_heads
     rows = max(16, pl.next_power_of_2(g))
-    want = num_splits or -(-TARGET_PROGRAMS // (b * kv_heads))
+    want = num_splits or -(-target_programs() // (b * kv_heads))  # ~2 waves of the GPU's SMs, as the float kernel
     n_splits = max(n for n in range(1, min(want, groups) + 1) if groups % n == 0)
     value_groups = kv.v_scale.shape[-1]
     st = _Static(group=G, split_len=padded // n_splits, rows=rows, sm_scale=float(sm_scale), softcap=None if softcap is None else float(softcap), bits=bits,
