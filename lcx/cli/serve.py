@@ -1,5 +1,7 @@
 """``lcx serve MODEL``: the OpenAI-compatible service (``lcx.service``) on uvicorn. The flags are
-``lcx.service.config.ServeConfig``'s fields (``add_flags``): their names, defaults and help are declared there once."""
+``lcx.service.config.ServeConfig``'s fields (``add_flags``): their names, defaults and help are declared there once.
+Across processes (``LCX_COORDINATOR`` ... set in each): process 0 serves, the others follow its steps
+(``lcx.service.multihost``)."""
 
 from __future__ import annotations
 
@@ -29,16 +31,26 @@ def config_of(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     import logging
+    import os
 
+    from lcx.parallel import distributed
+    from lcx.service import multihost
     from lcx.service.compose import build_service
     from lcx.service.run import serve
 
+    # LCX_COORDINATOR / LCX_NUM_PROCESSES / LCX_PROCESS_ID: one server across processes (before any device is used)
+    distributed.initialize_from_env()
     config = config_of(args)
     config.cache()  # a policy the server cannot run: refused before the model loads
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if config.warmup:
         print(f"lcx serve: warming up --warmup {config.warmup} once the model is loaded", flush=True)
     service = build_service(config)
+    if not multihost.leads():  # process 1 ..: process 0 serves HTTP; this one runs the same steps until it closes
+        print(f"lcx serve: process {os.environ.get('LCX_PROCESS_ID', '?')} follows process 0's steps", flush=True)
+        steps = multihost.follow(service.server)
+        print(f"lcx serve: process 0 closed after {steps} steps", flush=True)
+        return 0
     if service.warmup is not None:
         print(f"lcx serve: {service.warmup.line()}", flush=True)
     for line in service.plan.lines():

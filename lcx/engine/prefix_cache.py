@@ -26,6 +26,7 @@ import numpy as np
 
 from lcx.engine import rows, store_io
 from lcx.engine.kv_store import chain, salted
+from lcx.parallel import sharding
 
 
 @dataclasses.dataclass
@@ -201,7 +202,7 @@ class PrefixCache:
         if self.evicts:
             self.store.put_state(held, store_io.snapshot(self.ref.state, row), salt)
         else:
-            self.spill(held, np.asarray(self.ref.state.table[row]), salt)
+            self.spill(held, sharding.to_host(self.ref.state.table[row]), salt)
 
 
 __all__ = ["Entry", "PrefixCache"]

@@ -168,7 +168,7 @@ class Runner:
             return state, read, ending, np.zeros(0, np.int32)
         picked = jnp.asarray([reading[i].row for i in ending], jnp.int32)
         first = _first_tokens(logits[jnp.asarray(ending)], jax.tree.map(lambda x: jnp.asarray(x)[picked], sampling))
-        return state, read, ending, np.asarray(first)
+        return state, read, ending, sharding.to_host(first)
 
     def decode_rows(self, setup, state, decoding: dict, sampling) -> tuple[Any, np.ndarray, np.ndarray]:
         """One decode segment (``setup.segment`` steps) of the requests ``decoding`` (row -> request past its
@@ -189,7 +189,8 @@ class Runner:
                 self.params, narrow, self.put(token), self.put(active), self.put(left), self.put(eos_stops),
                 jax.tree.map(self.put, sampling), self.put(steps), n_steps=setup.segment,
                 sampled=bool(np.any(sampling.temperature[active] > 0)))  # all greedy: the argmax-only program
-        return self.kind.sync(_widened(narrow, wide)), np.asarray(tokens), np.asarray(emitted)
+        # to_host: on a mesh across processes every process reads the whole (replicated) tokens - the same host steps
+        return self.kind.sync(_widened(narrow, wide)), sharding.to_host(tokens), sharding.to_host(emitted)
 
 
 def width(setup, tokens: int) -> int:

@@ -12,7 +12,8 @@ start. The answer is then that of a session that kept its compressed cache acros
 state=...)`` continues one - not the answer of compressing the whole history afresh.
 
 Array names: ``page.<buffer>`` ``[L, n, ...]`` (the row's ``n`` held pages, in order) and ``row.<buffer>`` (the
-per-row buffers of a batch of one).
+per-row buffers of a batch of one). Reads go through ``sharding.to_host``: on a mesh across processes each process
+holds only its heads' part of a page, and every process reads the whole (a collective; lockstep serving).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 
 from lcx.engine import rows
 from lcx.engine.prompt_end import pl2
+from lcx.parallel import sharding
 
 
 def load_pages(state, row: int, n_pages: int, arrays: dict[str, np.ndarray]):
@@ -41,19 +43,20 @@ def store_pages(state, store, tokens: np.ndarray, pages, salt: str | None = None
     if not missing:
         return
     ids = rows.padded([int(pages[i]) for i in missing], fill=0)
-    arrays = {n: np.asarray(rows.take_pages(getattr(state, n), ids))[:, :len(missing)] for n in rows.kv_names(state)}
+    arrays = {n: sharding.to_host(rows.take_pages(getattr(state, n), ids))[:, :len(missing)]
+              for n in rows.kv_names(state)}
     store.put(tokens[:n_pages * page], missing, arrays, salt)
 
 
 def snapshot(state, row: int) -> dict[str, np.ndarray]:
     """Row ``row``'s compressed state: its held pages' contents and its per-row buffers."""
     one = rows.gather(state, jnp.asarray([row], jnp.int32))
-    table = np.asarray(one.table[0])
+    table = sharding.to_host(one.table[0])
     held = [int(p) for p in table if p >= 0]
     ids = rows.padded(held, fill=0)
-    out = {f"page.{n}": np.asarray(rows.take_pages(getattr(state, n), ids))[:, :len(held)]
+    out = {f"page.{n}": sharding.to_host(rows.take_pages(getattr(state, n), ids))[:, :len(held)]
            for n in rows.kv_names(state)}
-    return out | {f"row.{n}": np.asarray(x) for n, x in rows.rows_of(one).items() if n != "table"}
+    return out | {f"row.{n}": sharding.to_host(x) for n, x in rows.rows_of(one).items() if n != "table"}
 
 
 def fits(state, arrays: dict[str, np.ndarray]) -> bool:

@@ -105,9 +105,12 @@ class Engine:
     """The engine thread around ``server``; ``tokenizer`` decodes; ``metrics`` (``lcx.service.metrics.Metrics``)
     is updated after every step. ``draining``: set on SIGTERM (the app answers new requests 503)."""
 
-    def __init__(self, server: Server, tokenizer, metrics, *, eos_id: int | None, scorer: Scorer | None = None):
+    def __init__(self, server: Server, tokenizer, metrics, *, eos_id: int | None, scorer: Scorer | None = None,
+                 heartbeat: float | None = None):
         self.server, self.tokenizer, self.metrics, self.eos_id = server, tokenizer, metrics, eos_id
-        self.scorer = scorer  # for requests that want log-probabilities (refused at parsing without one)
+        self.scorer = scorer  # for requests that want log-probabilities (without one they end with an error)
+        # seconds idle before ``server.sync()`` (a ``Lockstep``'s heartbeat: the followers wait in a collective)
+        self.heartbeat = heartbeat
         self._cv = threading.Condition()
         self._pending: list[tuple[str, Generation]] = []
         self._by_request: dict[int, Generation] = {}
@@ -135,6 +138,11 @@ class Engine:
         with self._cv:
             return not self._pending and not self._by_request
 
+    @property
+    def running(self) -> bool:
+        """The engine thread is alive (``close`` may time out on a step that does not end)."""
+        return self._thread.is_alive()
+
     def close(self, timeout: float = 10.0) -> None:
         with self._cv:
             self._closed = True
@@ -146,12 +154,15 @@ class Engine:
         while True:
             with self._cv:
                 while not self._pending and not self.server.busy and not self._closed:
-                    self._cv.wait()
+                    if not self._cv.wait(self.heartbeat):  # timed out: only with a heartbeat
+                        break
                 if self._closed:
                     break
                 commands, self._pending = self._pending, []
             for what, gen in commands:
                 self._apply(what, gen)
+            if not self.server.busy and self.heartbeat is not None:
+                self.server.sync()  # what changed (a cancel) or nothing: the followers hear from process 0
             if self.server.busy:
                 try:
                     done = self.server.step(self._on_token)
@@ -244,6 +255,10 @@ class Engine:
         """Score ``gen``'s prompt + tokens into ``gen.scored``; False if that failed (this request's failure, not
         the loop's: it ends with an error, the others go on)."""
         ids = list(gen.prompt) + list(gen.tokens)
+        if self.scorer is None:
+            log.error("request %s wants log-probabilities: this server has no scorer (lcx serve across processes "
+                      "scores nothing yet)", gen.id)
+            return False
         if len(ids) < 2:  # a one-token prompt and nothing generated: no conditional probability to report
             gen.scored = Scored(np.zeros(0, np.float32), np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int32))
             return True
