@@ -66,6 +66,21 @@ def test_sharding_every_parameter_axis_has_a_rule():
     assert set(LOGICAL_AXES) <= set(sharding.LOGICAL_RULES)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_sharding_every_cache_buffer_axis_has_a_rule(layout):
+    """Every storage format's buffers, in both layouts, under the full and an evicting policy, can be placed on a
+    mesh (a format whose axes had no rule - fp4's, the bit-packed pages' - failed only when a mesh was used)."""
+    from lcx.cache.storage import FORMATS
+
+    model = tiny(n_kv_heads=2, n_heads=4)
+    for kv_dtype in [None, *FORMATS]:
+        for policy in ({}, {"policy": "h2o", "budget": 16}):
+            extra = {"kv_group": 16, "page_size": 16} if kv_dtype in ("int4", "int2") else {}
+            kind = lcx.CacheConfig(layout=layout, kv_dtype=kv_dtype, **policy, **extra).kind(model)
+            axes = {a for f in kind.fields().values() for a in f.axes}
+            assert axes <= set(sharding.LOGICAL_RULES), (layout, kv_dtype, policy, axes - set(sharding.LOGICAL_RULES))
+
+
 # --------------------------------------------------------------------------------------------------- params
 def test_sharding_param_specs_split_heads_and_mlp_over_model():
     specs = placement.param_specs(tiny(), abstract_mesh(2, 4))

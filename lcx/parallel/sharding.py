@@ -83,6 +83,10 @@ LOGICAL_RULES: Mapping[str, str | None] = types.MappingProxyType({
     "pages": None,
     "page": None,
     "row_pages": None,
+    "packed_page": None,  # a bit-packed pool's key code bytes of a page, and its key-scale rows
+    "page_groups": None,
+    "fp4_codes": None,  # fp4's code bytes and scale blocks per token and KV head (lcx.cache.storage.fp4)
+    "fp4_blocks": None,
 })
 # Dimensions of these logical axes are replicated when their size does not divide the mesh axis (a shared keep set).
 REPLICATE_IF_INDIVISIBLE = frozenset({"keep_heads"})
