@@ -79,6 +79,14 @@ class PrefixCache:
         holders = set(self._holders[keys[n - 1]])
         return next(k for k in self.entries if k in holders), n
 
+    def kept_pages_of(self, tokens, salt: str | None = None) -> int:
+        """How many leading whole pages of ``tokens`` (under ``salt``) a kept prefix holds: what routing a request
+        to the replica that already has its history reads (``lcx.engine.server_group``)."""
+        keys, n = self.keys(np.asarray(tokens, np.int32)[:max(len(tokens) - 1, 0)], salt), 0
+        while n < len(keys) and keys[n] in self._holders:
+            n += 1
+        return n
+
     def entry(self, tokens, salt: str | None = None) -> Entry | None:
         """The entry kept for exactly the whole pages ``tokens`` (under ``salt``), or None."""
         keys = self.keys(np.asarray(tokens, np.int32), salt)

@@ -49,6 +49,7 @@ def build_service(config: ServeConfig, lm=None) -> Service:
     from lcx.engine.kv_store import PageStore
     from lcx.engine.scoring import Scorer
     from lcx.engine.server import Server
+    from lcx.engine.server_group import ServerGroup
     from lcx.parallel.device_memory import free_bytes
     from lcx.plan.arithmetic import weight_bytes_per_device
     from lcx.plan.inference import weight_bytes
@@ -56,7 +57,9 @@ def build_service(config: ServeConfig, lm=None) -> Service:
 
     multihost.check(config)  # across processes: refused before the model loads
     lm = lm or lcx.load(config.model, dtype=config.dtype)
-    mesh = config.mesh(lm.config)  # --tensor-parallel-size: the weights and the pool split by KV head
+    # --tensor-parallel-size: the weights and the pool split by KV head; --data-parallel-size: replicas of that
+    meshes = config.meshes(lm.config)
+    mesh = meshes[0]
     weights = (weight_bytes(lm.config, lm.config.param_dtype) if mesh is None
                else weight_bytes_per_device(lm.config, lm.config.param_dtype, mesh.shape["model"]))
     setup = config.resolve(lm.config, reconstruction=lambda: repeat_prompt(lm), free_bytes=free_bytes(),
@@ -69,13 +72,17 @@ def build_service(config: ServeConfig, lm=None) -> Service:
         store = PageStore(store_namespace(lm.params, setup.settings, lm.config), page=setup.page,
                           host_bytes=config.host_store_bytes, directory=config.kv_store,
                           disk_bytes=config.kv_store_bytes)
-    server = Server(lm.config, lm.params, eos_id=lm.eos_id, store=store, setup=setup)
+    replicas = [Server(lm.config, lm.params, eos_id=lm.eos_id, store=store,
+                       setup=dataclasses.replace(setup, mesh=m)) for m in meshes]  # one store: keys are the model's
     # before the engine thread and the metrics exist: the dummies leave neither a trace
-    warmed = warm_up(server, parse_warmup(config.warmup), head=chat_head(lm)) if config.warmup else None
+    warmed = None
+    for replica in replicas if config.warmup else []:
+        warmed = warm_up(replica, parse_warmup(config.warmup), head=chat_head(lm))
+    server = replicas[0] if len(replicas) == 1 else ServerGroup(replicas)
     if not multihost.leads():  # a follower: the steps process 0 drives, no HTTP (lcx.service.multihost)
         return Service(config=config, lm=lm, server=server, engine=None, metrics=None, plan=setup.plan, keys=None,
                        warmup=warmed, setup=setup)
-    metrics = Metrics(page_bytes=setup.plan.page_bytes, pages_total=setup.pages)
+    metrics = Metrics(page_bytes=setup.plan.page_bytes, pages_total=setup.pages * len(replicas))
     # across processes the scorer's passes would run on process 0 alone, on a mesh every process must step
     scorer = None if multihost.spans() else Scorer(lm.config, lm.params, setup.settings, eos_id=lm.eos_id,
                                                     max_len=config.max_model_len,

@@ -81,7 +81,8 @@ class ServeConfig:
     tensor_parallel_size: int = _flag(
         1, "devices the weights and the KV pool are split over, by KV head (the model axis; default {default})")
     data_parallel_size: int = _flag(
-        1, "row groups over devices (default {default}; only 1 so far: run replicas on one --kv-store instead)")
+        1, "replicas, each on its own --tensor-parallel-size devices with a KV pool of its own; a request goes to "
+        "the one holding its prompt's pages, else the least loaded (default {default})")
 
     def __post_init__(self):
         for flag, value in (("--port", self.port), ("--max-num-seqs", self.max_num_seqs),
@@ -96,11 +97,6 @@ class ServeConfig:
         t = self.header_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ConfigError(f"--header-timeout={t!r} is invalid: must be a positive number of seconds")
-        if self.data_parallel_size != 1:
-            # a pool per data shard (rows and their pages on one group of devices) is not built; replicas are
-            raise ConfigError(f"--data-parallel-size={self.data_parallel_size} is invalid: allowed 1 (the pool is "
-                              "split by KV head over --tensor-parallel-size devices); for more throughput run "
-                              "replicas behind a load balancer on one --kv-store")
         if self.port > 65535:
             raise ConfigError(f"--port={self.port} is invalid: must be in 1 .. 65535")
         if self.kv_memory is not None and self.gpu_memory_utilization is not None:
@@ -133,16 +129,26 @@ class ServeConfig:
                               f"a cache type of its own); allowed: {', '.join(allowed)}")
         return cache
 
-    def mesh(self, model, devices=None):
-        """The device mesh of ``--tensor-parallel-size`` for ``model`` (None: one device); ``devices``: the
-        process's devices (None: ``jax.devices()``)."""
+    def meshes(self, model, devices=None) -> list:
+        """One device mesh per replica: ``--data-parallel-size`` of them, each of ``--tensor-parallel-size``
+        consecutive devices of ``devices`` (None: ``jax.devices()``); ``[None]`` for one device."""
+        from lcx.parallel import sharding
         from lcx.plan.serving import tensor_parallel_mesh
 
-        if self.tensor_parallel_size == 1:
-            return None
+        d, m = self.data_parallel_size, self.tensor_parallel_size
+        if d * m == 1:
+            return [None]
         import jax
 
-        return tensor_parallel_mesh(model, self.tensor_parallel_size, jax.devices() if devices is None else devices)
+        devices = list(jax.devices() if devices is None else devices)
+        if d * m > len(devices):
+            raise ConfigError(f"--data-parallel-size={d} x --tensor-parallel-size={m} = {d * m} devices, but "
+                              f"{len(devices)} are available")
+        if d == 1:
+            return [tensor_parallel_mesh(model, m, devices)]
+        group = lambda i: devices[i * m:(i + 1) * m]  # noqa: E731
+        return [tensor_parallel_mesh(model, m, group(i)) if m > 1 else sharding.make_mesh(1, 1, devices=group(i))
+                for i in range(d)]
 
     def resolve(self, model, *, reconstruction=None, free_bytes: int | None = None, weight_bytes: int = 0,
                 mesh=None):
@@ -150,8 +156,8 @@ class ServeConfig:
         cache config, its policy and kind, what a store may keep, the pool (``lcx.plan.serving``: ``--kv-memory``,
         else ``--gpu-memory-utilization`` of ``free_bytes`` less ``weight_bytes``, else every row at its largest;
         the plan in ``setup.plan``). ``reconstruction``: KVzip's repeat prompt or a function making it (called only
-        for a policy that reconstructs); ``mesh``: ``self.mesh(model)`` (budgets and ``weight_bytes`` are then
-        per device). Errors name the flag."""
+        for a policy that reconstructs); ``mesh``: one of ``self.meshes(model)`` (budgets and ``weight_bytes`` are
+        then per device). Errors name the flag."""
         from lcx.engine.setup import prefix_formats, resolve
         from lcx.plan.serving import pool_plan
 

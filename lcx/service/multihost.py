@@ -39,6 +39,9 @@ def check(config) -> None:
     if config.tensor_parallel_size != devices:
         raise ConfigError(f"--tensor-parallel-size={config.tensor_parallel_size} is invalid across {n} processes: "
                           f"the mesh must hold every process's devices (allowed: {devices}, all of them)")
+    if config.data_parallel_size != 1:
+        raise ConfigError(f"--data-parallel-size={config.data_parallel_size} is invalid across {n} processes: the "
+                          "processes step one server together (allowed: 1)")
     if config.kv_store is not None:
         raise ConfigError(f"--kv-store={config.kv_store!r} is not served across processes yet: each process would "
                           "read and write its own copy and their steps would differ (allowed: none; the host "

@@ -1,7 +1,9 @@
 """``lcx serve --tensor-parallel-size M``: the Server's page pool split by KV head over the model axis of 8 fake CPU
 devices gives one device's greedy tokens (full, an evicting policy, an 8-bit pool; SmolLM2's 3 KV heads on 3
 devices), each device holds 1/M of the pool's bytes, the planner's pool is the one the server allocates, and the
-compiled decode segment neither copies a layer's pages nor moves them between devices.
+compiled decode segment neither copies a layer's pages nor moves them between devices. With
+``--data-parallel-size 2`` (tensor parallel 4 x data 2): two replicas, each with its pool on its own 4 devices, give
+the same tokens.
 
 Fake devices prove correctness and layout only: they share two CPU cores, so no speed is measured here."""
 
@@ -78,3 +80,10 @@ def test_serve_mesh_refuses_a_size_that_cannot_split_the_kv_heads():
 
     with pytest.raises(ConfigError, match=r"--tensor-parallel-size=4 .*allowed \[1, 3, 9\]"):
         tensor_parallel_mesh(tiny("xla", 3, 9, 72), 4)
+
+
+def test_serve_mesh_tensor_parallel_4_by_data_parallel_2_gives_one_devices_tokens(run_worker):
+    got = run_worker("serve_replicas", data=2, model=4)[0]
+    assert got["tokens"] == got["ref_tokens"]
+    assert got["devices"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # a pool per data shard, on its own devices
+    assert all(n > 0 for n in got["served"])  # both replicas served requests

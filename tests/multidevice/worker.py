@@ -481,9 +481,35 @@ def serve_lockstep(new_tokens: int = 6, model_axis: int = 8) -> dict:
             "lockstep_s": round(elapsed, 1)}
 
 
+def serve_replicas(data: int, model: int) -> dict:
+    """``lcx serve --data-parallel-size data --tensor-parallel-size model`` as ``build_service`` makes it
+    (``ServeConfig.meshes`` -> one ``Server`` per replica -> a ``ServerGroup``): tokens of 8 ragged requests against
+    one device's Server, and which devices each replica's pool is on."""
+    from lcx.engine.server import Server
+    from lcx.engine.server_group import ServerGroup
+    from lcx.engine.setup import resolve
+    from lcx.service.config import ServeConfig
+
+    config = tiny("xla", 4)
+    params = lcx.init_params(config, jax.random.key(0))
+    cache = lcx.CacheConfig(layout="paged")
+    kw = dict(max_num_seqs=4, max_len=48, segment=4, prefill_chunk=16)
+    one = Server(config, params, cache=cache, **kw)
+    ids = [one.submit(p, 6) for p in prompts()]
+    ref = one.run()
+    meshes = ServeConfig(model="tiny", data_parallel_size=data, tensor_parallel_size=model).meshes(config)
+    setup = resolve(config, cache, mesh=meshes[0], **kw)
+    group = ServerGroup([Server(config, params, setup=dataclasses.replace(setup, mesh=m)) for m in meshes])
+    gids = [group.submit(p, 6) for p in prompts()]
+    got = group.run()
+    return {"tokens": [list(map(int, got[i])) for i in gids], "ref_tokens": [list(map(int, ref[i])) for i in ids],
+            "devices": [sorted(d.id for d in s.state.k.sharding.device_set) for s in group.servers],
+            "served": [s.prefill_tokens for s in group.servers]}
+
+
 SCENARIOS = {f.__name__: f for f in (parity, hybrid_parity, topology_error, decode_hlo, checkpoint_save,
                                      checkpoint_restore, generate_tokens, train_sharded, context_parallel,
-                                     serve_mesh, serve_lockstep)}
+                                     serve_mesh, serve_replicas, serve_lockstep)}
 
 if __name__ == "__main__":
     result = SCENARIOS[sys.argv[1]](**json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}"))
