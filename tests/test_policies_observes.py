@@ -102,8 +102,16 @@ def test_policies_observes_prefill_and_teacher_forcing_queries():
 
 
 def test_mesh_capability_comes_from_the_kind():
-    """Which cache types run on a device mesh is the kind's ``shardable`` flag, not a list of names in Generator."""
-    assert CacheConfig().kind(CFG).shardable
-    assert CacheConfig(policy="tova", budget=16).kind(CFG).shardable
-    assert not CacheConfig(layout="paged").kind(CFG).shardable
-    assert not CacheConfig(layout="paged", policy="tova", budget=16).kind(CFG).shardable
+    """Which cache types run on a device mesh is the kind's ``shardable`` flag and ``check_mesh``, not a list of names
+    in Generator: the paged kinds split their pool by KV head over "model" and refuse a "data" axis."""
+    from lcx.config_base import ConfigError
+    from lcx.parallel.sharding import abstract_mesh
+
+    for cache in (CacheConfig(), CacheConfig(policy="tova", budget=16), CacheConfig(layout="paged"),
+                  CacheConfig(layout="paged", policy="tova", budget=16)):
+        assert cache.kind(CFG).shardable
+        cache.kind(CFG).check_mesh(abstract_mesh(1, 2))
+    CacheConfig().kind(CFG).check_mesh(abstract_mesh(2, 1))
+    for cache in (CacheConfig(layout="paged"), CacheConfig(layout="paged", policy="tova", budget=16)):
+        with pytest.raises(ConfigError, match="mesh data=2: a paged cache"):
+            cache.kind(CFG).check_mesh(abstract_mesh(2, 1))

@@ -62,6 +62,31 @@ def spawn():
 
 
 @pytest.fixture(scope="session")
+def once(tmp_path_factory):
+    """``once(key, make)``: ``make(directory)`` (a JSON result; ``directory`` for its files) computed by one
+    pytest-xdist worker of this session and read back by the others. A module's tests split over two workers would
+    otherwise each start the same multi-device scenario (a module-scoped fixture is per worker): that doubled the
+    slowest scenarios' cost in the suite. A file lock in the directory the session's workers share orders them."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory, above each worker's own
+
+    def get(key: str, make):
+        path = root / f"once-{key}.json"
+        with open(root / f"once-{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():  # a make that failed wrote nothing: the next worker tries (and fails) again
+                directory = root / f"once-{key}"
+                directory.mkdir(exist_ok=True)
+                path.write_text(json.dumps(make(directory)))
+            return json.loads(path.read_text())
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def run_worker(spawn):
     """``run_worker(scenario, devices=8, **args) -> (result dict, stderr)`` in one fresh process."""
     def run(scenario: str, devices: int = 8, **args):

@@ -12,11 +12,14 @@ from tests.multidevice.test_sharding_multihost import _free_port
 
 
 @pytest.fixture(scope="module")
-def served(spawn):
-    port = _free_port()
-    hosts = [spawn("serve_lockstep", 4, env={"LCX_COORDINATOR": f"127.0.0.1:{port}", "LCX_NUM_PROCESSES": "2",
-                                             "LCX_PROCESS_ID": str(i)}) for i in range(2)]
-    return [wait() for wait in hosts][0][0]
+def served(spawn, once):
+    def make(directory):
+        port = _free_port()
+        hosts = [spawn("serve_lockstep", 4, env={"LCX_COORDINATOR": f"127.0.0.1:{port}", "LCX_NUM_PROCESSES": "2",
+                                                 "LCX_PROCESS_ID": str(i)}) for i in range(2)]
+        return [wait() for wait in hosts][0][0]
+
+    return once("serve_lockstep", make)
 
 
 def test_serve_lockstep_spans_both_processes(served):

@@ -7,13 +7,16 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def checkpoints(spawn, tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("sharded_ckpt"))
-    saved = spawn("checkpoint_save", 8, directory=directory, mesh_shape=[2, 4])()[0]
-    # both restores at once: separate processes, one with 8 devices, one with a single device
-    on_1x8 = spawn("checkpoint_restore", 8, directory=directory, mesh_shape=[1, 8])
-    on_one = spawn("checkpoint_restore", 1, directory=directory, mesh_shape=None)
-    return {"saved": saved, "1x8": on_1x8()[0], "one_device": on_one()[0]}
+def checkpoints(spawn, once):
+    def make(path):
+        directory = str(path)
+        saved = spawn("checkpoint_save", 8, directory=directory, mesh_shape=[2, 4])()[0]
+        # both restores at once: separate processes, one with 8 devices, one with a single device
+        on_1x8 = spawn("checkpoint_restore", 8, directory=directory, mesh_shape=[1, 8])
+        on_one = spawn("checkpoint_restore", 1, directory=directory, mesh_shape=None)
+        return {"saved": saved, "1x8": on_1x8()[0], "one_device": on_one()[0]}
+
+    return once("sharded_ckpt", make)
 
 
 def test_sharding_checkpoint_saved_sharded(checkpoints):

@@ -39,8 +39,9 @@ def collectives(hlo: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def compiled(run_worker, tmp_path_factory):
-    result = run_worker("decode_hlo", impl="pallas", cases=CASES, directory=str(tmp_path_factory.mktemp("hlo")))[0]
+def compiled(run_worker, once):
+    result = once("decode_hlo", lambda directory: run_worker("decode_hlo", impl="pallas", cases=CASES,
+                                                             directory=str(directory))[0])
     for case in result.values():
         with open(case["hlo"]) as f:
             case["collectives"] = collectives(f.read())

@@ -19,13 +19,16 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def runs(spawn):
-    port = _free_port()
-    hosts = [spawn("generate_tokens", 4, env={"LCX_COORDINATOR": f"127.0.0.1:{port}", "LCX_NUM_PROCESSES": "2",
-                                              "LCX_PROCESS_ID": str(i)}, meshes=MESHES) for i in range(2)]
-    single = spawn("generate_tokens", 8, meshes=MESHES)
-    two = [wait() for wait in hosts]
-    return {"two_processes": two[0][0], "one_process": single()[0]}
+def runs(spawn, once):
+    def make(directory):
+        port = _free_port()
+        hosts = [spawn("generate_tokens", 4, env={"LCX_COORDINATOR": f"127.0.0.1:{port}", "LCX_NUM_PROCESSES": "2",
+                                                  "LCX_PROCESS_ID": str(i)}, meshes=MESHES) for i in range(2)]
+        single = spawn("generate_tokens", 8, meshes=MESHES)
+        two = [wait() for wait in hosts]
+        return {"two_processes": two[0][0], "one_process": single()[0]}
+
+    return once("multihost_generate", make)
 
 
 def test_sharding_multihost_sees_all_devices(runs):

@@ -10,30 +10,32 @@ NAMES = [f"{d}x{m}" for d, m in MESHES]
 
 
 @pytest.fixture(scope="module")
-def kv8(run_worker):
-    return run_worker("parity", impl="pallas", n_kv_heads=8, meshes=MESHES)[0]
+def kv8(run_worker, once):
+    return once("parity_kv8", lambda _: run_worker("parity", impl="pallas", n_kv_heads=8, meshes=MESHES)[0])
 
 
 @pytest.fixture(scope="module")
-def kv4_on_model8(run_worker):
-    return run_worker("parity", impl="pallas", n_kv_heads=4, meshes=[[1, 8]])
+def kv4_on_model8(run_worker, once):
+    return once("parity_kv4_on_model8", lambda _: run_worker("parity", impl="pallas", n_kv_heads=4, meshes=[[1, 8]]))
 
 
 @pytest.fixture(scope="module")
-def kv8_per_head(run_worker):
+def kv8_per_head(run_worker, once):
     """SnapKV with per-KV-head keep sets and a head-adaptive budget (the heads of a layer share it), evicting, in an
     8-bit cache (codes and scales sharded with their KV heads)."""
     cache = {"policy": "snapkv", "budget": 4, "window": 2, "interval": 2, "head_budget": "adaptive", "kv_dtype": "int8"}
-    return run_worker("parity", impl="pallas", n_kv_heads=8, meshes=[[2, 4]], new_tokens=8, cache=cache)[0]
+    return once("parity_kv8_per_head", lambda _: run_worker("parity", impl="pallas", n_kv_heads=8, meshes=[[2, 4]],
+                                                           new_tokens=8, cache=cache)[0])
 
 
 @pytest.fixture(scope="module")
-def kv8_lowbit(run_worker):
+def kv8_lowbit(run_worker, once):
     """The bit-packed int4 cache (keys channel-major, a float window) under SnapKV eviction: decode on the codes and
     eviction's re-quantization per shard."""
     cache = {"policy": "snapkv", "budget": 8, "window": 2, "interval": 4, "kv_dtype": "int4", "kv_group": 8,
              "kv_residual": 4}
-    return run_worker("parity", impl="xla", n_kv_heads=8, meshes=[[2, 4]], new_tokens=8, cache=cache)[0]
+    return once("parity_kv8_lowbit", lambda _: run_worker("parity", impl="xla", n_kv_heads=8, meshes=[[2, 4]],
+                                                         new_tokens=8, cache=cache)[0])
 
 
 @pytest.mark.parametrize("mesh", NAMES)

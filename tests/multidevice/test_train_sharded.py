@@ -9,8 +9,8 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def trained(run_worker, tmp_path_factory):
-    return run_worker("train_sharded", directory=str(tmp_path_factory.mktemp("train")))[0]
+def trained(run_worker, once):
+    return once("train_sharded", lambda directory: run_worker("train_sharded", directory=str(directory))[0])
 
 
 @pytest.mark.parametrize("run", ["2x4", "2x4_fsdp"])
