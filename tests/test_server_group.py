@@ -66,3 +66,37 @@ def test_server_group_cancels_by_its_own_ids(params):
     assert sorted(done) == ids[:2] and ids[2] in group.cancelled
     with pytest.raises(ValueError, match="2 or more servers"):
         ServerGroup([server(params)])
+
+
+def test_lcx_serve_data_parallel_answers_the_openai_client_as_one_replica(tmp_path, monkeypatch):
+    """``build_service`` with ``--data-parallel-size 2`` (both replicas on this one device: ``ServeConfig.meshes``
+    puts them on their own devices where there are enough, tests/multidevice/test_serve_mesh.py) serves concurrent
+    chat requests through the ``openai`` client with one replica's answers, over twice its pool."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lcx.service.config import ServeConfig
+    from tests.test_service import Running, _free_port
+    from tests.tiny_chat_model import write_model
+
+    path = write_model(tmp_path / "tiny")
+    lm = lcx.load(path)
+    asks = [[{"role": "user", "content": text}] for text in ("hello there", "the cache", "a long context", "one")]
+
+    def answers(data: int):
+        running = Running(ServeConfig(model=str(path), port=_free_port(), max_num_seqs=2, max_model_len=256,
+                                      page_size=8, served_model_name="tiny", data_parallel_size=data), lm)
+        try:
+            client = running.client()
+            with ThreadPoolExecutor(len(asks)) as pool:
+                got = list(pool.map(lambda m: client.chat.completions.create(
+                    model="tiny", messages=m, max_tokens=6, temperature=0), asks))
+            return ([(c.choices[0].message.content, c.choices[0].finish_reason) for c in got],
+                    running.metrics()["lcx_kv_pages_total"], running.service.server)
+        finally:
+            running.stop()
+
+    monkeypatch.setattr(ServeConfig, "meshes", lambda self, model, devices=None: [None] * self.data_parallel_size)
+    got, pages, group = answers(2)
+    want, one_pool, _ = answers(1)
+    assert isinstance(group, ServerGroup) and all(s.prefill_tokens > 0 for s in group.servers)
+    assert got == want and pages == 2 * one_pool

@@ -88,11 +88,3 @@ def test_serve_mesh_tensor_parallel_4_by_data_parallel_2_gives_one_devices_token
     assert got["devices"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # a pool per data shard, on its own devices
     assert all(n > 0 for n in got["served"])  # both replicas served requests
 
-
-def test_lcx_serve_on_a_mesh_answers_the_openai_client_as_one_device(run_worker, tmp_path):
-    """``lcx serve --data-parallel-size 2 --tensor-parallel-size 2`` on 4 fake devices, driven by the ``openai``
-    client with 6 concurrent chat requests (more than one replica's 2 rows): the same answers as one device's service,
-    and a pool twice one replica's in ``lcx_kv_pages_total``."""
-    got = run_worker("serve_http_mesh", devices=4, directory=str(tmp_path), data=2, model=2)[0]
-    assert got["answers"] == got["ref_answers"]
-    assert got["pages_total"] == 2 * got["ref_pages_total"]

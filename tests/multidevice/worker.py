@@ -507,55 +507,9 @@ def serve_replicas(data: int, model: int) -> dict:
             "served": [s.prefill_tokens for s in group.servers]}
 
 
-def serve_http_mesh(directory: str, data: int, model: int) -> dict:
-    """``lcx serve --data-parallel-size data --tensor-parallel-size model`` (``build_service``, uvicorn on
-    127.0.0.1) answering 6 concurrent chat requests through the ``openai`` client, and one device's service the same
-    requests: the texts, finish reasons and usage of both, and the metrics' pool size."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from lcx.service.config import ServeConfig
-    from tests.test_service import Running
-    from tests.tiny_chat_model import write_model
-
-    path = write_model(Path(directory) / "tiny")
-    lm = lcx.load(path)
-    asks = [[{"role": "user", "content": text}] for text in
-            ("hello there", "the cache", "a long context", "one", "two words", "what is a page")]
-
-    def answers(**mesh) -> tuple[list, str]:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        running = Running(ServeConfig(model=str(path), port=port, max_num_seqs=2, max_model_len=256, page_size=8,
-                                      served_model_name="tiny", **mesh), lm)
-        try:
-            client = running.client()
-            ask = lambda messages: client.chat.completions.create(  # noqa: E731
-                model="tiny", messages=messages, max_tokens=6, temperature=0)
-            with ThreadPoolExecutor(len(asks)) as pool:
-                got = list(pool.map(ask, asks))
-            import httpx
-
-            metrics = httpx.get(running.base + "/metrics", timeout=10).text
-            return [[c.choices[0].message.content, c.choices[0].finish_reason, c.usage.completion_tokens]
-                    for c in got], metrics
-        finally:
-            running.uv.should_exit = True
-            running.thread.join(10)
-            running.service.close()
-
-    got, metrics = answers(data_parallel_size=data, tensor_parallel_size=model)
-    ref, ref_metrics = answers()
-    total = lambda text: next(float(line.split()[-1]) for line in text.splitlines()  # noqa: E731
-                              if line.startswith("lcx_kv_pages_total"))
-    return {"answers": got, "ref_answers": ref, "pages_total": total(metrics), "ref_pages_total": total(ref_metrics)}
-
-
 SCENARIOS = {f.__name__: f for f in (parity, hybrid_parity, topology_error, decode_hlo, checkpoint_save,
                                      checkpoint_restore, generate_tokens, train_sharded, context_parallel,
-                                     serve_mesh, serve_replicas, serve_http_mesh, serve_lockstep)}
+                                     serve_mesh, serve_replicas, serve_lockstep)}
 
 if __name__ == "__main__":
     result = SCENARIOS[sys.argv[1]](**json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}"))
