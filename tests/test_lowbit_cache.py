@@ -16,7 +16,7 @@ from lcx.config import CacheConfig, ConfigError, ModelConfig
 from lcx.engine import Generator
 from lcx.kernels import lowbit
 
-CFG = ModelConfig(vocab_size=61, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48, init_std=0.1)
+CFG = ModelConfig(vocab_size=61, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, init_std=0.1)
 PROMPT = np.random.default_rng(5).integers(0, 61, 45).tolist()
 G = 8  # tokens per key group (so the 45-token prompt fills several and leaves one open)
 
@@ -143,7 +143,7 @@ def test_lowbit_eviction_keeps_values_exact_and_keys_within_requantization(param
 
 
 POLICIES = {"streaming": dict(sinks=2), "h2o": {}, "tova": {}, "snapkv": dict(window=4), "knorm": {},
-            "ladder": dict(sinks=2, span=2, overlap=0, recent=4),
+            "ladder": dict(sinks=2, span=1, overlap=0, recent=4),  # span below the 2 layers
             "adakv": dict(policy="snapkv", window=4, head_budget="adaptive"),
             "pyramid": dict(policy="snapkv", window=4, budget_schedule="pyramid"),
             "chunkkv": dict(window=4, chunk=4), "expected_attention": dict(sinks=2, horizon=16),
