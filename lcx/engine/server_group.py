@@ -31,7 +31,6 @@ class ServerGroup:
         self.next_id = 0
         self._where: dict[int, tuple[int, int]] = {}  # group id -> (replica, the replica's id)
         self._ids: list[dict[int, int]] = [{} for _ in self.servers]  # per replica: its id -> the group's
-        self.cancelled: dict[int, BaseException | None] = {}
 
     # ----------------------------------------------------------------------------------------------- requests
     def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling=None, seed: int | None = None, *,
@@ -61,10 +60,7 @@ class ServerGroup:
         if where is None:
             return False
         replica, local = where
-        ended = self.servers[replica].cancel(local)
-        if ended:
-            self.cancelled[request_id] = self.servers[replica].cancelled.get(local)
-        return ended
+        return self.servers[replica].cancel(local)
 
     def cached_of(self, request_id: int) -> int:
         where = self._where.get(request_id)
@@ -81,8 +77,6 @@ class ServerGroup:
             emit = None if on_token is None else (lambda local, token, ids=ids: on_token(ids[local], token))
             for local, tokens in server.step(emit).items():
                 done[ids[local]] = tokens
-            for local, reason in server.cancelled.items():  # cancelled from inside on_token
-                self.cancelled.setdefault(ids[local], reason)
         return done
 
     def run(self, on_token: Callable[[int, int], None] | None = None) -> dict[int, list[int]]:
@@ -92,6 +86,11 @@ class ServerGroup:
         return done
 
     # ----------------------------------------------------------------------------------------------- state
+    @property
+    def cancelled(self) -> dict[int, BaseException | None]:
+        """Every cancelled request (the group's ids) -> why, as ``Server.cancelled``: the replicas' records."""
+        return {self._ids[r][local]: why for r, s in enumerate(self.servers) for local, why in s.cancelled.items()}
+
     @property
     def busy(self) -> bool:
         return any(s.busy for s in self.servers)
