@@ -38,7 +38,9 @@ def _cache(policy: str, **kw) -> lcx.CacheConfig:
 
 
 def _alone(params, cache, prompt, reconstruction=None) -> list[int]:
-    gen = Generator(CFG, params, max_new_tokens=NEW, cache=cache, reconstruction=reconstruction)
+    # planned for a server row (MAX_LEN slots), not per prompt length: the prompts of a test share one compiled
+    # cache shape (the tokens are the same)
+    gen = Generator(CFG, params, max_new_tokens=NEW, cache=cache, reconstruction=reconstruction, capacity=MAX_LEN)
     return gen.result(gen.decode(gen.prefill([prompt]))).tokens[0].tolist()
 
 
