@@ -16,6 +16,7 @@ from lcx.cache import CacheConfig
 from lcx.config import AttentionConfig, Config, ConfigError, ModelConfig, RopeConfig, load_config
 from lcx.engine import GenerateResult, Generator, generate
 from lcx.engine.sampling import SamplingConfig
+from lcx.engine.speculative import SpeculativeConfig
 from lcx.model import Decoder, init_params
 from lcx.parallel.sharding import MeshConfig, make_mesh
 
@@ -64,5 +65,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["AttentionConfig", "CacheConfig", "Config", "ConfigError", "Decoder", "GenerateResult", "Generator",
-           "MeshConfig", "ModelConfig", "RopeConfig", "SamplingConfig", "generate", "hf", "init_params", "load",
-           "load_config", "make_mesh"]
+           "MeshConfig", "ModelConfig", "RopeConfig", "SamplingConfig", "SpeculativeConfig", "generate", "hf",
+           "init_params", "load", "load_config", "make_mesh"]

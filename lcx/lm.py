@@ -166,6 +166,23 @@ def at_compression(cache, length: int, room: int):
     return Setting(spec=tuple(rest.items()), compression=float(c), protocol="one_shot").cache(length, room=room)
 
 
+def as_speculative(speculative, length: int, room: int):
+    """A ``SpeculativeConfig`` from ``speculative``: None, a ``SpeculativeConfig`` or a mapping ``{"draft": cache,
+    "k": 4}`` whose draft takes every form of ``cache`` - a ``compression`` entry resolved for prompts of up to
+    ``length`` tokens (``at_compression``)."""
+    from lcx.engine.speculative import SpeculativeConfig
+
+    if speculative is None or isinstance(speculative, SpeculativeConfig):
+        return speculative
+    if not isinstance(speculative, Mapping):
+        raise ConfigError(f"speculative={speculative!r:.100} is invalid: must be None, a lcx.SpeculativeConfig or a "
+                          "mapping {'draft': {'policy': 'streaming', 'budget': 256}, 'k': 4}")
+    data = dict(speculative)
+    if "draft" in data:
+        data["draft"] = as_cache(at_compression(data["draft"], length, room), key="speculative.draft")
+    return SpeculativeConfig.from_mapping(data)
+
+
 def _texts(texts, key: str = "texts") -> tuple[list[str], bool]:
     """``(texts as a list, whether one string was given)``."""
     if isinstance(texts, str):
@@ -255,7 +272,7 @@ class LM:
 
     def generate(self, texts: str | Sequence[str], max_new_tokens: int = 64, cache=None, temperature: float = 0.0,
                  top_p: float | None = None, seed: int = 0, chat: bool = False, *,
-                 top_k: int | None = None) -> list[str] | str:
+                 top_k: int | None = None, speculative=None) -> list[str] | str:
         """The continuation of each text: ``list[str]``, the decoded new tokens only, up to ``max_new_tokens`` or the
         tokenizer's EOS (not included). One string in gives one string out.
 
@@ -267,18 +284,25 @@ class LM:
         ``seed``: as ``lcx.generate``'s - text i samples with the seed folded with i, so a call gives the tokens
         ``lcx.generate(config, params, [lm.encode(t) for t in texts], ..., seed=seed, eos_id=lm.eos_id)`` gives.
         ``chat``: each text is the user's message of the tokenizer's chat template, the assistant's reply opened.
-        All texts run as one batch."""
+        All texts run as one batch. ``speculative``: draft with a compressed cache and verify against ``cache``
+        (``lcx.SpeculativeConfig`` or ``{"draft": {"policy": "streaming", "budget": 256, "sinks": 4}, "k": 4}``; the
+        draft may give ``compression``): the same greedy text, faster at long context."""
         from lcx.engine.sampling import SamplingConfig
 
         texts, single = _texts(texts)
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
         prompts = self._prompts(texts, chat)
-        cache = at_compression(cache, max(len(p) for p in prompts), max_new_tokens)
-        gen = self.generator(max_new_tokens, cache, seed=seed, chat=chat)
-        try:
-            result = gen.result(gen.decode(gen.prefill(prompts, sampling=[sampling] * len(prompts))))
-        finally:
-            gen.close()  # host resources of the request (a memory tier's store): the state is not kept
+        longest = max(len(p) for p in prompts)
+        cache = at_compression(cache, longest, max_new_tokens)
+        spec = as_speculative(speculative, longest, max_new_tokens)
+        if spec is not None:
+            result = self._speculative(spec, prompts, max_new_tokens, cache, sampling, seed, chat)
+        else:
+            gen = self.generator(max_new_tokens, cache, seed=seed, chat=chat)
+            try:
+                result = gen.result(gen.decode(gen.prefill(prompts, sampling=[sampling] * len(prompts))))
+            finally:
+                gen.close()  # host resources of the request (a memory tier's store): the state is not kept
         outputs = []
         for tokens, n in zip(result.tokens, result.lengths):
             tokens = tokens[:int(n)]
@@ -286,6 +310,22 @@ class LM:
                 tokens = tokens[:-1]
             outputs.append(self.tokenizer.decode(tokens))
         return outputs[0] if single else outputs
+
+    def _speculative(self, spec, prompts, max_new_tokens: int, cache, sampling, seed: int, chat: bool):
+        """``generate``'s tokens with a draft (``lcx.engine.spec_generator``); a KVzip draft's repeat prompt from
+        this tokenizer."""
+        from lcx.data.haystack import Frame
+        from lcx.data.policy_inputs import policy_inputs
+        from lcx.engine.spec_generator import SpeculativeGenerator
+
+        if not is_int(seed):
+            raise ConfigError(f"seed={seed!r} is invalid: must be an integer")
+        inputs = policy_inputs(spec.draft.make_policy(), Frame(self.tokenizer, self.chat_template if chat else None))
+        gen = SpeculativeGenerator(self.config, self.params, max_new_tokens=max_new_tokens, speculative=spec,
+                                   cache=as_cache(cache), eos_id=self.eos_id, seed=int(seed),
+                                   reconstruction=inputs.get("reconstruction"))
+        result, stats = gen.generate(prompts, sampling=[sampling] * len(prompts))
+        return dataclasses.replace(result, speculative=stats)
 
     def score(self, texts: str | Sequence[str], cache=None, *, prefix: int = 1) -> list[np.ndarray] | np.ndarray:
         """Log-probabilities (natural log) of each text's tokens under a cache policy: for the prompt ids ``x`` of a

@@ -277,6 +277,36 @@ class SlotCacheKind(CacheKind):
     def end_prefill(self, state: KVCache) -> KVCache:
         return self.evict(state)[0]
 
+    @property
+    def truncatable(self) -> bool:
+        """Whether ``truncate`` can forget a row's newest tokens: a per-token storage (float, 8-bit, fp4 codes: each
+        token's bytes stand alone). A grouped format's newest tokens may already sit in a quantized group."""
+        return self.storage.period == 1
+
+    def truncate(self, state: KVCache, lengths: jax.Array) -> KVCache:
+        """Forget every token at position ``>= lengths [b]`` (the drafts a speculative verification rejected,
+        ``lcx.engine.speculative``): their slots are emptied and the row's count and length set back. Slots stay
+        packed in position order - the forgotten ones are each keep head's newest - so the next token is written
+        where the first forgotten one was. Keys and values are not touched (an empty slot is never read). Works on
+        a stacked or a split state; statistics the forgotten tokens' queries added to other slots stay (a draft's
+        eviction scores, never a full cache's attention)."""
+        if not self.truncatable:
+            raise ConfigError(f"cache.kv_dtype={self.kv_dtype!r} keeps tokens in groups of {self.storage.period}: a "
+                              "row's newest tokens cannot be forgotten one by one; allowed: a per-token format "
+                              "(null, int8, fp8, fp4)")
+        row = lengths[:, None, None]  # [b, 1, 1]: broadcasts over the trailing [b, H, C] of a stacked or split buffer
+
+        def one(pos, valid, score):
+            keep = valid & (pos < row)
+            return jnp.where(keep, pos, -1), keep, jnp.sum(keep, axis=-1, dtype=jnp.int32), jnp.where(keep, score, 0.0)
+
+        if state.split:
+            parts = [one(p, v, s) for p, v, s in zip(state.pos, state.valid, state.score)]
+            pos, valid, count, score = (tuple(x) for x in zip(*parts))
+        else:
+            pos, valid, count, score = one(state.pos, state.valid, state.score)
+        return state.replace(pos=pos, valid=valid, count=count, score=score, lengths=lengths.astype(jnp.int32))
+
     def fork(self, state: KVCache, n: int) -> KVCache:
         """Each row copied ``n`` times (its slots, positions and statistics): the rows continue independently."""
         return repeat_rows(state, n)

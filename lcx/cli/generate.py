@@ -74,17 +74,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill call (default: auto)")
     p.add_argument("--cache-param", action="append", default=[], metavar="KEY=VALUE",
                    help="eviction policy parameter, e.g. --cache-param sinks=4 (repeatable)")
+    p.add_argument("--speculative-draft", default=None, metavar="POLICY",
+                   help="decode speculatively: draft with this cache policy (e.g. streaming, snapkv; 'full' with "
+                        "--speculative-param kv_dtype=int8 for 8-bit codes) and verify against the cache above")
+    p.add_argument("--speculative-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="the draft cache's settings, e.g. budget=256, sinks=4, compression=0.9 (repeatable)")
+    p.add_argument("--speculative-k", type=int, default=4, help="draft tokens per verification (default 4)")
     p.set_defaults(func=run)
     return p
 
 
-def _policy_params(items: list[str]) -> dict:
+def _policy_params(items: list[str], flag: str = "--cache-param") -> dict:
     import yaml
 
     out = {}
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"--cache-param {item!r} is invalid: expected KEY=VALUE, e.g. sinks=4")
+            raise ConfigError(f"{flag} {item!r} is invalid: expected KEY=VALUE, e.g. sinks=4")
         key, value = item.split("=", 1)
         out[key] = yaml.safe_load(value)
     return out
@@ -121,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         prompt = encode(args.prompt)
         inputs = policy_inputs(policy, Frame(tok))
     eos = args.eos_id if args.eos_id is not None else config.eos_token_id
+    if args.speculative_draft is not None:
+        return _speculative(args, config, params, cache, sampling, eos, prompt, show)
     gen = Generator(config, params, max_new_tokens=args.max_new_tokens, cache=cache, sampling=sampling,
                     eos_id=eos, seed=args.seed, **inputs)
     state = gen.prefill([prompt])
@@ -139,4 +147,36 @@ def run(args: argparse.Namespace) -> int:
             break
         state = gen.decode(state, steps=1)
     sys.stdout.write("\n")
+    return 0
+
+
+def _speculative(args, config, params, cache, sampling, eos, prompt, show) -> int:
+    """``--speculative-draft``: the tokens as each verification emits them, then the acceptance on stderr."""
+    from lcx.engine.spec_generator import SpeculativeGenerator
+    from lcx.lm import as_speculative
+
+    if args.speculative_k is None:
+        raise ConfigError("--speculative-k is missing a value: draft tokens per verification, e.g. 4")
+    draft = {"policy": args.speculative_draft, **_policy_params(args.speculative_param, "--speculative-param")}
+    spec = as_speculative({"draft": draft, "k": args.speculative_k}, len(prompt), args.max_new_tokens)
+    gen = SpeculativeGenerator(config, params, max_new_tokens=args.max_new_tokens, speculative=spec, cache=cache,
+                               sampling=sampling, eos_id=eos, seed=args.seed)
+    state = gen.prefill([prompt])
+    shown = ""
+    while True:
+        done = bool(state.done[0])
+        text = show(list(state.tokens[0, :int(state.n_generated[0])]))
+        if not done:
+            text = text.rstrip("\ufffd")
+        if text.startswith(shown):
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+        if done:
+            break
+        state = gen.decode(state, iterations=1)
+    sys.stdout.write("\n")
+    _, stats = gen.result(state)
+    print(f"lcx generate: {stats.acceptance:.2f} tokens per verification ({int(stats.accepted.sum())} of "
+          f"{int(stats.drafted.sum())} drafts accepted, k={spec.k}); draft KV {stats.draft_bytes} B", file=sys.stderr)
     return 0

@@ -8,12 +8,10 @@ The cache is any cache type behind the contract of ``lcx.cache.base``: this modu
 ``kind.create``, ``kind.make_room`` before each model call, ``kind.end_prefill`` after the prompt and ``kind.sync``
 between jitted calls, and never looks inside. The capacity is planned on the host before anything runs
 (``lcx.engine.planning``): a prompt + new tokens that do not fit the budget or the memory limit are refused with the
-bytes needed, never truncated. The compiled functions, the cache kind and the placed params are one
-``lcx.engine.runner.Runner`` (``build``), the same the server runs on.
+bytes needed, never truncated. It runs on an ``lcx.engine.runner.Runner`` (``build``), as the server does.
 
-A ``DecodeState`` (cache + sampler state) can be saved with orbax after any step and restored in another process;
-continuing gives bit-identical tokens because a row's key at step s depends on (its request's key, s) only.
-"""
+A ``DecodeState`` can be saved with orbax after any step and restored in another process; continuing gives
+bit-identical tokens because a row's key at step s depends on (its request's key, s) only."""
 
 from __future__ import annotations
 
@@ -36,6 +34,7 @@ from lcx.config_base import ConfigError, to_dict
 from lcx.engine.planning import check_positions, plan_capacity, shared_prefixes
 from lcx.engine.runner import build
 from lcx.engine.sampling import RowSampling, SamplingConfig, request_keys
+from lcx.engine.spec_generator import generate_speculative
 from lcx.engine.state import DecodeState, GenerateResult, is_int, pad_prompts
 from lcx.model.config import ModelConfig
 from lcx.parallel import sharding
@@ -429,15 +428,21 @@ class Generator:
 
 def generate(config: ModelConfig, params, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
-             cache: CacheConfig | None = None, seed: int = 0, mesh=None, strict: bool = False) -> GenerateResult:
+             cache: CacheConfig | None = None, seed: int = 0, mesh=None, strict: bool = False,
+             speculative=None) -> GenerateResult:
     """Generate ``max_new_tokens`` per prompt. ``prompt_ids``: int array ``[batch, len]`` or a list of token lists.
 
     Returns ``.tokens [batch, max_new_tokens]`` (padded with ``eos_id`` after EOS) and ``.lengths``.
     ``mesh`` (``lcx.parallel.sharding.make_mesh``): generate sharded over it (see ``Generator``); the tokens equal the
     single-device ones. ``strict``: positions past the model's trained range are an error, not a warning.
-    """
-    gen = Generator(config, params, max_new_tokens=max_new_tokens, cache=cache,
-                    sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p), eos_id=eos_id,
+    ``speculative`` (``lcx.SpeculativeConfig``): draft with a compressed cache, verify against ``cache``
+    (``lcx.engine.speculative``); ``.speculative`` holds the acceptance counts."""
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    if speculative is not None:
+        return generate_speculative(config, params, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                                    eos_id=eos_id, cache=cache, seed=seed, mesh=mesh, strict=strict,
+                                    speculative=speculative)
+    gen = Generator(config, params, max_new_tokens=max_new_tokens, cache=cache, sampling=sampling, eos_id=eos_id,
                     seed=seed, mesh=mesh, strict=strict)
     return gen.result(gen.decode(gen.prefill(prompt_ids)))
 

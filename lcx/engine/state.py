@@ -36,6 +36,7 @@ class GenerateResult:
     lengths: np.ndarray  # [b] int32 generated tokens per row, EOS included
     cache_bytes: int  # bytes of the KV buffers held on the device
     store_bytes: int = 0  # bytes of keys/values the cache keeps off the device (host memory or disk)
+    speculative: Any = None  # decoded with a draft (lcx.SpeculativeConfig): its SpeculativeStats, else None
 
 
 # --------------------------------------------------------------------------------------------------- prompts

@@ -1,0 +1,220 @@
+"""The host side of self-speculative decoding: one prefill, the draft cache derived from it, the compiled loop.
+
+The prompt is prefilled once into a cache that holds all of it. For a draft policy that keys at true positions
+(SnapKV, TOVA, H2O, KVzip, ...) that prefill runs under the draft policy's own cache kind, sized for the whole
+context, so its statistics (and KVzip's reconstruction scores) are gathered as a prefill with that policy gathers
+them; a policy that re-rotates keys by rank (StreamingLLM, LaCache) observes nothing while prefilling, and the
+prefill runs under the target kind. Then, in one compiled call:
+
+- the target (the full cache) is that state's keys and values, the same arrays: no copy;
+- the draft is the policy's end-of-prefill compression of that state, cut to its budget + ``interval`` slots
+  (eviction packs survivors at the front), keys un-rotated for a rank-rotating policy, encoded in the draft's
+  ``kv_dtype``.
+
+Nothing is prefilled twice, and the keys and values the target decodes with are a plain full-cache prefill's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lcx.cache import schema
+from lcx.cache.base import CacheCapacityError
+from lcx.cache.config import CacheConfig
+from lcx.cache.kv_cache import SlotCacheKind
+from lcx.config_base import ConfigError, format_bytes
+from lcx.engine.planning import check_positions, plan_capacity
+from lcx.engine.runner import build
+from lcx.engine.sampling import RowSampling, SamplingConfig, request_keys, sample_rows
+from lcx.engine.spec_loop import SpecState, spec_program
+from lcx.engine.speculative import SpeculativeConfig
+from lcx.engine.state import GenerateResult, is_int, pad_prompts
+from lcx.model.config import ModelConfig
+from lcx.model.rope import apply_rope, rope_tables
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeStats:
+    """``drafted`` / ``accepted``: draft tokens verified / accepted per row; ``verifications`` per row;
+    ``draft_bytes``: the draft cache's KV bytes on the device (beside ``GenerateResult.cache_bytes``, the target's)."""
+
+    drafted: np.ndarray
+    accepted: np.ndarray
+    verifications: np.ndarray
+    draft_bytes: int
+
+    @property
+    def acceptance(self) -> float:
+        """Mean tokens emitted per verification: accepted drafts + the target's own token."""
+        v = int(self.verifications.sum())
+        return (int(self.accepted.sum()) + v) / v if v else float("nan")
+
+    @property
+    def accept_rate(self) -> float:
+        """Share of draft tokens accepted."""
+        n = int(self.drafted.sum())
+        return int(self.accepted.sum()) / n if n else float("nan")
+
+
+class SpeculativeGenerator:
+    """Generation with a compressed-KV draft (``SpeculativeConfig``) verified against ``cache`` (the target: the
+    full cache by default). One device; a model whose layers are all global (a slot cache)."""
+
+    def __init__(self, config: ModelConfig, params, *, max_new_tokens: int, speculative: SpeculativeConfig,
+                 cache: CacheConfig | None = None, sampling: SamplingConfig | None = None,
+                 eos_id: int | None = None, seed: int = 0, pad_id: int | None = None, strict: bool = False,
+                 unroll: bool | None = None, reconstruction=None):
+        if not isinstance(speculative, SpeculativeConfig):
+            raise ConfigError(f"speculative={speculative!r:.80} is invalid: must be a lcx.SpeculativeConfig(draft="
+                              "CacheConfig(...), k=K)")
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive integer")
+        self.spec = speculative
+        self.target = build(config, params, cache=cache, eos_id=eos_id, pad_id=pad_id, unroll=unroll)
+        t = self.target
+        if not isinstance(t.kind, SlotCacheKind) or t.policy.evicts or not t.kind.truncatable:
+            raise ConfigError(
+                f"speculative decoding verifies against cache=CacheConfig(policy={t.cache.policy!r}, kv_dtype="
+                f"{t.cache.kv_dtype!r}, layout={t.cache.layout!r}) ({t.kind.name!r} cache): the target must keep every "
+                "token in a contiguous slot cache of a model whose layers are all global, in a per-token format "
+                "(kv_dtype null, int8, fp8 or fp4), so that rejected drafts can be forgotten")
+        draft_kind = speculative.draft.kind(config)
+        if not isinstance(draft_kind, SlotCacheKind) or not draft_kind.truncatable:
+            raise ConfigError(
+                f"speculative.draft=CacheConfig(policy={speculative.draft.policy!r}, kv_dtype="
+                f"{speculative.draft.kv_dtype!r}) builds a {draft_kind.name!r} cache: a draft must be a contiguous slot "
+                "cache in a per-token format (kv_dtype null, int8, fp8 or fp4; grouped int4 / int2 codes cannot "
+                "forget a rejected draft one token at a time)")
+        if draft_kind.dtype != t.kind.dtype:
+            raise ConfigError(f"speculative.draft.dtype={draft_kind.dtype!r} differs from the target's "
+                              f"{t.kind.dtype!r}: the draft is derived from the target's keys and values")
+        # the prefill: under the draft policy (its statistics), or the target's when the policy rotates by rank
+        self.draft_kind = draft_kind
+        self.observes_prefill = draft_kind.policy.mode == "original" and draft_kind.policy.evicts
+        float_draft = dataclasses.replace(draft_kind, storage=t.kind.storage)
+        self.prefill_runner = t if not self.observes_prefill else build(
+            config, params, cache=speculative.draft, eos_id=eos_id,
+            pad_id=pad_id, unroll=unroll, reconstruction=reconstruction, kind=float_draft,
+            policy=float_draft.policy)
+        self.config, self.max_new_tokens, self.eos_id, self.seed = config, max_new_tokens, eos_id, seed
+        self.strict, self.cache_config = strict, t.cache
+        self.sampling = sampling or SamplingConfig()
+        self.loop = spec_program(config, eos_id, t.pad_id, t.kind, draft_kind, speculative.k, t.unrolled)
+
+    # ------------------------------------------------------------------------------------------------ generate
+    def generate(self, prompt_ids, *, sampling: Sequence[SamplingConfig] | None = None,
+                 seeds: Sequence[int] | None = None, progress: bool = False) -> tuple[GenerateResult,
+                                                                                   SpeculativeStats]:
+        """Prefill, derive the draft, decode to ``max_new_tokens`` (or EOS): ``(result, stats)``."""
+        state = self.prefill(prompt_ids, sampling=sampling, seeds=seeds, progress=progress)
+        state = self.decode(state)
+        return self.result(state)
+
+    def prefill(self, prompt_ids, *, sampling=None, seeds=None, progress: bool = False) -> SpecState:
+        ids, lengths = pad_prompts(prompt_ids, pad_id=0)
+        if np.any(ids < 0) or np.any(ids >= self.config.vocab_size):
+            bad = int(ids[(ids < 0) | (ids >= self.config.vocab_size)][0])
+            raise ConfigError(f"prompt token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+        batch, max_len = ids.shape
+        rows = _row_sampling(batch, sampling or [self.sampling] * batch, request_keys(self.seed, batch, seeds))
+        k = self.spec.k
+        check_positions(self.config, self.cache_config, max_len, self.max_new_tokens, self.strict)
+        # the target holds the prompt, the tokens and one verification's k + 1 past the last
+        capacity = plan_capacity(self.config, self.cache_config, batch, max_len, self.max_new_tokens + k + 1)
+        draft_capacity = self.draft_kind.plan(batch, max_len, self.max_new_tokens + k + 1)
+        budgets = self.draft_kind.head_budgets
+        if budgets is not None and min(budgets) >= max_len:
+            raise ConfigError(f"speculative.draft.budget={self.spec.draft.budget} holds the whole prompt ({max_len} "
+                              "tokens): the draft would read what the target reads; allowed: a budget below the "
+                              "prompt length (or no speculative decoding for prompts this short)")
+        runner = self.prefill_runner
+        cache = runner.kind.create(batch, capacity)
+        cache, logits = runner.chunks(ids, lengths, cache, capacity, progress)
+        if runner.reconstruction is not None and getattr(runner.policy, "reconstructs", False):
+            cache = runner.reconstruct(cache, ids, lengths, progress)
+        target, draft = _derive(self.target.kind, self.draft_kind, draft_capacity, cache)
+        first = sample_rows(logits, jax.tree.map(jnp.asarray, rows), jnp.zeros((batch,), jnp.int32))
+        tokens = jnp.full((batch, self.max_new_tokens), self.target.pad_id, jnp.int32).at[:, 0].set(first)
+        done = (first == self.eos_id) if self.eos_id is not None else jnp.zeros((batch,), bool)
+        zeros = lambda: jnp.zeros((batch,), jnp.int32)  # noqa: E731 - distinct buffers: the loop donates its state
+        return SpecState(target=target, draft=draft, token=first, extra=zeros(), has_extra=jnp.zeros((batch,), bool),
+                         tokens=tokens, n_generated=jnp.ones((batch,), jnp.int32),
+                         done=done | (self.max_new_tokens <= 1), drafted=zeros(), accepted=zeros(),
+                         verifications=zeros(),
+                         step=jnp.int32(0), sampling=jax.tree.map(jnp.asarray, rows))
+
+    def decode(self, state: SpecState, iterations: int | None = None) -> SpecState:
+        """Run verifications until every row is done (or ``iterations`` more)."""
+        limit = int(state.step) + (self.max_new_tokens if iterations is None else iterations)
+        sampled = bool(np.any(np.asarray(state.sampling.temperature) > 0))
+        return self.loop(self.target.params, state, jnp.int32(limit), sampled=sampled)
+
+    def result(self, state: SpecState) -> tuple[GenerateResult, SpeculativeStats]:
+        stats = SpeculativeStats(drafted=np.asarray(state.drafted), accepted=np.asarray(state.accepted),
+                                 verifications=np.asarray(state.verifications), draft_bytes=state.draft.kv_bytes())
+        return GenerateResult(tokens=np.asarray(state.tokens), lengths=np.asarray(state.n_generated),
+                              cache_bytes=state.target.kv_bytes()), stats
+
+
+def _row_sampling(batch: int, settings, keys) -> RowSampling:
+    if isinstance(settings, (str, bytes)) or len(settings) != batch or not all(
+            isinstance(s, SamplingConfig) for s in settings):
+        raise ConfigError(f"sampling={settings!r:.80} is invalid: one lcx.SamplingConfig per prompt ({batch})")
+    return RowSampling.build(list(settings), keys)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _derive(target_kind: SlotCacheKind, draft_kind: SlotCacheKind, draft_capacity: int, state):
+    """``(target, draft)`` from a prefilled ``state`` that holds every prompt token (see the module docstring)."""
+    target = target_kind.state_type(kind=target_kind, **{n: getattr(state, n) for n in target_kind.fields()})
+    work = dataclasses.replace(draft_kind, storage=target_kind.storage)  # the policy, on the target's floats
+    sizes = work.sizes(state.batch, state.capacity)
+    zeros = schema.empty({n: f for n, f in work.fields().items() if getattr(state, n, None) is None}, sizes,
+                         work.kv_dtype)
+    held = work.state_type(kind=work, **{n: getattr(state, n) for n in work.fields() if n not in zeros}, **zeros)
+    held = work.end_prefill(held)
+    cut = {}
+    for name, field in work.fields().items():  # survivors are packed at the front: the first slots are the draft
+        if "length" in field.axes:
+            x = getattr(held, name)
+            cut[name] = jax.lax.slice_in_dim(x, 0, draft_capacity, axis=field.axes.index("length"))
+    held = held.replace(**cut)
+    if work.policy.mode == "cache":  # the draft rotates keys by rank at read time: store them unrotated
+        cos, sin = rope_tables(work.model, held.pos[:, :, 0].reshape(-1, draft_capacity))
+        shape = held.k.shape  # [L, b, k, C, d]
+        keys = jnp.moveaxis(held.k, 2, 3).reshape(-1, draft_capacity, shape[2], shape[4])
+        keys = apply_rope(keys, cos, -sin).reshape(shape[0], shape[1], shape[3], shape[2], shape[4])
+        held = held.replace(k=jnp.moveaxis(keys, 3, 2).astype(held.k.dtype))
+    if draft_kind.storage == work.storage:
+        return target, held.replace(kind=draft_kind)
+    codes = draft_kind.storage.encode(held.k, held.v)
+    rest = {n: getattr(held, n) for n in draft_kind.fields() if n not in codes}
+    return target, draft_kind.state_type(kind=draft_kind, **rest, **codes)
+
+
+def generate_speculative(config: ModelConfig, params, prompt_ids, *, max_new_tokens: int, sampling: SamplingConfig,
+                         eos_id: int | None, cache: CacheConfig | None, seed: int, mesh, strict: bool,
+                         speculative: SpeculativeConfig) -> GenerateResult:
+    """``lcx.generate(..., speculative=...)``: the result with its ``SpeculativeStats`` as ``.speculative``."""
+    if mesh is not None:
+        raise ConfigError("speculative decoding runs on one device: call lcx.generate(..., speculative=...) without "
+                          "mesh")
+    gen = SpeculativeGenerator(config, params, max_new_tokens=max_new_tokens, speculative=speculative, cache=cache,
+                               sampling=sampling, eos_id=eos_id, seed=seed, strict=strict)
+    result, stats = gen.generate(prompt_ids)
+    return dataclasses.replace(result, speculative=stats)
+
+
+def describe_bytes(result: GenerateResult) -> str:
+    """One line: the target's and the draft's KV bytes."""
+    draft = result.speculative.draft_bytes if result.speculative is not None else 0
+    return f"KV cache {format_bytes(result.cache_bytes)} + draft {format_bytes(draft)}"
+
+
+__all__ = ["SpeculativeGenerator", "SpeculativeStats", "describe_bytes", "generate_speculative"]

@@ -1,0 +1,142 @@
+"""Self-speculative decoding with a compressed-KV draft: ``SpeculativeConfig`` and the acceptance rules.
+
+The same model drafts ``k`` tokens while reading a small cache (an eviction policy's budget, or 8-bit codes of the
+whole context), then verifies all of them in one forward pass over the full cache and keeps the longest prefix the
+full cache agrees with, plus one token of its own. Greedy rows emit exactly the tokens of plain decoding (up to the
+float rounding of a ``k + 1``-query chunk against one-query steps); sampled rows keep the target distribution with
+the speculative-sampling rule (Leviathan et al. 2023, Chen et al. 2023): draft token ``x ~ q`` is accepted with
+probability ``min(1, p(x) / q(x))``; at the first rejection the row draws from ``norm(max(0, p - q))``, and when all
+``k`` are accepted from ``p`` after them.
+
+Decoding at long context reads the KV cache, not the weights: a draft step reads the weights and a few hundred
+slots, the verification reads the full cache once for ``k + 1`` tokens. The acceptance rate (tokens accepted per
+verification) is an exact measure of how often a compressed cache changes the model's next-token choice.
+
+The compiled loop is ``lcx.engine.spec_loop``; the host side (prefill, the draft derived from it) is
+``lcx.engine.spec_generator``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lcx.cache.config import CacheConfig
+from lcx.config_base import ConfigError
+from lcx.engine.sampling import RowSampling, filter_rows, greedy
+
+MAX_K = 16  # draft tokens per verification: past ~8 the acceptance of every draft policy measured has flattened
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """``draft``: the cache the draft steps read, derived from the prompt's full cache (an eviction policy with a
+    budget - ``streaming``, ``snapkv``, ``tova``, ``h2o``, ``kvzip``, ... - and / or ``kv_dtype`` int8 / fp8 / fp4
+    codes); ``k``: draft tokens per verification."""
+
+    draft: CacheConfig
+    k: int = 4
+
+    def __post_init__(self):
+        if isinstance(self.draft, Mapping):
+            object.__setattr__(self, "draft", CacheConfig.from_mapping(self.draft, "speculative.draft"))
+        if not isinstance(self.draft, CacheConfig):
+            raise ConfigError(f"speculative.draft={self.draft!r:.80} is invalid: must be a lcx.CacheConfig (or a "
+                              "mapping of its fields), e.g. CacheConfig(policy='streaming', budget=256, sinks=4)")
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or not 1 <= self.k <= MAX_K:
+            raise ConfigError(f"speculative.k={self.k!r} is invalid: must be an integer in [1, {MAX_K}] (draft "
+                              "tokens per verification)")
+        draft = self.draft
+        if draft.layout != "contiguous":
+            raise ConfigError(f"speculative.draft.layout={draft.layout!r} is invalid: a draft is a contiguous slot "
+                              "cache derived from the prompt's full cache; allowed: 'contiguous'")
+        policy = draft.make_policy()
+        if not policy.evicts and draft.kv_dtype is None:
+            raise ConfigError(f"speculative.draft=CacheConfig(policy={draft.policy!r}) holds as much as its target "
+                              "(every token, in the same format): a draft must read less - an eviction policy with a "
+                              "budget (e.g. policy='streaming', budget=256) or kv_dtype int8 / fp8 / fp4")
+        if policy.observes.calibrates:
+            raise ConfigError(f"speculative.draft.policy={draft.policy!r} is measured on the model (a calibration): "
+                              "a draft is derived from the prompt's own cache; allowed: a policy that needs no "
+                              "calibration")
+        if draft.interval < 2:
+            raise ConfigError(f"speculative.draft.interval={draft.interval} is invalid: a draft step may append 2 "
+                              "tokens (the last verification's last draft and its correction): at least 2")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], prefix: str = "speculative") -> "SpeculativeConfig":
+        """From a YAML mapping ``{draft: {policy: ..., budget: ...}, k: 4}``."""
+        data = dict(data)
+        unknown = sorted(set(data) - {"draft", "k"})
+        if unknown:
+            raise ConfigError(f"{prefix}.{unknown[0]} is not a key of {prefix}: allowed draft, k")
+        if "draft" not in data:
+            raise ConfigError(f"{prefix}.draft is missing: the draft cache, e.g. {{policy: streaming, budget: 256}}")
+        draft = data["draft"]
+        if isinstance(draft, Mapping):
+            draft = CacheConfig.from_mapping(draft, f"{prefix}.draft")
+        return cls(draft=draft, k=data.get("k", 4))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"draft": self.draft.to_dict(), "k": self.k}
+
+
+# --------------------------------------------------------------------------------------------------- acceptance
+def row_probs(logits: jax.Array, rows: RowSampling) -> jax.Array:
+    """Each row's sampling distribution over ``logits [b, n, V]``: temperature, then its top-k / top-p set
+    (``filter_rows``, the sampler's own), softmax. A greedy row's is its temperature-1 softmax (never read)."""
+    b, n, vocab = logits.shape
+    t = rows.temperature[:, None, None]
+    scaled = (logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)).reshape(b * n, vocab)
+    filtered = filter_rows(scaled, jnp.repeat(rows.top_k, n), jnp.repeat(rows.top_p, n))
+    return jax.nn.softmax(filtered, axis=-1).reshape(b, n, vocab)
+
+
+def token_keys(rows: RowSampling, index: jax.Array, purpose: int) -> jax.Array:
+    """``[b]`` keys of each row's output token ``index [b]`` for one ``purpose`` (1: the draft's draw, 2: the
+    acceptance test, 3: the correction): functions of the row's request key and position only, so a row's tokens
+    never depend on its batch-mates or on how far the others accepted."""
+    keys = jax.vmap(jax.random.fold_in)(rows.keys, index)
+    return jax.vmap(jax.random.fold_in)(keys, jnp.full_like(index, purpose))
+
+
+def draw(probs: jax.Array, keys: jax.Array) -> jax.Array:
+    """One token per row from ``probs [b, V]`` with ``keys [b]``."""
+    return jax.vmap(lambda key, p: jax.random.categorical(key, jnp.log(p)))(keys, probs).astype(jnp.int32)
+
+
+def accept_greedy(target_logits: jax.Array, drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(accepted [b], next [b])``: the drafts ``[b, k]`` that equal the target's argmax in a row from the first,
+    then the target's argmax after them (the correction, or after all ``k`` the bonus token). ``target_logits``:
+    ``[b, k + 1, V]``, position ``j`` the distribution of draft ``j``."""
+    b, k = drafts.shape
+    choice = greedy(target_logits)  # [b, k + 1]
+    agree = jnp.cumprod((choice[:, :k] == drafts).astype(jnp.int32), axis=1)
+    accepted = jnp.sum(agree, axis=1)
+    return accepted, jnp.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]
+
+
+def accept_sampled(p: jax.Array, q: jax.Array, drafts: jax.Array, rows: RowSampling,
+                   first: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The speculative-sampling rule per row: ``p [b, k + 1, V]`` the target's distributions, ``q [b, k, V]`` the
+    draft's, ``drafts [b, k]`` drawn from ``q``, ``first [b]`` the output index of the first draft. Draft ``j`` is
+    accepted when ``u_j q_j(x_j) < p_j(x_j)``; ``(accepted [b], next [b])``, next drawn from ``norm(max(0, p_a -
+    q_a))`` after a rejection at ``a`` and from ``p_k`` when all are accepted."""
+    b, k = drafts.shape
+    pick = lambda d: jnp.take_along_axis(d, drafts[..., None], axis=-1)[..., 0]  # noqa: E731
+    u = jnp.stack([jax.vmap(jax.random.uniform)(token_keys(rows, first + j, 2)) for j in range(k)], axis=1)
+    ok = u * pick(q) < pick(p[:, :k])
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    target = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]  # [b, V]
+    q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # after all k: q = 0, the residual is p itself
+    residual = jnp.maximum(target - jnp.take_along_axis(q_pad, accepted[:, None, None], axis=1)[:, 0], 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), target)  # p == q: nothing to fix
+    return accepted, draw(residual, token_keys(rows, first + accepted, 3))
+
+
+__all__ = ["MAX_K", "SpeculativeConfig", "accept_greedy", "accept_sampled", "draw", "row_probs", "token_keys"]
