@@ -37,8 +37,9 @@ def test_lowbit_codes_are_the_float_cache_quantized_in_groups(params, kv_dtype, 
     holds exactly the float cache's keys quantized per channel over groups of G slots and its values per token
     (layer 0's keys depend on the token alone); the window holds the slots after the last whole group that is older
     than ``residual`` tokens, in float."""
-    fl = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(prefill_chunk=16), capacity=64)
-    lb = Generator(CFG, params, max_new_tokens=1, capacity=64,
+    # capacity 80: the float reference's programs are the decode test's below
+    fl = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(prefill_chunk=16), capacity=80)
+    lb = Generator(CFG, params, max_new_tokens=1, capacity=80,
                    cache=CacheConfig(prefill_chunk=16, kv_dtype=kv_dtype, kv_group=G, kv_residual=residual))
     n, bits = len(PROMPT), lowbit.LOWBIT[kv_dtype]
     ref, got = fl.prefill([PROMPT]).cache, lb.prefill([PROMPT]).cache
@@ -55,7 +56,7 @@ def test_lowbit_codes_are_the_float_cache_quantized_in_groups(params, kv_dtype, 
     np.testing.assert_array_equal(np.asarray(got.k_res[0, :, :, :n - q]), k[:, :, q:])
     np.testing.assert_array_equal(np.asarray(got.v_res[0, :, :, :n - q]), v[:, :, q:])
     # keys channel-major, packed along the slots (whole key groups); values packed along head_dim
-    assert got.k.dtype == np.uint8 and got.k.shape[-2:] == (CFG.head_dim, 64 * bits // 8)
+    assert got.k.dtype == np.uint8 and got.k.shape[-2:] == (CFG.head_dim, 80 * bits // 8)
     assert got.v.shape[-1] == CFG.head_dim * bits // 8
 
 
@@ -84,7 +85,9 @@ def test_lowbit_decode_flushes_groups_as_a_prefill_and_sees_what_one_token_calls
     the logits of decode steps over the same tokens - a query sees the recent tokens in float and the older ones as
     codes, in both (a whole-prompt prefill differs: its early queries see as codes tokens a decode step would still
     hold in the window) - and they stay close to the float cache's."""
-    cache = CacheConfig(kv_dtype="int4", kv_group=G, kv_residual=4)
+    # prefilled in chunks of 16 (the 45-token prompt and the 57 tokens fed back: one compiled chunk, the paged test's
+    # contiguous int4 one too)
+    cache = CacheConfig(kv_dtype="int4", kv_group=G, kv_residual=4, prefill_chunk=16)
     gen = Generator(CFG, params, max_new_tokens=12, cache=cache, capacity=80)
     state = gen.decode(gen.prefill([PROMPT]))
     fed = [PROMPT + [int(t) for t in state.tokens[0]]]
@@ -102,7 +105,7 @@ def test_lowbit_decode_flushes_groups_as_a_prefill_and_sees_what_one_token_calls
     stepped = one.decode(one.prefill([PROMPT]))
     fed = [PROMPT + [int(t) for t in stepped.tokens[0]]]
     np.testing.assert_allclose(np.asarray(stepped.logits), np.asarray(one.prefill(fed).logits), atol=2e-5)
-    fl = Generator(CFG, params, max_new_tokens=1, capacity=80)
+    fl = Generator(CFG, params, max_new_tokens=1, cache=CacheConfig(prefill_chunk=16), capacity=80)
     diff = np.abs(np.asarray(fl.prefill(fed).logits) - np.asarray(stepped.logits))
     assert 0 < diff.max() < 0.1 * np.abs(np.asarray(stepped.logits)).max()  # int4: steps of 1/15 of a range
 
