@@ -111,15 +111,17 @@ def test_one_shot_protocol_equals_prefill_when_nothing_is_evicted(hf_dir, monkey
     contexts = [ex.prompt_ids[:ex.context_len] for ex in examples]
     questions = np.stack([ex.prompt_ids[ex.context_len:] for ex in examples])
 
-    def next_logits(cache, whole: bool):
-        gen = Generator(config, params, max_new_tokens=len(questions[0]) + 4, cache=cache)
+    def next_logits(cache, whole: bool, capacity=None):
+        gen = Generator(config, params, max_new_tokens=len(questions[0]) + 4, cache=cache, capacity=capacity)
         if whole:
             return np.asarray(gen.prefill(prompts).logits)
         state, _ = gen.score(gen.prefill(contexts), questions)
         return np.asarray(state.logits)
 
-    reference = next_logits(CacheConfig(), whole=True)
-    np.testing.assert_allclose(next_logits(CacheConfig(), whole=False), reference, atol=2e-4, rtol=2e-4)
+    # the full cache: one capacity and prefill chunk for the whole prompt and the context, so one compiled prefill
+    full, room = CacheConfig(prefill_chunk=64), len(prompts[0]) + len(questions[0]) + 4
+    reference = next_logits(full, whole=True, capacity=room)
+    np.testing.assert_allclose(next_logits(full, whole=False, capacity=room), reference, atol=2e-4, rtol=2e-4)
     roomy = CacheConfig(policy="snapkv", budget=320, window=8, interval=512, prefill_chunk=512)
     np.testing.assert_allclose(next_logits(roomy, whole=False), reference, atol=2e-4, rtol=2e-4)
     small = CacheConfig(policy="snapkv", budget=24, window=8, interval=512, prefill_chunk=512)
