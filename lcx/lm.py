@@ -295,9 +295,8 @@ class LM:
         longest = max(len(p) for p in prompts)
         cache = at_compression(cache, longest, max_new_tokens)
         spec = as_speculative(speculative, longest, max_new_tokens)
-        if spec is not None:
-            result = self._speculative(spec, prompts, max_new_tokens, cache, sampling, seed, chat)
-        else:
+        result = spec and self._speculative(spec, prompts, max_new_tokens, cache, sampling, seed, chat)
+        if result is None:  # no draft, or one that does not pay for prompts this short (SpeculativeConfig.pays)
             gen = self.generator(max_new_tokens, cache, seed=seed, chat=chat)
             try:
                 result = gen.result(gen.decode(gen.prefill(prompts, sampling=[sampling] * len(prompts))))
@@ -312,8 +311,8 @@ class LM:
         return outputs[0] if single else outputs
 
     def _speculative(self, spec, prompts, max_new_tokens: int, cache, sampling, seed: int, chat: bool):
-        """``generate``'s tokens with a draft (``lcx.engine.spec_generator``); a KVzip draft's repeat prompt from
-        this tokenizer."""
+        """``generate``'s tokens with a draft (``lcx.engine.spec_generator``; a KVzip draft's repeat prompt from this
+        tokenizer), or None where it does not pay."""
         from lcx.data.haystack import Frame
         from lcx.data.policy_inputs import policy_inputs
         from lcx.engine.spec_generator import SpeculativeGenerator
@@ -324,6 +323,8 @@ class LM:
         gen = SpeculativeGenerator(self.config, self.params, max_new_tokens=max_new_tokens, speculative=spec,
                                    cache=as_cache(cache), eos_id=self.eos_id, seed=int(seed),
                                    reconstruction=inputs.get("reconstruction"))
+        if not gen.pays(prompts):
+            return None
         result, stats = gen.generate(prompts, sampling=[sampling] * len(prompts))
         return dataclasses.replace(result, speculative=stats)
 

@@ -163,6 +163,7 @@ def test_truncate_forgets_the_newest_tokens_exactly(params):
      "speculative.draft.layout='paged' is invalid"),
     (dict(draft="streaming", k=2), "speculative.draft='streaming' is invalid"),
     (dict(draft=CacheConfig(policy="streaming", budget=8, interval=1), k=2), "speculative.draft.interval=1"),
+    (dict(draft=CacheConfig(policy="streaming", budget=8), min_context=-1), "speculative.min_context=-1 is invalid"),
 ])
 def test_bad_settings_are_refused_at_construction(kwargs, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -197,15 +198,31 @@ def test_text_api_and_cli_give_plain_decodings_text(tmp_path, capsys):
     lm = lcx.load(str(folder))
     texts = ["and again and again, here we go " * 6, "Say hi, user and assistant: " * 5]
     plain = lm.generate(texts, max_new_tokens=12)
-    spec = {"draft": {"policy": "snapkv", "compression": 0.75, "window": 4}, "k": 3}
+    spec = {"draft": {"policy": "snapkv", "compression": 0.75, "window": 4}, "k": 3, "min_context": 0}
     assert lm.generate(texts, max_new_tokens=12, speculative=spec) == plain
     argv = ["generate", "--model", str(folder), "--prompt", texts[0], "--max-new-tokens", "12"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert main(argv + ["--speculative-draft", "streaming", "--speculative-param", "budget=16",
-                        "--speculative-param", "sinks=2", "--speculative-k", "3"]) == 0
+                        "--speculative-param", "sinks=2", "--speculative-k", "3", "--speculative-min-context", "0"]) == 0
     captured = capsys.readouterr()
     assert captured.out == printed
     assert "tokens per verification" in captured.err
     assert main(argv + ["--speculative-draft", "full"]) == 2
     assert "holds as much as its target" in capsys.readouterr().err
+    assert main(argv + ["--speculative-draft", "streaming", "--speculative-param", "budget=16",
+                        "--speculative-min-context", "100000"]) == 0  # too short to pay: decoded plainly
+    captured = capsys.readouterr()
+    assert captured.out == printed and "decodes plainly" in captured.err
+
+
+def test_prompts_too_short_to_pay_decode_plainly(params, plain):
+    """``min_context``: below it ``lcx.generate`` is plain decoding (``.speculative`` None); ``auto`` weighs one
+    step's full-cache read against the weights' bytes (this tiny model's cache outweighs its weights)."""
+    draft = DRAFTS["streaming"]
+    short = lcx.generate(CFG, params, _prompts(), max_new_tokens=NEW, eos_id=7,
+                         speculative=SpeculativeConfig(draft=draft, k=3, min_context=61))
+    assert short.speculative is None
+    np.testing.assert_array_equal(short.tokens, plain.tokens)
+    assert SpeculativeConfig(draft=draft).pays(kv_bytes=30, weight_bytes=100, prompt=1)
+    assert not SpeculativeConfig(draft=draft).pays(kv_bytes=20, weight_bytes=100, prompt=10 ** 6)

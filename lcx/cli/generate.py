@@ -80,6 +80,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--speculative-param", action="append", default=[], metavar="KEY=VALUE",
                    help="the draft cache's settings, e.g. budget=256, sinks=4, compression=0.9 (repeatable)")
     p.add_argument("--speculative-k", type=int, default=4, help="draft tokens per verification (default 4)")
+    p.add_argument("--speculative-min-context", default="auto",
+                   help="decode plainly below this many prompt tokens (default auto: where drafting costs more than "
+                        "it saves; 0: always speculate)")
     p.set_defaults(func=run)
     return p
 
@@ -128,7 +131,9 @@ def run(args: argparse.Namespace) -> int:
         inputs = policy_inputs(policy, Frame(tok))
     eos = args.eos_id if args.eos_id is not None else config.eos_token_id
     if args.speculative_draft is not None:
-        return _speculative(args, config, params, cache, sampling, eos, prompt, show)
+        code = _speculative(args, config, params, cache, sampling, eos, prompt, show)
+        if code is not None:
+            return code
     gen = Generator(config, params, max_new_tokens=args.max_new_tokens, cache=cache, sampling=sampling,
                     eos_id=eos, seed=args.seed, **inputs)
     state = gen.prefill([prompt])
@@ -150,17 +155,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _speculative(args, config, params, cache, sampling, eos, prompt, show) -> int:
-    """``--speculative-draft``: the tokens as each verification emits them, then the acceptance on stderr."""
+def _speculative(args, config, params, cache, sampling, eos, prompt, show) -> int | None:
+    """``--speculative-draft``: the tokens as each verification emits them, then the acceptance on stderr; None
+    where speculation does not pay for this prompt (the caller decodes plainly)."""
     from lcx.engine.spec_generator import SpeculativeGenerator
     from lcx.lm import as_speculative
 
     if args.speculative_k is None:
         raise ConfigError("--speculative-k is missing a value: draft tokens per verification, e.g. 4")
     draft = {"policy": args.speculative_draft, **_policy_params(args.speculative_param, "--speculative-param")}
-    spec = as_speculative({"draft": draft, "k": args.speculative_k}, len(prompt), args.max_new_tokens)
+    min_context = args.speculative_min_context
+    min_context = int(min_context) if min_context.isdigit() else min_context
+    spec = as_speculative({"draft": draft, "k": args.speculative_k, "min_context": min_context}, len(prompt),
+                          args.max_new_tokens)
     gen = SpeculativeGenerator(config, params, max_new_tokens=args.max_new_tokens, speculative=spec, cache=cache,
                                sampling=sampling, eos_id=eos, seed=args.seed)
+    if not gen.pays([prompt]):
+        print(f"lcx generate: a {len(prompt)}-token prompt decodes plainly (speculative.min_context="
+              f"{spec.min_context!r}: drafting would cost more than it saves)", file=sys.stderr)
+        return None
     state = gen.prefill([prompt])
     shown = ""
     while True:

@@ -122,7 +122,6 @@ class Generator:
         questions about one document) are prefilled once and stored once: one row per run of such prompts is
         prefilled, forked (``kind.fork``), and every row continues with its own tokens. ``prompt_tokens`` /
         ``prefilled_tokens`` count the tokens asked for and run through the model.
-
         ``sampling``: one ``SamplingConfig`` per prompt (default: the generator's for all); ``seeds``: one seed per
         prompt, the key of that request's random stream (default: the generator's seed folded with the prompt's
         index; a ``state``'s rows keep theirs). A prompt with a seed gets the same tokens alone or in any batch.
@@ -436,12 +435,13 @@ def generate(config: ModelConfig, params, prompt_ids, *, max_new_tokens: int, te
     ``mesh`` (``lcx.parallel.sharding.make_mesh``): generate sharded over it (see ``Generator``); the tokens equal the
     single-device ones. ``strict``: positions past the model's trained range are an error, not a warning.
     ``speculative`` (``lcx.SpeculativeConfig``): draft with a compressed cache, verify against ``cache``
-    (``lcx.engine.speculative``); ``.speculative`` holds the acceptance counts."""
+    (``lcx.engine.speculative``); ``.speculative``: the acceptance counts (None: decoded plainly, too short)."""
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    if speculative is not None:
-        return generate_speculative(config, params, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                                    eos_id=eos_id, cache=cache, seed=seed, mesh=mesh, strict=strict,
-                                    speculative=speculative)
+    spec = speculative and generate_speculative(  # None: it does not pay for these prompts, decode plainly
+        config, params, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, cache=cache,
+        seed=seed, mesh=mesh, strict=strict, speculative=speculative)
+    if spec is not None:
+        return spec
     gen = Generator(config, params, max_new_tokens=max_new_tokens, cache=cache, sampling=sampling, eos_id=eos_id,
                     seed=seed, mesh=mesh, strict=strict)
     return gen.result(gen.decode(gen.prefill(prompt_ids)))

@@ -28,7 +28,7 @@ from lcx.cache import schema
 from lcx.cache.base import CacheCapacityError
 from lcx.cache.config import CacheConfig
 from lcx.cache.kv_cache import SlotCacheKind
-from lcx.config_base import ConfigError, format_bytes
+from lcx.config_base import ConfigError, dtype_bytes, format_bytes
 from lcx.engine.planning import check_positions, plan_capacity
 from lcx.engine.runner import build
 from lcx.engine.sampling import RowSampling, SamplingConfig, request_keys, sample_rows
@@ -116,38 +116,65 @@ class SpeculativeGenerator:
         state = self.decode(state)
         return self.result(state)
 
+    def pays(self, prompt_ids) -> bool:
+        """Whether these prompts should decode speculatively (``SpeculativeConfig.min_context``); the callers of
+        ``generate`` (``lcx.generate``, ``lm.generate``, ``lcx generate``) decode plainly where not."""
+        ids, _ = pad_prompts(prompt_ids, pad_id=0)
+        self._check_budget(ids.shape[1])
+        weights = self.config.num_params() * dtype_bytes(self.config.param_dtype)
+        return self.spec.pays(self.target.kind.nbytes(ids.shape[0], ids.shape[1]), weights, ids.shape[1])
+
+    def _check_budget(self, max_len: int) -> None:
+        budgets = self.draft_kind.head_budgets
+        if budgets is not None and min(budgets) >= max_len:
+            raise ConfigError(f"speculative.draft.budget={self.spec.draft.budget} holds the whole prompt ({max_len} "
+                              "tokens): the draft would read what the target reads; allowed: a budget below the "
+                              "prompt length (or no speculative decoding for prompts this short)")
+
     def prefill(self, prompt_ids, *, sampling=None, seeds=None, progress: bool = False) -> SpecState:
+        """The prompts prefilled, the draft derived and each row's first token drawn: the state ``decode`` takes."""
+        cache, logits, rows = self.prefill_cache(prompt_ids, sampling=sampling, seeds=seeds, progress=progress)
+        return self.start(cache, logits, rows)
+
+    def prefill_cache(self, prompt_ids, *, sampling=None, seeds=None, progress: bool = False):
+        """``(cache, last logits [b, V], RowSampling)``: the prompts in one cache that holds them whole (the draft
+        policy's kind where it observes the prompt, else the target's). ``start`` derives both caches from it; a
+        benchmark may decode it plainly too (``target_view``)."""
         ids, lengths = pad_prompts(prompt_ids, pad_id=0)
         if np.any(ids < 0) or np.any(ids >= self.config.vocab_size):
             bad = int(ids[(ids < 0) | (ids >= self.config.vocab_size)][0])
             raise ConfigError(f"prompt token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
         batch, max_len = ids.shape
         rows = _row_sampling(batch, sampling or [self.sampling] * batch, request_keys(self.seed, batch, seeds))
-        k = self.spec.k
         check_positions(self.config, self.cache_config, max_len, self.max_new_tokens, self.strict)
+        self._check_budget(max_len)
         # the target holds the prompt, the tokens and one verification's k + 1 past the last
-        capacity = plan_capacity(self.config, self.cache_config, batch, max_len, self.max_new_tokens + k + 1)
-        draft_capacity = self.draft_kind.plan(batch, max_len, self.max_new_tokens + k + 1)
-        budgets = self.draft_kind.head_budgets
-        if budgets is not None and min(budgets) >= max_len:
-            raise ConfigError(f"speculative.draft.budget={self.spec.draft.budget} holds the whole prompt ({max_len} "
-                              "tokens): the draft would read what the target reads; allowed: a budget below the "
-                              "prompt length (or no speculative decoding for prompts this short)")
+        capacity = plan_capacity(self.config, self.cache_config, batch, max_len, self.max_new_tokens + self.spec.k + 1)
         runner = self.prefill_runner
-        cache = runner.kind.create(batch, capacity)
-        cache, logits = runner.chunks(ids, lengths, cache, capacity, progress)
+        cache, logits = runner.chunks(ids, lengths, runner.kind.create(batch, capacity), capacity, progress)
         if runner.reconstruction is not None and getattr(runner.policy, "reconstructs", False):
             cache = runner.reconstruct(cache, ids, lengths, progress)
-        target, draft = _derive(self.target.kind, self.draft_kind, draft_capacity, cache)
-        first = sample_rows(logits, jax.tree.map(jnp.asarray, rows), jnp.zeros((batch,), jnp.int32))
+        return cache, logits, rows
+
+    def target_view(self, cache):
+        """The target cache over a ``prefill_cache`` state's own buffers (no copy)."""
+        return _target(self.target.kind, cache)
+
+    def start(self, cache, logits, rows: RowSampling) -> SpecState:
+        """The state ``decode`` takes from a ``prefill_cache`` result: the target over its buffers, the draft derived
+        from it, each row's first token drawn from ``logits`` (as plain decoding draws it)."""
+        batch, max_len = logits.shape[0], int(jnp.max(cache.lengths))
+        draft_capacity = self.draft_kind.plan(batch, max_len, self.max_new_tokens + self.spec.k + 1)
+        draft = _derive(self.target.kind, self.draft_kind, draft_capacity, cache)
+        rows = jax.tree.map(jnp.asarray, rows)
+        first = sample_rows(logits, rows, jnp.zeros((batch,), jnp.int32))
         tokens = jnp.full((batch, self.max_new_tokens), self.target.pad_id, jnp.int32).at[:, 0].set(first)
         done = (first == self.eos_id) if self.eos_id is not None else jnp.zeros((batch,), bool)
         zeros = lambda: jnp.zeros((batch,), jnp.int32)  # noqa: E731 - distinct buffers: the loop donates its state
-        return SpecState(target=target, draft=draft, token=first, extra=zeros(), has_extra=jnp.zeros((batch,), bool),
-                         tokens=tokens, n_generated=jnp.ones((batch,), jnp.int32),
+        return SpecState(target=self.target_view(cache), draft=draft, token=first, extra=zeros(),
+                         has_extra=jnp.zeros((batch,), bool), tokens=tokens, n_generated=jnp.ones((batch,), jnp.int32),
                          done=done | (self.max_new_tokens <= 1), drafted=zeros(), accepted=zeros(),
-                         verifications=zeros(),
-                         step=jnp.int32(0), sampling=jax.tree.map(jnp.asarray, rows))
+                         verifications=zeros(), step=jnp.int32(0), sampling=rows)
 
     def decode(self, state: SpecState, iterations: int | None = None) -> SpecState:
         """Run verifications until every row is done (or ``iterations`` more)."""
@@ -169,10 +196,16 @@ def _row_sampling(batch: int, settings, keys) -> RowSampling:
     return RowSampling.build(list(settings), keys)
 
 
+def _target(target_kind: SlotCacheKind, state):
+    """The target over a prefilled ``state``'s own buffers (outside jit: a jitted function would return copies)."""
+    return target_kind.state_type(kind=target_kind, **{n: getattr(state, n) for n in target_kind.fields()})
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _derive(target_kind: SlotCacheKind, draft_kind: SlotCacheKind, draft_capacity: int, state):
-    """``(target, draft)`` from a prefilled ``state`` that holds every prompt token (see the module docstring)."""
-    target = target_kind.state_type(kind=target_kind, **{n: getattr(state, n) for n in target_kind.fields()})
+    """The draft from a prefilled ``state`` that holds every prompt token (see the module docstring): its only
+    outputs are the draft's buffers (XLA's memory analysis at 4 rows x 4,096 slots of a 16 MiB cache: a SnapKV
+    draft's temporaries 5 MiB, an int8 one's - every token encoded - 16 MiB)."""
     work = dataclasses.replace(draft_kind, storage=target_kind.storage)  # the policy, on the target's floats
     sizes = work.sizes(state.batch, state.capacity)
     zeros = schema.empty({n: f for n, f in work.fields().items() if getattr(state, n, None) is None}, sizes,
@@ -192,21 +225,24 @@ def _derive(target_kind: SlotCacheKind, draft_kind: SlotCacheKind, draft_capacit
         keys = apply_rope(keys, cos, -sin).reshape(shape[0], shape[1], shape[3], shape[2], shape[4])
         held = held.replace(k=jnp.moveaxis(keys, 3, 2).astype(held.k.dtype))
     if draft_kind.storage == work.storage:
-        return target, held.replace(kind=draft_kind)
+        return held.replace(kind=draft_kind)
     codes = draft_kind.storage.encode(held.k, held.v)
     rest = {n: getattr(held, n) for n in draft_kind.fields() if n not in codes}
-    return target, draft_kind.state_type(kind=draft_kind, **rest, **codes)
+    return draft_kind.state_type(kind=draft_kind, **rest, **codes)
 
 
 def generate_speculative(config: ModelConfig, params, prompt_ids, *, max_new_tokens: int, sampling: SamplingConfig,
                          eos_id: int | None, cache: CacheConfig | None, seed: int, mesh, strict: bool,
-                         speculative: SpeculativeConfig) -> GenerateResult:
-    """``lcx.generate(..., speculative=...)``: the result with its ``SpeculativeStats`` as ``.speculative``."""
+                         speculative: SpeculativeConfig) -> GenerateResult | None:
+    """``lcx.generate(..., speculative=...)``: the result with its ``SpeculativeStats`` as ``.speculative``; None
+    where speculation does not pay for these prompts (``SpeculativeGenerator.pays``: the caller decodes plainly)."""
     if mesh is not None:
         raise ConfigError("speculative decoding runs on one device: call lcx.generate(..., speculative=...) without "
                           "mesh")
     gen = SpeculativeGenerator(config, params, max_new_tokens=max_new_tokens, speculative=speculative, cache=cache,
                                sampling=sampling, eos_id=eos_id, seed=seed, strict=strict)
+    if not gen.pays(prompt_ids):
+        return None
     result, stats = gen.generate(prompt_ids)
     return dataclasses.replace(result, speculative=stats)
 

@@ -30,16 +30,23 @@ from lcx.config_base import ConfigError
 from lcx.engine.sampling import RowSampling, filter_rows, greedy
 
 MAX_K = 16  # draft tokens per verification: past ~8 the acceptance of every draft policy measured has flattened
+# ``min_context: auto`` speculates when one decode step's full-cache read (every row, every layer) is at least this
+# share of the weights' bytes: a draft step reads the weights again, so below it the k draft steps cost more than the
+# verification saves (docs/benchmarks.md, "Self-speculative decoding": where the measured speed-up crosses 1)
+AUTO_KV_SHARE = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """``draft``: the cache the draft steps read, derived from the prompt's full cache (an eviction policy with a
     budget - ``streaming``, ``snapkv``, ``tova``, ``h2o``, ``kvzip``, ... - and / or ``kv_dtype`` int8 / fp8 / fp4
-    codes); ``k``: draft tokens per verification."""
+    codes); ``k``: draft tokens per verification; ``min_context``: ``generate`` decodes plainly when the longest
+    prompt is shorter (an int; 0: always speculate), or - ``auto`` - when a step's full-cache read is below
+    ``AUTO_KV_SHARE`` of the weights' bytes, where drafting costs more than it saves."""
 
     draft: CacheConfig
     k: int = 4
+    min_context: int | str = "auto"
 
     def __post_init__(self):
         if isinstance(self.draft, Mapping):
@@ -50,6 +57,11 @@ class SpeculativeConfig:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or not 1 <= self.k <= MAX_K:
             raise ConfigError(f"speculative.k={self.k!r} is invalid: must be an integer in [1, {MAX_K}] (draft "
                               "tokens per verification)")
+        auto = self.min_context == "auto"
+        if not auto and (not isinstance(self.min_context, int) or isinstance(self.min_context, bool)
+                         or self.min_context < 0):
+            raise ConfigError(f"speculative.min_context={self.min_context!r} is invalid: must be 'auto' or an integer "
+                              ">= 0 (prompt tokens below which generate decodes plainly; 0: always speculate)")
         draft = self.draft
         if draft.layout != "contiguous":
             raise ConfigError(f"speculative.draft.layout={draft.layout!r} is invalid: a draft is a contiguous slot "
@@ -71,18 +83,25 @@ class SpeculativeConfig:
     def from_mapping(cls, data: Mapping[str, Any], prefix: str = "speculative") -> "SpeculativeConfig":
         """From a YAML mapping ``{draft: {policy: ..., budget: ...}, k: 4}``."""
         data = dict(data)
-        unknown = sorted(set(data) - {"draft", "k"})
+        unknown = sorted(set(data) - {"draft", "k", "min_context"})
         if unknown:
-            raise ConfigError(f"{prefix}.{unknown[0]} is not a key of {prefix}: allowed draft, k")
+            raise ConfigError(f"{prefix}.{unknown[0]} is not a key of {prefix}: allowed draft, k, min_context")
         if "draft" not in data:
             raise ConfigError(f"{prefix}.draft is missing: the draft cache, e.g. {{policy: streaming, budget: 256}}")
         draft = data["draft"]
         if isinstance(draft, Mapping):
             draft = CacheConfig.from_mapping(draft, f"{prefix}.draft")
-        return cls(draft=draft, k=data.get("k", 4))
+        return cls(draft=draft, k=data.get("k", 4), min_context=data.get("min_context", "auto"))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"draft": self.draft.to_dict(), "k": self.k}
+        return {"draft": self.draft.to_dict(), "k": self.k, "min_context": self.min_context}
+
+    def pays(self, kv_bytes: int, weight_bytes: int, prompt: int) -> bool:
+        """Whether to speculate for a batch whose longest prompt is ``prompt`` tokens, whose full cache holds
+        ``kv_bytes`` at that length, of a model of ``weight_bytes``."""
+        if self.min_context == "auto":
+            return kv_bytes >= AUTO_KV_SHARE * weight_bytes
+        return prompt >= self.min_context
 
 
 # --------------------------------------------------------------------------------------------------- acceptance
@@ -139,4 +158,4 @@ def accept_sampled(p: jax.Array, q: jax.Array, drafts: jax.Array, rows: RowSampl
     return accepted, draw(residual, token_keys(rows, first + accepted, 3))
 
 
-__all__ = ["MAX_K", "SpeculativeConfig", "accept_greedy", "accept_sampled", "draw", "row_probs", "token_keys"]
+__all__ = ["AUTO_KV_SHARE", "MAX_K", "SpeculativeConfig", "accept_greedy", "accept_sampled", "draw", "row_probs", "token_keys"]
