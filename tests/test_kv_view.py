@@ -106,3 +106,38 @@ def test_backend_ops_return_one_type_and_refuse_tuple_unpacking():
         kernels.merge_partials(plain, plain)
     dec = op.decode(q[:, 0], k, v, valid=jnp.ones((B, S), bool), sm_scale=0.3, weights=True)
     assert dec.weights.shape == (B, K, S) and dec.m is None
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_a_few_queries_attend_as_a_chunk_without_its_layout(spec):
+    """``few``: a call of at most ``few`` queries (a speculative verification) reads the view in its own layout -
+    the keys and values once (``FloatKV.few``, 8-bit codes with their scales too) or, for a payload without ``few``,
+    through ``decode`` once per query - and gives the chunk op's outputs, statistics and residuals."""
+    from lcx.cache.storage import ScaledKV
+    from lcx.kernels.quant import quantize
+
+    spec = SPECS[spec]
+    q, k, v = _qkv(T, seed=2)
+    offsets = jnp.asarray([[3, 9], [14, 12]], jnp.int32)
+    weights = jnp.asarray([[0, 0, 1, 1, 1], [1, 0, 0, 1, 1]], jnp.float32)
+
+    class DecodeOnly:  # a payload with no ``few`` of its own (as the bit-packed codes)
+        def __init__(self, kv):
+            self.kv, self.k = kv, kv.k
+
+        def decode(self, *args, **kwargs):
+            return self.kv.decode(*args, **kwargs)
+
+    (k8, ks), (v8, vs) = quantize(k, "int8"), quantize(v, "int8")
+    payloads = {"float": FloatKV(k, v), "int8": ScaledKV(k8, v8, k_scale=ks, v_scale=vs),
+                "decode-only": DecodeOnly(FloatKV(k, v))}
+    for name, kv in payloads.items():
+        view = KVView(kv=kv, lengths=offsets + T, offsets=offsets)
+        chunk_kv = kv.kv if name == "decode-only" else kv
+        want = attend_view("xla", q, view.replace(kv=chunk_kv), spec, stat_weights=weights, residuals=True)
+        got = attend_view("xla", q, view, spec, stat_weights=weights, residuals=True, few=T)
+        for field in ("out", "weights", "m", "l"):
+            np.testing.assert_allclose(getattr(got, field), getattr(want, field), atol=3e-5, err_msg=f"{name} {field}")
+    shared = KVView(kv=FloatKV(k, v), lengths=offsets[:, 0] + T, offsets=offsets[:, 0])  # one keep set per row
+    want = attend_view("xla", q, shared, spec)
+    np.testing.assert_allclose(attend_view("xla", q, shared, spec, few=8).out, want.out, atol=3e-5)

@@ -226,3 +226,20 @@ def test_prompts_too_short_to_pay_decode_plainly(params, plain):
     np.testing.assert_array_equal(short.tokens, plain.tokens)
     assert SpeculativeConfig(draft=draft).pays(kv_bytes=30, weight_bytes=100, prompt=1)
     assert not SpeculativeConfig(draft=draft).pays(kv_bytes=20, weight_bytes=100, prompt=10 ** 6)
+
+
+def test_plan_sizes_the_draft_beside_the_cache(tmp_path, capsys):
+    """``lcx plan --speculative-draft``: the draft's bytes as the generator sizes it (budget + interval slots)."""
+    import json
+
+    from lcx.cli import main
+
+    path = tmp_path / "m.yaml"
+    path.write_text("model: {vocab_size: 61, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, d_ff: 64}\n")
+    argv = ["plan", str(path), "--context", "4096", "--batch", "8", "--gpu-mem", "1GiB", "--json",
+            "--speculative-draft", "streaming", "--speculative-param", "budget=256", "--speculative-param", "sinks=4"]
+    assert main(argv) == 0
+    draft = CacheConfig(policy="streaming", budget=256, sinks=4).kind(CFG)
+    assert json.loads(capsys.readouterr().out)["speculative_draft_bytes"] == draft.nbytes(8, 256 + 64)
+    assert main(argv[:-6] + ["--speculative-param", "budget=256"]) == 2
+    assert "--speculative-param needs --speculative-draft" in capsys.readouterr().err

@@ -102,6 +102,7 @@ class SlotCacheKind(CacheKind):
     interval: int = 64
     limit: int | None = None
     storage: KVStorage | None = None
+    few_queries: int = 0  # calls of up to this many queries attend query by query (kv_view.attend_view's few)
 
     def __post_init__(self):
         if self.storage is None:

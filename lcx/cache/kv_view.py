@@ -54,7 +54,7 @@ class KVView:
 
 
 def attend_view(impl: str, q: jax.Array, view: KVView, spec: AttentionSpec, *,
-                stat_weights: jax.Array | None = None, residuals: bool = False) -> Attended:
+                stat_weights: jax.Array | None = None, residuals: bool = False, few: int = 0) -> Attended:
     """Attend ``q [b, t, h, d]`` (rotated) to ``view`` under the layer's ``spec`` with backend ``impl``.
 
     Returns an ``Attended``: ``out [b, t, h, d]``; with ``stat_weights [b, t]`` (positive for queries that count)
@@ -62,10 +62,17 @@ def attend_view(impl: str, q: jax.Array, view: KVView, spec: AttentionSpec, *,
     each KV group (H2O / TOVA / SnapKV statistics; soft-capped logits as the output sees them); with ``residuals``
     ``m, l [b, t, h]`` for :func:`lcx.kernels.merge_partials`. ``spec.window`` applies to the chunk path; a
     one-query call reads it from ``view.valid``, which the cache builds from its slots' positions. The payload
-    ``view.kv`` picks the op that reads its arrays (``decode`` / ``chunk`` / ``column_sums``, or the codes' ops)."""
+    ``view.kv`` picks the op that reads its arrays (``decode`` / ``chunk`` / ``column_sums``, or the codes' ops).
+
+    ``few``: a causal call of at most this many queries runs the ``decode`` op once per query over the view's own
+    ``[b, k, S, d]`` layout (``_few_queries``) instead of ``chunk``, whose kernels read ``[b, S, k, d]`` - a
+    transposed copy of the whole cache per call, which for a speculative verification of 5 tokens cost more than
+    the attention (XLA backend only: a Pallas decode kernel is not vmapped)."""
     backend = kernels.backend(impl)
     extra = kernels.spec_kwargs(spec)
     counted = stat_weights is not None
+    if 1 < q.shape[1] <= few and view.causal and backend.name == "xla":
+        return _few_queries(backend, q, view, spec, extra, stat_weights, residuals)
     if q.shape[1] == 1:
         if view.valid is None:
             raise ValueError("a one-query attend needs KVView.valid (the slots the query sees)")
@@ -76,6 +83,30 @@ def attend_view(impl: str, q: jax.Array, view: KVView, spec: AttentionSpec, *,
         return Attended(out=res.out[:, None], weights=weights, m=expand(res.m), l=expand(res.l))
     return view.kv.chunk(backend, q, q_offsets=view.offsets, kv_lengths=view.lengths, sm_scale=spec.sm_scale,
                          causal=view.causal, residuals=residuals, extra=extra, stat_weights=stat_weights)
+
+
+def _few_queries(backend, q, view: KVView, spec: AttentionSpec, extra, stat_weights, residuals) -> Attended:
+    """``attend_view`` of a few causal queries: query i sees the packed slots below ``min(offsets + i + 1,
+    lengths)`` (and, with a window, above its slot minus the window) - the ``chunk`` op's mask - through the payload's
+    ``few`` (the keys and values read once) or, for a payload without one (bit-packed codes), its ``decode`` once
+    per query. Same values up to float32 summation order."""
+    t, slots = q.shape[1], view.kv.k.shape[2]
+    own = view.offsets[..., None] + jnp.arange(t)  # [b, (k,) t]: each query's slot
+    valid = jnp.arange(slots) < jnp.minimum(own + 1, view.lengths[..., None])[..., None]  # [b, (k,) t, S]
+    if spec.window is not None:
+        valid &= jnp.arange(slots) > own[..., None] - spec.window
+    count = None if stat_weights is None else stat_weights > 0
+    if hasattr(view.kv, "few"):
+        return view.kv.few(q, valid=valid, sm_scale=spec.sm_scale, count=count, residuals=residuals, extra=extra)
+
+    def one(q_i, valid_i):
+        return view.kv.decode(backend, q_i, valid=valid_i, sm_scale=spec.sm_scale, weights=count is not None,
+                              residuals=residuals, extra=extra)
+
+    res = jax.vmap(one, in_axes=(1, valid.ndim - 2), out_axes=0)(q, valid)  # [t, b, ...]
+    weights = None if count is None else jnp.einsum("tbks,bt->bks", res.weights, count.astype(res.weights.dtype))
+    move = lambda x: None if x is None else jnp.moveaxis(x, 0, 1)  # noqa: E731
+    return Attended(out=move(res.out), weights=weights, m=move(res.m), l=move(res.l))
 
 
 def packed_valid(lengths: jax.Array, slots: int) -> jax.Array:

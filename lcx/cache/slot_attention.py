@@ -133,7 +133,7 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
         lambda x: einops.repeat(x, "b H ... -> b (H j) ...", j=kv_heads // heads))
     view = KVView(kv=kv, lengths=per_kv(layer.count), offsets=per_kv(q_offsets),
                   valid=per_kv(mask[:, :, 0]) if q.shape[1] == 1 else None)
-    core = functools.partial(attend_view, config.attention.impl, spec=spec)
+    core = functools.partial(attend_view, config.attention.impl, spec=spec, few=getattr(kind, "few_queries", 0))
     if counted:
         res = per_shard(lambda q, view, w: core(q, view, stat_weights=w), (BTHD, view.axes(), ROWS),
                         Attended(out=BTHD, weights=BKS))(q, view, stat_weights)

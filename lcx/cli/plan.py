@@ -12,7 +12,7 @@ import yaml
 
 from lcx.checkpoints import hf
 from lcx.config import ConfigError, ModelConfig, apply_model_overrides, load_model_config
-from lcx.config_base import parse_bytes
+from lcx.config_base import format_bytes, parse_bytes
 from lcx.parallel.device_memory import UTILIZATION
 
 # fp16 keeps finite values up to 65504; past a few thousand tokens attention logits and residual activations of
@@ -83,6 +83,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--utilization", type=float, default=UTILIZATION,
                    help=f"usable fraction of device memory (default {UTILIZATION})")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--speculative-draft", default=None, metavar="POLICY",
+                   help="also size a speculative draft cache of this policy (lcx generate --speculative-draft) beside "
+                        "the full cache: its bytes at --context and --batch")
+    p.add_argument("--speculative-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="the draft's settings (repeatable), e.g. budget=256, sinks=4, kv_dtype=int8")
     s = p.add_argument_group("serving (--serve): the page pool of `lcx serve` at --context = --max-model-len")
     s.add_argument("--serve", action="store_true", help="plan a serve configuration: pages, sequences at max length")
     s.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (default 8)")
@@ -177,5 +182,33 @@ def run(args: argparse.Namespace) -> int:
                         cache=_cache_section(args.cache_policy, args.budget, args.cache_param, args.page_size),
                         shared_prefix=args.shared_prefix)
     plan = make_plan(inputs, source=str(args.config))
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan))
+    draft = _draft_bytes(args, model)
+    if args.json:
+        print(json.dumps(plan.to_dict() | ({} if draft is None else {"speculative_draft_bytes": draft}), indent=2))
+    else:
+        print(render(plan))
+        if draft is not None:
+            print(f"speculative draft ({args.speculative_draft}): {format_bytes(draft)} of KV at --context "
+                  f"{args.context} x --batch {args.batch}, read by each draft step; the full cache is read once per "
+                  "verification")
     return 0
+
+
+def _draft_bytes(args: argparse.Namespace, model: ModelConfig) -> int | None:
+    """The KV bytes of ``--speculative-draft``'s cache at ``--context`` x ``--batch`` (its budget + interval slots
+    for an eviction policy, every token in its codes for a quantized one), as ``SpeculativeGenerator`` sizes it."""
+    if args.speculative_draft is None:
+        if args.speculative_param:
+            raise ConfigError("--speculative-param needs --speculative-draft (the draft the settings belong to)")
+        return None
+    from lcx.engine.speculative import SpeculativeConfig
+
+    spec = {"policy": args.speculative_draft}
+    for item in args.speculative_param:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--speculative-param {item!r} is invalid: write KEY=VALUE, e.g. budget=256")
+        spec[key] = yaml.safe_load(value)
+    draft = SpeculativeConfig.from_mapping({"draft": spec}).draft
+    kind = draft.kind(model)
+    return kind.nbytes(args.batch, kind.plan(args.batch, args.context, 0))

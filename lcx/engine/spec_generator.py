@@ -1,10 +1,9 @@
 """The host side of self-speculative decoding: one prefill, the draft cache derived from it, the compiled loop.
 
-The prompt is prefilled once into a cache that holds all of it. For a draft policy that keys at true positions
+The prompt is prefilled once into a cache that holds all of it. For a draft policy that observes the prompt
 (SnapKV, TOVA, H2O, KVzip, ...) that prefill runs under the draft policy's own cache kind, sized for the whole
 context, so its statistics (and KVzip's reconstruction scores) are gathered as a prefill with that policy gathers
-them; a policy that re-rotates keys by rank (StreamingLLM, LaCache) observes nothing while prefilling, and the
-prefill runs under the target kind. Then, in one compiled call:
+them; for one that observes nothing (StreamingLLM, LaCache: positions only) under the target kind. Then, in one compiled call:
 
 - the target (the full cache) is that state's keys and values, the same arrays: no copy;
 - the draft is the policy's end-of-prefill compression of that state, cut to its budget + ``interval`` slots
@@ -96,7 +95,11 @@ class SpeculativeGenerator:
                               f"{t.kind.dtype!r}: the draft is derived from the target's keys and values")
         # the prefill: under the draft policy (its statistics), or the target's when the policy rotates by rank
         self.draft_kind = draft_kind
-        self.observes_prefill = draft_kind.policy.mode == "original" and draft_kind.policy.evicts
+        self.observes_prefill = draft_kind.policy.evicts and draft_kind.policy.observes.prefill
+        if self.observes_prefill and draft_kind.policy.mode != "original":
+            raise ConfigError(f"speculative.draft.policy={speculative.draft.policy!r} observes the prompt and keys its "
+                              "slots by rank: its prefill would store keys the full cache cannot read; allowed: "
+                              "positions: original")
         float_draft = dataclasses.replace(draft_kind, storage=t.kind.storage)
         self.prefill_runner = t if not self.observes_prefill else build(
             config, params, cache=speculative.draft, eos_id=eos_id,

@@ -16,6 +16,7 @@ A row's pending token is emitted but in neither cache yet. Rows that are done ap
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -56,6 +57,11 @@ def spec_program(config: ModelConfig, eos_id: int | None, pad_id: int, target_ki
     every row is done. ``sampled`` (static): some row samples (else the argmax-only program)."""
     model = Decoder(config, unrolled=unrolled)
     split = (lambda c: c.split_layers()) if unrolled else (lambda c: c)  # noqa: E731
+    # calls of k + 1 queries (the verification) and 2 (the draft's catch-up) attend query by query over the caches'
+    # own layout: a chunk kernel's layout would copy the whole full cache per layer and call (kv_view.attend_view)
+    given = (target_kind, draft_kind)
+    target_kind = dataclasses.replace(target_kind, few_queries=k + 1)
+    draft_kind = dataclasses.replace(draft_kind, few_queries=2)
 
     def forward(params, cache, ids, ok, logits_index=None, stats=False):
         weights = ok.astype(jnp.float32) if stats else None  # a draft's decode queries feed its policy's statistics
@@ -143,8 +149,10 @@ def spec_program(config: ModelConfig, eos_id: int | None, pad_id: int, target_ki
     def loop(params, state: SpecState, limit, sampled: bool = True) -> SpecState:
         state = jax.lax.while_loop(lambda s: (s.step < limit) & ~jnp.all(s.done),
                                    lambda s: body(params, s, sampled),
-                                   state.replace(target=split(state.target), draft=split(state.draft)))
-        return state.replace(target=state.target.stack_layers(), draft=state.draft.stack_layers())
+                                   state.replace(target=split(state.target.replace(kind=target_kind)),
+                                                 draft=split(state.draft.replace(kind=draft_kind))))
+        return state.replace(target=state.target.stack_layers().replace(kind=given[0]),
+                             draft=state.draft.stack_layers().replace(kind=given[1]))
 
     return jax.jit(loop, static_argnames=("sampled",), donate_argnames=("state",))
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import flax.struct
 import jax
 
+from lcx.kernels import Attended
+from lcx.kernels.few import few_query_attention
 from lcx.kernels.lowbit_decode import LowbitKV
 from lcx.kernels.quant import dequantize
 from lcx.parallel.sharding import BK, BKS, BKSD
@@ -46,6 +48,15 @@ class FloatKV:
         """One query ``q [b, h, d]`` against the slots ``valid [b, (k,) S]`` shows (the backend's ``decode``)."""
         return backend.decode(q, self.k, self.v, valid=valid, sm_scale=sm_scale, weights=weights, residuals=residuals,
                               **{n: x for n, x in extra.items() if n != "window"}, **self._scales("decode"))
+
+    def few(self, q, *, valid, sm_scale, count, residuals, extra) -> Attended:
+        """A few queries ``q [b, t, h, d]`` in this layout, the keys and values read once
+        (``lcx.kernels.few.few_query_attention``; ``valid [b, (k,) t, S]``; ``count [b, t]``: the queries whose
+        probabilities are summed into ``weights``, None for none)."""
+        out, weights, m, l = few_query_attention(q, self.k, self.v, valid=valid, sm_scale=sm_scale,
+                                                 softcap=extra.get("softcap"), count=count, residuals=residuals,
+                                                 **self._scales("decode"))
+        return Attended(out=out, weights=weights, m=m, l=l)
 
     def chunk(self, backend, q, *, q_offsets, kv_lengths, sm_scale, causal, residuals, extra, stat_weights=None):
         """Queries ``q [b, t, h, d]`` (the backend's ``chunk``; the prefill kernels read ``[b, S, k, d]``: one
