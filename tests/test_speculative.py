@@ -16,7 +16,7 @@ from lcx.cache.kv_cache import full_kind
 from lcx.config import CacheConfig, ConfigError
 from lcx.engine.spec_generator import SpeculativeGenerator
 from lcx.engine.sampling import RowSampling, filter_rows
-from lcx.engine.speculative import SpeculativeConfig, accept_greedy, row_probs
+from lcx.engine.speculative import AUTO_MIN_CONTEXT, SpeculativeConfig, accept_greedy, row_probs
 
 CFG = lcx.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, init_std=0.1)
 LENGTHS = (40, 25, 60, 33)
@@ -50,7 +50,7 @@ def plain(params):
 def test_greedy_tokens_equal_plain_decoding(params, plain, name):
     """EOS 7 stops some rows early: the emitted run is cut there, as plain decoding stops."""
     result = lcx.generate(CFG, params, _prompts(), max_new_tokens=NEW, eos_id=7,
-                          speculative=SpeculativeConfig(draft=DRAFTS[name], k=3))
+                          speculative=SpeculativeConfig(draft=DRAFTS[name], k=3, min_context=0))
     np.testing.assert_array_equal(result.tokens, plain.tokens)
     np.testing.assert_array_equal(result.lengths, plain.lengths)
     stats = result.speculative
@@ -103,7 +103,8 @@ def test_sampling_keeps_the_target_distribution():
     draft = CacheConfig(policy="streaming", budget=4, sinks=1, interval=8)
     kw = dict(max_new_tokens=3, temperature=1.0, seed=5)
     plain = lcx.generate(SMALL, params, prompts, **kw).tokens
-    spec = lcx.generate(SMALL, params, prompts, speculative=SpeculativeConfig(draft=draft, k=2), **kw).tokens
+    spec = lcx.generate(SMALL, params, prompts, speculative=SpeculativeConfig(draft=draft, k=2, min_context=0),
+                        **kw).tokens
     alone = lcx.generate(SMALL, params, prompts, cache=draft, **kw).tokens
     assert _same_distribution(_pairs(plain), _pairs(spec)) > 1e-3
     assert _same_distribution(_pairs(plain), _pairs(alone)) < 1e-3  # the test can fail
@@ -217,15 +218,21 @@ def test_text_api_and_cli_give_plain_decodings_text(tmp_path, capsys):
 
 
 def test_prompts_too_short_to_pay_decode_plainly(params, plain):
-    """``min_context``: below it ``lcx.generate`` is plain decoding (``.speculative`` None); ``auto`` weighs one
-    step's full-cache read against the weights' bytes (this tiny model's cache outweighs its weights)."""
+    """``min_context``: below it ``lcx.generate`` is plain decoding (``.speculative`` None); ``auto`` takes the
+    platform's length - never on a CPU, where no measured context paid."""
     draft = DRAFTS["streaming"]
     short = lcx.generate(CFG, params, _prompts(), max_new_tokens=NEW, eos_id=7,
                          speculative=SpeculativeConfig(draft=draft, k=3, min_context=61))
     assert short.speculative is None
     np.testing.assert_array_equal(short.tokens, plain.tokens)
-    assert SpeculativeConfig(draft=draft).pays(kv_bytes=30, weight_bytes=100, prompt=1)
-    assert not SpeculativeConfig(draft=draft).pays(kv_bytes=20, weight_bytes=100, prompt=10 ** 6)
+    auto = SpeculativeConfig(draft=draft)
+    assert not auto.pays(prompt=10 ** 6, platform="cpu")
+    least = AUTO_MIN_CONTEXT["gpu"]
+    assert auto.pays(prompt=least, platform="gpu") and not auto.pays(prompt=least - 1, platform="gpu")
+    assert SpeculativeConfig(draft=draft, min_context=0).pays(prompt=1, platform="cpu")
+    by_default = lcx.generate(CFG, params, _prompts(), max_new_tokens=NEW, eos_id=7,
+                              speculative=SpeculativeConfig(draft=draft, k=3))
+    assert (by_default.speculative is None) == (jax.default_backend() == "cpu")
 
 
 def test_plan_sizes_the_draft_beside_the_cache(tmp_path, capsys):

@@ -129,7 +129,7 @@ def main(argv=None) -> None:
     parser.add_argument("model")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--drafts", nargs="+", default=["streaming-256", "streaming-1024", "snapkv-0.9", "int8"])
+    parser.add_argument("--drafts", nargs="+", default=["streaming-256-orig", "snapkv-0.9", "int8"])
     parser.add_argument("--k", type=int, nargs="+", default=[4])
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--out", default="runs/bench/speculative.csv")

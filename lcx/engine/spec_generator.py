@@ -27,7 +27,7 @@ from lcx.cache import schema
 from lcx.cache.base import CacheCapacityError
 from lcx.cache.config import CacheConfig
 from lcx.cache.kv_cache import SlotCacheKind
-from lcx.config_base import ConfigError, dtype_bytes, format_bytes
+from lcx.config_base import ConfigError, format_bytes
 from lcx.engine.planning import check_positions, plan_capacity
 from lcx.engine.runner import build
 from lcx.engine.sampling import RowSampling, SamplingConfig, request_keys, sample_rows
@@ -124,8 +124,7 @@ class SpeculativeGenerator:
         ``generate`` (``lcx.generate``, ``lm.generate``, ``lcx generate``) decode plainly where not."""
         ids, _ = pad_prompts(prompt_ids, pad_id=0)
         self._check_budget(ids.shape[1])
-        weights = self.config.num_params() * dtype_bytes(self.config.param_dtype)
-        return self.spec.pays(self.target.kind.nbytes(ids.shape[0], ids.shape[1]), weights, ids.shape[1])
+        return self.spec.pays(ids.shape[1], jax.default_backend())
 
     def _check_budget(self, max_len: int) -> None:
         budgets = self.draft_kind.head_budgets

@@ -30,10 +30,13 @@ from lcx.config_base import ConfigError
 from lcx.engine.sampling import RowSampling, filter_rows, greedy
 
 MAX_K = 16  # draft tokens per verification: past ~8 the acceptance of every draft policy measured has flattened
-# ``min_context: auto`` speculates when one decode step's full-cache read (every row, every layer) is at least this
-# share of the weights' bytes: a draft step reads the weights again, so below it the k draft steps cost more than the
-# verification saves (docs/benchmarks.md, "Self-speculative decoding": where the measured speed-up crosses 1)
-AUTO_KV_SHARE = 0.25
+# ``min_context: auto``: the prompt length from which speculation pays, per platform (None: never). A draft step runs
+# the whole model again and the verification runs it for k + 1 tokens; decoding pays that back only where a step is
+# bound by reading the KV cache. On a 2-core CPU it is not: a SmolLM2 step's float32 weights (540 MB) take ~28 ms,
+# the verification of 5 tokens ~2 steps, and no context measured up to 16k, at 1 or 8 rows, paid
+# (docs/benchmarks.md "Self-speculative decoding"). A GPU's decode step is memory-bound at these batches (the
+# setting of TriForce and MagicDec); 4096 there follows that argument and is not measured in lcx yet.
+AUTO_MIN_CONTEXT = {"cpu": None, "gpu": 4096, "tpu": 4096}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +44,8 @@ class SpeculativeConfig:
     """``draft``: the cache the draft steps read, derived from the prompt's full cache (an eviction policy with a
     budget - ``streaming``, ``snapkv``, ``tova``, ``h2o``, ``kvzip``, ... - and / or ``kv_dtype`` int8 / fp8 / fp4
     codes); ``k``: draft tokens per verification; ``min_context``: ``generate`` decodes plainly when the longest
-    prompt is shorter (an int; 0: always speculate), or - ``auto`` - when a step's full-cache read is below
-    ``AUTO_KV_SHARE`` of the weights' bytes, where drafting costs more than it saves."""
+    prompt is shorter (an int; 0: always speculate); ``auto``: ``AUTO_MIN_CONTEXT`` of the platform (on a CPU:
+    never - drafting costs more than it saves there)."""
 
     draft: CacheConfig
     k: int = 4
@@ -96,11 +99,11 @@ class SpeculativeConfig:
     def to_dict(self) -> dict[str, Any]:
         return {"draft": self.draft.to_dict(), "k": self.k, "min_context": self.min_context}
 
-    def pays(self, kv_bytes: int, weight_bytes: int, prompt: int) -> bool:
-        """Whether to speculate for a batch whose longest prompt is ``prompt`` tokens, whose full cache holds
-        ``kv_bytes`` at that length, of a model of ``weight_bytes``."""
+    def pays(self, prompt: int, platform: str) -> bool:
+        """Whether to speculate for a longest prompt of ``prompt`` tokens on ``platform`` (jax's backend name)."""
         if self.min_context == "auto":
-            return kv_bytes >= AUTO_KV_SHARE * weight_bytes
+            least = AUTO_MIN_CONTEXT.get(platform)
+            return least is not None and prompt >= least
         return prompt >= self.min_context
 
 
@@ -158,4 +161,4 @@ def accept_sampled(p: jax.Array, q: jax.Array, drafts: jax.Array, rows: RowSampl
     return accepted, draw(residual, token_keys(rows, first + accepted, 3))
 
 
-__all__ = ["AUTO_KV_SHARE", "MAX_K", "SpeculativeConfig", "accept_greedy", "accept_sampled", "draw", "row_probs", "token_keys"]
+__all__ = ["AUTO_MIN_CONTEXT", "MAX_K", "SpeculativeConfig", "accept_greedy", "accept_sampled", "draw", "row_probs", "token_keys"]
