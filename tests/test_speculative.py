@@ -199,8 +199,10 @@ def test_text_api_and_cli_give_plain_decodings_text(tmp_path, capsys):
     lm = lcx.load(str(folder))
     texts = ["and again and again, here we go " * 6, "Say hi, user and assistant: " * 5]
     plain = lm.generate(texts, max_new_tokens=12)
-    spec = {"draft": {"policy": "snapkv", "compression": 0.75, "window": 4}, "k": 3, "min_context": 0}
-    assert lm.generate(texts, max_new_tokens=12, speculative=spec) == plain
+    for draft in ({"policy": "snapkv", "compression": 0.75, "window": 4},
+                  {"policy": "kvzip", "compression": 0.5}):  # KVzip: its repeat prompt from this tokenizer
+        spec = {"draft": draft, "k": 3, "min_context": 0}
+        assert lm.generate(texts, max_new_tokens=12, speculative=spec) == plain, draft["policy"]
     argv = ["generate", "--model", str(folder), "--prompt", texts[0], "--max-new-tokens", "12"]
     assert main(argv) == 0
     printed = capsys.readouterr().out

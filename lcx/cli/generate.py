@@ -136,12 +136,16 @@ def run(args: argparse.Namespace) -> int:
             return code
     gen = Generator(config, params, max_new_tokens=args.max_new_tokens, cache=cache, sampling=sampling,
                     eos_id=eos, seed=args.seed, **inputs)
-    state = gen.prefill([prompt])
+    _stream(gen.prefill([prompt]), show, gen.finished, lambda state: gen.decode(state, steps=1))
+    return 0
+
+
+def _stream(state, show, finished, advance):
+    """Print row 0's text as ``advance`` (one decode call) extends it, until ``finished``; the last state."""
     shown = ""
     while True:
-        done = gen.finished(state)
-        n = int(state.n_generated[0])
-        text = show(list(state.tokens[0, :n]))
+        done = finished(state)
+        text = show(list(state.tokens[0, :int(state.n_generated[0])]))
         if not done:  # a trailing U+FFFD may be a multi-byte character still arriving: hold it back
             text = text.rstrip("\ufffd")
         if text.startswith(shown):
@@ -150,9 +154,9 @@ def run(args: argparse.Namespace) -> int:
             shown = text
         if done:
             break
-        state = gen.decode(state, steps=1)
+        state = advance(state)
     sys.stdout.write("\n")
-    return 0
+    return state
 
 
 def _speculative(args, config, params, cache, sampling, eos, prompt, show) -> int | None:
@@ -174,21 +178,8 @@ def _speculative(args, config, params, cache, sampling, eos, prompt, show) -> in
         print(f"lcx generate: a {len(prompt)}-token prompt decodes plainly (speculative.min_context="
               f"{spec.min_context!r}: drafting would cost more than it saves)", file=sys.stderr)
         return None
-    state = gen.prefill([prompt])
-    shown = ""
-    while True:
-        done = bool(state.done[0])
-        text = show(list(state.tokens[0, :int(state.n_generated[0])]))
-        if not done:
-            text = text.rstrip("\ufffd")
-        if text.startswith(shown):
-            sys.stdout.write(text[len(shown):])
-            sys.stdout.flush()
-            shown = text
-        if done:
-            break
-        state = gen.decode(state, iterations=1)
-    sys.stdout.write("\n")
+    state = _stream(gen.prefill([prompt]), show, lambda state: bool(state.done[0]),
+                    lambda state: gen.decode(state, iterations=1))
     _, stats = gen.result(state)
     print(f"lcx generate: {stats.acceptance:.2f} tokens per verification ({int(stats.accepted.sum())} of "
           f"{int(stats.drafted.sum())} drafts accepted, k={spec.k}); draft KV {stats.draft_bytes} B", file=sys.stderr)
