@@ -207,7 +207,8 @@ def test_text_api_and_cli_give_plain_decodings_text(tmp_path, capsys):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert main(argv + ["--speculative-draft", "streaming", "--speculative-param", "budget=16",
-                        "--speculative-param", "sinks=2", "--speculative-k", "3", "--speculative-min-context", "0"]) == 0
+                        "--speculative-param", "sinks=2", "--speculative-k", "3",
+                        "--speculative-min-context", "0"]) == 0
     captured = capsys.readouterr()
     assert captured.out == printed
     assert "tokens per verification" in captured.err

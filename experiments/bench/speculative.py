@@ -11,8 +11,9 @@ under the draft policy that observes the prompt - its keys and values are a plai
 method); the decode phase is timed after one compiling step (plain: one token; speculative: one verification), so
 compilation is not counted, and tokens/s = tokens emitted in the timed part / its wall time. ``derive_s``: deriving
 the draft from the prefilled cache (compiling included). ``same`` is whether every row's tokens equal plain decoding's;
-``accept`` the mean tokens emitted per verification (accepted drafts + the target's own); ``draft KV`` the draft
-cache's bytes beside the full cache's. Writes ``--out`` (CSV) and, with ``--plot``, speed-up against context.
+``accept`` the mean tokens emitted per verification (accepted drafts + the target's own), ``accept_min`` /
+``accept_max`` its spread over the rows; ``draft KV`` the draft cache's bytes beside the full cache's. Writes
+``--out`` (CSV) and, with ``--plot``, speed-up against context.
 
 Drafts: ``streaming-W`` (4 sinks + a window, budget W; ``streaming-W-orig`` keys at their true positions instead of
 re-rotated by rank), ``snapkv-C`` / ``tova-C`` / ``h2o-C`` (compression C of the
@@ -38,7 +39,7 @@ from lcx.engine.spec_generator import SpeculativeGenerator
 from lcx.engine.speculative import SpeculativeConfig
 
 COLUMNS = ("context", "batch", "method", "k", "tokens_per_s", "speedup", "same", "accept", "accept_rate",
-           "decode_s", "prefill_s", "derive_s", "kv_bytes", "draft_bytes")
+           "accept_min", "accept_max", "decode_s", "prefill_s", "derive_s", "kv_bytes", "draft_bytes")
 
 
 def prose_prompts(lm, batch: int, context: int) -> list[list[int]]:
@@ -107,9 +108,11 @@ def speculative(lm, cache, logits, rows, new: int, draft: CacheConfig, k: int) -
     state, decode_s = timed(lambda: gen.decode(state))
     result, stats = gen.result(state)
     tokens = int(result.lengths.sum()) - before
+    verified = np.maximum(stats.verifications, 1)
+    per_row = (stats.accepted + stats.verifications) / verified  # each row's tokens per verification: its spread
     return dict(tokens=result.tokens, tokens_per_s=tokens / decode_s, decode_s=decode_s, derive_s=derive_s,
                 kv_bytes=result.cache_bytes, draft_bytes=stats.draft_bytes, accept=stats.acceptance,
-                accept_rate=stats.accept_rate)
+                accept_rate=stats.accept_rate, accept_min=float(per_row.min()), accept_max=float(per_row.max()))
 
 
 def owner_of(lm, drafts: list[CacheConfig], new: int, k: int) -> SpeculativeGenerator:

@@ -3,7 +3,8 @@
 The prompt is prefilled once into a cache that holds all of it. For a draft policy that observes the prompt
 (SnapKV, TOVA, H2O, KVzip, ...) that prefill runs under the draft policy's own cache kind, sized for the whole
 context, so its statistics (and KVzip's reconstruction scores) are gathered as a prefill with that policy gathers
-them; for one that observes nothing (StreamingLLM, LaCache: positions only) under the target kind. Then, in one compiled call:
+them; for one that observes nothing (StreamingLLM, LaCache: positions only) under the target kind. Then, in one
+compiled call:
 
 - the target (the full cache) is that state's keys and values, the same arrays: no copy;
 - the draft is the policy's end-of-prefill compression of that state, cut to its budget + ``interval`` slots
@@ -87,8 +88,8 @@ class SpeculativeGenerator:
         if not isinstance(draft_kind, SlotCacheKind) or not draft_kind.truncatable:
             raise ConfigError(
                 f"speculative.draft=CacheConfig(policy={speculative.draft.policy!r}, kv_dtype="
-                f"{speculative.draft.kv_dtype!r}) builds a {draft_kind.name!r} cache: a draft must be a contiguous slot "
-                "cache in a per-token format (kv_dtype null, int8, fp8 or fp4; grouped int4 / int2 codes cannot "
+                f"{speculative.draft.kv_dtype!r}) builds a {draft_kind.name!r} cache: a draft must be a contiguous "
+                "slot cache in a per-token format (kv_dtype null, int8, fp8 or fp4; grouped int4 / int2 codes cannot "
                 "forget a rejected draft one token at a time)")
         if draft_kind.dtype != t.kind.dtype:
             raise ConfigError(f"speculative.draft.dtype={draft_kind.dtype!r} differs from the target's "

@@ -29,13 +29,13 @@ from lcx.cache.config import CacheConfig
 from lcx.config_base import ConfigError
 from lcx.engine.sampling import RowSampling, filter_rows, greedy
 
-MAX_K = 16  # draft tokens per verification: past ~8 the acceptance of every draft policy measured has flattened
+MAX_K = 16  # draft tokens per verification: a verification stays a few-query call (lcx.kernels.few), not a prefill
 # ``min_context: auto``: the prompt length from which speculation pays, per platform (None: never). A draft step runs
 # the whole model again and the verification runs it for k + 1 tokens; decoding pays that back only where a step is
 # bound by reading the KV cache. On a 2-core CPU it is not: a SmolLM2 step's float32 weights (540 MB) take ~28 ms,
-# the verification of 5 tokens ~2 steps, and no context measured up to 16k, at 1 or 8 rows, paid
-# (docs/benchmarks.md "Self-speculative decoding"). A GPU's decode step is memory-bound at these batches (the
-# setting of TriForce and MagicDec); 4096 there follows that argument and is not measured in lcx yet.
+# the verification of 5 tokens ~2 steps, and up to 16k, at 1 or 8 rows, the best draft broke even (1.02x) and the
+# others lost (docs/benchmarks.md "Self-speculative decoding"). A GPU's decode step is memory-bound at these batches
+# (the setting of TriForce and MagicDec); 4096 there follows that argument and is not measured in lcx yet.
 AUTO_MIN_CONTEXT = {"cpu": None, "gpu": 4096, "tpu": 4096}
 
 
@@ -161,4 +161,5 @@ def accept_sampled(p: jax.Array, q: jax.Array, drafts: jax.Array, rows: RowSampl
     return accepted, draw(residual, token_keys(rows, first + accepted, 3))
 
 
-__all__ = ["AUTO_MIN_CONTEXT", "MAX_K", "SpeculativeConfig", "accept_greedy", "accept_sampled", "draw", "row_probs", "token_keys"]
+__all__ = ["AUTO_MIN_CONTEXT", "MAX_K", "SpeculativeConfig", "accept_greedy", "accept_sampled", "draw", "row_probs",
+           "token_keys"]
