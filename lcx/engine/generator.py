@@ -33,7 +33,7 @@ from lcx.cache.reconstruct import Reconstruction
 from lcx.config_base import ConfigError, to_dict
 from lcx.engine.planning import check_positions, plan_capacity, shared_prefixes
 from lcx.engine.runner import build
-from lcx.engine.sampling import RowSampling, SamplingConfig, request_keys
+from lcx.engine.sampling import RowSampling, SamplingConfig, row_sampling
 from lcx.engine.spec_generator import generate_speculative
 from lcx.engine.state import DecodeState, GenerateResult, is_int, pad_prompts
 from lcx.model.config import ModelConfig
@@ -185,20 +185,10 @@ class Generator:
             rows=rows if rows < batch else None)
 
     def _row_sampling(self, rows: int, sampling, seeds, state: DecodeState | None) -> RowSampling:
-        """Each prompt's sampling settings and request key, checked (host arrays)."""
-        for name, value in (("sampling", sampling), ("seeds", seeds)):
-            if value is not None and (isinstance(value, (str, bytes)) or len(value) != rows):
-                raise ConfigError(f"prefill {name}={value!r:.80} is invalid: must hold one entry per prompt ({rows})")
-        if sampling is not None and not all(isinstance(s, SamplingConfig) for s in sampling):
-            raise ConfigError("prefill sampling=... is invalid: each entry must be a lcx.SamplingConfig")
-        if seeds is not None and not all(is_int(s) for s in seeds):
-            raise ConfigError(f"prefill seeds={list(seeds)!r:.80} is invalid: each seed must be an integer")
-        settings = list(sampling) if sampling is not None else [self.sampling] * rows
-        if state is not None and seeds is None:  # a continued state's rows keep their requests' keys
-            keys = np.asarray(sharding.to_host(state.sampling.keys))[:rows]
-        else:
-            keys = request_keys(self.seed, rows, seeds)
-        return RowSampling.build(settings, keys)
+        """Each prompt's sampling settings and request key, checked (host arrays): a continued state's rows keep
+        their requests' keys unless ``seeds`` are given."""
+        kept = None if state is None else np.asarray(sharding.to_host(state.sampling.keys))[:rows]
+        return row_sampling(rows, sampling, seeds, default=self.sampling, seed=self.seed, keys=kept)
 
     def _chunks(self, ids: np.ndarray, lengths: np.ndarray, cache: CacheState, capacity: int,
                 progress: bool) -> tuple[CacheState, jax.Array]:

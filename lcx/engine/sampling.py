@@ -95,6 +95,25 @@ class RowSampling:
                    top_p=jnp.ones((batch,), jnp.float32), keys=jnp.zeros((batch, 2), jnp.uint32))
 
 
+def row_sampling(rows: int, sampling, seeds, *, default: SamplingConfig, seed: int,
+                 keys: np.ndarray | None = None) -> RowSampling:
+    """Each of ``rows`` prompts' settings (``sampling``: one ``SamplingConfig`` each, None: ``default`` for all) and
+    request key (``seeds``: one each; None: ``keys`` when given - a continued state's -, else ``seed`` folded with
+    the prompt's index), checked: host arrays."""
+    for name, value in (("sampling", sampling), ("seeds", seeds)):
+        if value is not None and (isinstance(value, (str, bytes)) or not hasattr(value, "__len__")
+                                  or len(value) != rows):
+            raise ConfigError(f"prefill {name}={value!r:.80} is invalid: must hold one entry per prompt ({rows})")
+    if sampling is not None and not all(isinstance(s, SamplingConfig) for s in sampling):
+        raise ConfigError("prefill sampling=... is invalid: each entry must be a lcx.SamplingConfig")
+    if seeds is not None and not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in seeds):
+        raise ConfigError(f"prefill seeds={list(seeds)!r:.80} is invalid: each seed must be an integer")
+    settings = list(sampling) if sampling is not None else [default] * rows
+    if keys is None or seeds is not None:
+        keys = request_keys(seed, rows, seeds)
+    return RowSampling.build(settings, keys)
+
+
 def request_key(seed: int, index: int | None = None) -> np.ndarray:
     """The raw key (uint32 ``[2]``) of a request: ``key(seed)``, folded with ``index`` when the request is the
     ``index``-th prompt of a call that gave one seed for all of them (so those prompts sample different tokens)."""

@@ -28,10 +28,10 @@ from lcx.cache import schema
 from lcx.cache.base import CacheCapacityError
 from lcx.cache.config import CacheConfig
 from lcx.cache.kv_cache import SlotCacheKind
-from lcx.config_base import ConfigError, format_bytes
+from lcx.config_base import ConfigError
 from lcx.engine.planning import check_positions, plan_capacity
 from lcx.engine.runner import build
-from lcx.engine.sampling import RowSampling, SamplingConfig, request_keys, sample_rows
+from lcx.engine.sampling import RowSampling, SamplingConfig, row_sampling, sample_rows
 from lcx.engine.spec_loop import SpecState, spec_program
 from lcx.engine.speculative import SpeculativeConfig
 from lcx.engine.state import GenerateResult, is_int, pad_prompts
@@ -94,7 +94,7 @@ class SpeculativeGenerator:
         if draft_kind.dtype != t.kind.dtype:
             raise ConfigError(f"speculative.draft.dtype={draft_kind.dtype!r} differs from the target's "
                               f"{t.kind.dtype!r}: the draft is derived from the target's keys and values")
-        # the prefill: under the draft policy (its statistics), or the target's when the policy rotates by rank
+        # the prefill: under the draft policy where it observes the prompt (its statistics), else the target's
         self.draft_kind = draft_kind
         self.observes_prefill = draft_kind.policy.evicts and draft_kind.policy.observes.prefill
         if self.observes_prefill and draft_kind.policy.mode != "original":
@@ -148,7 +148,7 @@ class SpeculativeGenerator:
             bad = int(ids[(ids < 0) | (ids >= self.config.vocab_size)][0])
             raise ConfigError(f"prompt token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
         batch, max_len = ids.shape
-        rows = _row_sampling(batch, sampling or [self.sampling] * batch, request_keys(self.seed, batch, seeds))
+        rows = row_sampling(batch, sampling, seeds, default=self.sampling, seed=self.seed)
         check_positions(self.config, self.cache_config, max_len, self.max_new_tokens, self.strict)
         self._check_budget(max_len)
         # the target holds the prompt, the tokens and one verification's k + 1 past the last
@@ -190,13 +190,6 @@ class SpeculativeGenerator:
                                  verifications=np.asarray(state.verifications), draft_bytes=state.draft.kv_bytes())
         return GenerateResult(tokens=np.asarray(state.tokens), lengths=np.asarray(state.n_generated),
                               cache_bytes=state.target.kv_bytes()), stats
-
-
-def _row_sampling(batch: int, settings, keys) -> RowSampling:
-    if isinstance(settings, (str, bytes)) or len(settings) != batch or not all(
-            isinstance(s, SamplingConfig) for s in settings):
-        raise ConfigError(f"sampling={settings!r:.80} is invalid: one lcx.SamplingConfig per prompt ({batch})")
-    return RowSampling.build(list(settings), keys)
 
 
 def _target(target_kind: SlotCacheKind, state):
@@ -250,10 +243,4 @@ def generate_speculative(config: ModelConfig, params, prompt_ids, *, max_new_tok
     return dataclasses.replace(result, speculative=stats)
 
 
-def describe_bytes(result: GenerateResult) -> str:
-    """One line: the target's and the draft's KV bytes."""
-    draft = result.speculative.draft_bytes if result.speculative is not None else 0
-    return f"KV cache {format_bytes(result.cache_bytes)} + draft {format_bytes(draft)}"
-
-
-__all__ = ["SpeculativeGenerator", "SpeculativeStats", "describe_bytes", "generate_speculative"]
+__all__ = ["SpeculativeGenerator", "SpeculativeStats", "generate_speculative"]

@@ -114,7 +114,9 @@ def row_probs(logits: jax.Array, rows: RowSampling) -> jax.Array:
     b, n, vocab = logits.shape
     t = rows.temperature[:, None, None]
     scaled = (logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)).reshape(b * n, vocab)
-    filtered = filter_rows(scaled, jnp.repeat(rows.top_k, n), jnp.repeat(rows.top_p, n))
+    filters = jnp.any((rows.top_k > 0) | (rows.top_p < 1.0))  # else filter_rows returns its input: skip its sort
+    filtered = jax.lax.cond(filters, lambda x: filter_rows(x, jnp.repeat(rows.top_k, n), jnp.repeat(rows.top_p, n)),
+                            lambda x: x, scaled)
     return jax.nn.softmax(filtered, axis=-1).reshape(b, n, vocab)
 
 
