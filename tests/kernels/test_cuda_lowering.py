@@ -166,3 +166,30 @@ def test_prefill_decode_and_server_programs_lower_for_cuda_and_update_the_cache_
     for name, text in (("prefill", prefill), ("decode", decode), ("segment", segment)):
         assert _triton_calls(text) >= 1, name  # the kernels, not an XLA fallback
         assert text.count("tf.aliasing_output") >= buffers, name  # every cache buffer updated in place
+
+
+def test_the_speculative_loop_lowers_for_cuda_and_updates_both_caches_in_place():
+    """Speculative decoding's loop (``lcx.engine.spec_loop``): the draft's steps and the verification through the
+    Pallas kernels, greedy and sampled, and every buffer of both caches aliased to an output (donated, no copy)."""
+    from lcx.cache.config import CacheConfig
+    from lcx.engine.planning import cache_kind
+    from lcx.engine.sampling import RowSampling
+    from lcx.engine.spec_loop import SpecState, spec_program
+    from lcx.model import abstract_params
+
+    model = _smollm2_shaped(impl="pallas")
+    target = cache_kind(model, CacheConfig())
+    draft = cache_kind(model, CacheConfig(policy="snapkv", budget=128, window=16))
+    b = 2
+    rows, flags = S((b,), jnp.int32), S((b,), bool)
+    sampling = RowSampling(temperature=S((b,), jnp.float32), top_k=rows, top_p=S((b,), jnp.float32),
+                           keys=S((b, 2), jnp.uint32))
+    state = SpecState(target=target.abstract(b, 512), draft=draft.abstract(b, 192), token=rows, extra=rows,
+                      has_extra=flags, tokens=S((b, 16), jnp.int32), n_generated=rows, done=flags, drafted=rows,
+                      accepted=rows, verifications=rows, step=S((), jnp.int32), sampling=sampling)
+    buffers = len(jax.tree.leaves(state.target)) + len(jax.tree.leaves(state.draft))
+    for sampled in (False, True):
+        text = lower_for_cuda(spec_program(model, 1, 0, target, draft, 4, False), abstract_params(model), state,
+                              S((), jnp.int32), sampled=sampled)
+        assert _triton_calls(text) >= 2, sampled  # the draft's and the verification's attention kernels
+        assert text.count("tf.aliasing_output") >= buffers, sampled
