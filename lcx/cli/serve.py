@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     distributed.initialize_from_env()
     config = config_of(args)
     config.cache()  # a policy the server cannot run: refused before the model loads
+    config.speculative()  # so is a speculative setting
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if config.warmup:
         print(f"lcx serve: warming up --warmup {config.warmup} once the model is loaded", flush=True)

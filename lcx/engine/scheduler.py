@@ -59,6 +59,29 @@ def common_pages(prompt: np.ndarray, other: np.ndarray, page: int) -> int:
     return (n if same.all() else int(np.argmin(same))) // page
 
 
+def new_request(request_id: int, prompt, max_new_tokens: int, sampling: SamplingConfig | None, seed: int | None,
+                ignore_eos: bool, salt: str | None, vocab: int, check) -> Request:
+    """Request ``request_id`` with ``Server.submit``'s checks: token ids in ``[0, vocab)``, the settings' types and
+    ``check(prompt tokens, max_new_tokens)`` (the server's capacity; raises)."""
+    prompt = np.asarray(prompt, np.int32)
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise ConfigError("Server.submit: prompt must be a non-empty list of token ids")
+    if np.any(prompt < 0) or np.any(prompt >= vocab):
+        raise ConfigError(f"Server.submit: prompt token ids must lie in [0, {vocab})")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive integer")
+    check(prompt.size, max_new_tokens)
+    if sampling is not None and not isinstance(sampling, SamplingConfig):
+        raise ConfigError(f"Server.submit: sampling={sampling!r:.60} is invalid: must be a lcx.SamplingConfig")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ConfigError(f"Server.submit: seed={seed!r:.60} is invalid: must be an integer or None")
+    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT):
+        raise ConfigError(f"Server.submit: salt={salt!r:.60} is invalid: must be None or a non-empty string of at "
+                          f"most {MAX_SALT} characters")
+    return Request(request_id, prompt, max_new_tokens, sampling=sampling or SamplingConfig(),
+                   key=request_key(request_id if seed is None else seed), ignore_eos=bool(ignore_eos), salt=salt)
+
+
 class Scheduler:
     """Queue, admission, reservation and cancellation of one server (see the module docstring). ``setup``: its
     ``ServeSetup``; ``prefixes``: its ``PrefixCache``; ``ref``: its ``rows.StateRef``; ``vocab``: the model's
@@ -77,24 +100,8 @@ class Scheduler:
     def submit(self, prompt, max_new_tokens: int, sampling: SamplingConfig | None = None, seed: int | None = None,
                ignore_eos: bool = False, salt: str | None = None) -> int:
         """Queue a request (checked: ``Server.submit``); its id."""
-        prompt = np.asarray(prompt, np.int32)
-        if prompt.ndim != 1 or prompt.size == 0:
-            raise ConfigError("Server.submit: prompt must be a non-empty list of token ids")
-        if np.any(prompt < 0) or np.any(prompt >= self.vocab):
-            raise ConfigError(f"Server.submit: prompt token ids must lie in [0, {self.vocab})")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be a positive integer")
-        self.check(prompt.size, max_new_tokens)
-        if sampling is not None and not isinstance(sampling, SamplingConfig):
-            raise ConfigError(f"Server.submit: sampling={sampling!r:.60} is invalid: must be a lcx.SamplingConfig")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ConfigError(f"Server.submit: seed={seed!r:.60} is invalid: must be an integer or None")
-        if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT):
-            raise ConfigError(f"Server.submit: salt={salt!r:.60} is invalid: must be None or a non-empty string of at "
-                              f"most {MAX_SALT} characters")
-        request = Request(self.next_id, prompt, max_new_tokens, sampling=sampling or SamplingConfig(),
-                          key=request_key(self.next_id if seed is None else seed), ignore_eos=bool(ignore_eos),
-                          salt=salt)
+        request = new_request(self.next_id, prompt, max_new_tokens, sampling, seed, ignore_eos, salt, self.vocab,
+                              self.check)
         self.next_id += 1
         self.queue.append(request)
         return request.id
@@ -222,4 +229,4 @@ class Scheduler:
         return True
 
 
-__all__ = ["MAX_SALT", "Request", "SUGGESTED_POLICY", "Scheduler", "common_pages"]
+__all__ = ["MAX_SALT", "Request", "SUGGESTED_POLICY", "Scheduler", "common_pages", "new_request"]

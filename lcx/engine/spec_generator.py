@@ -163,20 +163,26 @@ class SpeculativeGenerator:
         """The target cache over a ``prefill_cache`` state's own buffers (no copy)."""
         return _target(self.target.kind, cache)
 
-    def start(self, cache, logits, rows: RowSampling) -> SpecState:
+    def start(self, cache, logits, rows: RowSampling, *, draft_capacity: int | None = None, limit: int | None = None,
+              stops: bool = True) -> SpecState:
         """The state ``decode`` takes from a ``prefill_cache`` result: the target over its buffers, the draft derived
-        from it, each row's first token drawn from ``logits`` (as plain decoding draws it)."""
+        from it, each row's first token drawn from ``logits`` (as plain decoding draws it). A server's row sets
+        ``draft_capacity`` (every row's), ``limit`` (its ``max_new_tokens``, at most the generator's) and ``stops``
+        (False: EOS does not end it)."""
         batch, max_len = logits.shape[0], int(jnp.max(cache.lengths))
-        draft_capacity = self.draft_kind.plan(batch, max_len, self.max_new_tokens + self.spec.k + 1)
+        if draft_capacity is None:
+            draft_capacity = self.draft_kind.plan(batch, max_len, self.max_new_tokens + self.spec.k + 1)
+        limit = self.max_new_tokens if limit is None else limit
         draft = _derive(self.target.kind, self.draft_kind, draft_capacity, cache)
         rows = jax.tree.map(jnp.asarray, rows)
         first = sample_rows(logits, rows, jnp.zeros((batch,), jnp.int32))
         tokens = jnp.full((batch, self.max_new_tokens), self.target.pad_id, jnp.int32).at[:, 0].set(first)
-        done = (first == self.eos_id) if self.eos_id is not None else jnp.zeros((batch,), bool)
+        done = (first == self.eos_id) & stops if self.eos_id is not None else jnp.zeros((batch,), bool)
         zeros = lambda: jnp.zeros((batch,), jnp.int32)  # noqa: E731 - distinct buffers: the loop donates its state
         return SpecState(target=self.target_view(cache), draft=draft, token=first, extra=zeros(),
                          has_extra=jnp.zeros((batch,), bool), tokens=tokens, n_generated=jnp.ones((batch,), jnp.int32),
-                         done=done | (self.max_new_tokens <= 1), drafted=zeros(), accepted=zeros(),
+                         limit=jnp.full((batch,), limit, jnp.int32), stops=jnp.full((batch,), stops),
+                         done=done | (limit <= 1), drafted=zeros(), accepted=zeros(),
                          verifications=zeros(), step=jnp.int32(0), sampling=rows)
 
     def decode(self, state: SpecState, iterations: int | None = None) -> SpecState:

@@ -40,8 +40,10 @@ class SpecState:
     token: jax.Array  # [b] int32: the pending token (emitted, in neither cache)
     extra: jax.Array  # [b] int32: the last draft of a fully accepted verification (in the target, not the draft)
     has_extra: jax.Array  # [b] bool
-    tokens: jax.Array  # [b, max_new_tokens] int32 emitted (pad after EOS)
+    tokens: jax.Array  # [b, width] int32 emitted (pad after EOS)
     n_generated: jax.Array  # [b] int32
+    limit: jax.Array  # [b] int32: the row's max_new_tokens (at most ``width``)
+    stops: jax.Array  # [b] bool: EOS ends the row (False: ignore_eos, it generates ``limit`` tokens)
     done: jax.Array  # [b] bool
     drafted: jax.Array  # [b] int32: draft tokens verified
     accepted: jax.Array  # [b] int32: draft tokens accepted
@@ -120,20 +122,20 @@ def spec_program(config: ModelConfig, eos_id: int | None, pad_id: int, target_ki
             accepted, nxt = accept_greedy(logits, drafts)
         j = jnp.arange(k + 1)[None, :]
         out = jnp.where(j < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])  # [b, k + 1]
-        limit = s.tokens.shape[1]
-        n_emit = jnp.minimum(accepted + 1, limit - s.n_generated)
+        width = s.tokens.shape[1]
+        n_emit = jnp.minimum(accepted + 1, s.limit - s.n_generated)
         if eos_id is not None:  # cut after the first EOS among the emitted
-            hit = (out == eos_id) & (j < n_emit[:, None])
+            hit = (out == eos_id) & (j < n_emit[:, None]) & s.stops[:, None]
             first_eos = jnp.argmax(hit, axis=1)
             n_emit = jnp.where(jnp.any(hit, axis=1), first_eos + 1, n_emit)
             stopped = jnp.any(hit, axis=1)
         else:
             stopped = jnp.zeros_like(active)
         n_emit = jnp.where(active, n_emit, 0)
-        where = jnp.where(j < n_emit[:, None], s.n_generated[:, None] + j, limit)  # past the end: dropped
+        where = jnp.where(j < n_emit[:, None], s.n_generated[:, None] + j, width)  # past the end: dropped
         tokens = s.tokens.at[jnp.arange(b)[:, None], where].set(out, mode="drop")
         n_generated = s.n_generated + n_emit
-        done = s.done | stopped | (n_generated >= limit)
+        done = s.done | stopped | (n_generated >= s.limit)
 
         # 4. roll back what was rejected: the target keeps token + accepted drafts, the draft what it read of them
         target = target_kind.truncate(target, jnp.where(active, start + accepted + 1, start))

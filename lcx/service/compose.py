@@ -56,6 +56,8 @@ def build_service(config: ServeConfig, lm=None) -> Service:
     from lcx.service.warmup import chat_head, parse_warmup, warm_up
 
     multihost.check(config)  # across processes: refused before the model loads
+    if config.speculative() is not None:
+        return _speculative_service(config, lm)
     lm = lm or lcx.load(config.model, dtype=config.dtype)
     # --tensor-parallel-size: the weights and the pool split by KV head; --data-parallel-size: replicas of that
     meshes = config.meshes(lm.config)
@@ -92,6 +94,31 @@ def build_service(config: ServeConfig, lm=None) -> Service:
                     heartbeat=multihost.HEARTBEAT_S if multihost.spans() else None)
     return Service(config=config, lm=lm, server=server, engine=engine, metrics=metrics, plan=setup.plan,
                    keys=IdempotencyKeys(config.idempotency_ttl), warmup=warmed, setup=setup)
+
+
+def _speculative_service(config: ServeConfig, lm=None) -> Service:
+    """``--speculative-draft``: a ``SpecServer`` (rows of a contiguous full cache, each with its draft) on one
+    device, in one process."""
+    import lcx
+    from lcx.config_base import ConfigError
+    from lcx.engine.scoring import Scorer
+    from lcx.engine.spec_server import SpecServer
+
+    if multihost.spans():
+        raise ConfigError("--speculative-draft is not served across processes: a speculative server runs on one "
+                          "device (allowed: one process)")
+    spec, target = config.speculative()
+    lm = lm or lcx.load(config.model, dtype=config.dtype)
+    draft = spec.draft
+    reconstruction = repeat_prompt(lm) if draft.make_policy().observes.reconstructs else None
+    server = SpecServer(lm.config, lm.params, speculative=spec, max_num_seqs=config.max_num_seqs,
+                        max_len=config.max_model_len, cache=target, eos_id=lm.eos_id, segment=config.segment,
+                        prefill_chunk=config.prefill_chunk, reconstruction=reconstruction, page_size=config.page_size)
+    metrics = Metrics(page_bytes=server.plan.page_bytes, pages_total=server.rows * server.plan.row_pages)
+    scorer = Scorer(lm.config, lm.params, target, eos_id=lm.eos_id, max_len=config.max_model_len)
+    engine = Engine(server, lm.tokenizer, metrics, eos_id=lm.eos_id, scorer=scorer)
+    return Service(config=config, lm=lm, server=server, engine=engine, metrics=metrics, plan=server.plan,
+                   keys=IdempotencyKeys(config.idempotency_ttl))
 
 
 def repeat_prompt(lm):

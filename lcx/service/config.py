@@ -77,6 +77,14 @@ class ServeConfig:
         "opening, or their first SHARED_TOKENS) at every concurrency up to --max-num-seqs, so the programs they use "
         "are compiled and the first requests pay no compile (default: none; minutes on a CPU, printed)",
         metavar="PROMPT_TOKENS[:NEW_TOKENS][@SHARED_TOKENS],...")
+    speculative_draft: str | None = _flag(
+        None, "decode every request speculatively: draft with this cache policy (e.g. streaming, snapkv; full with "
+        "--speculative-param kv_dtype=int8 for 8-bit codes) and verify against the full cache; every sequence then "
+        "reserves --max-model-len slots (no pages, kept prefixes or store; default: off)", metavar="POLICY")
+    speculative_params: tuple[tuple[str, Any], ...] = _flag(
+        (), "a draft cache setting or policy parameter (repeatable), e.g. budget=256", metavar="KEY=VALUE",
+        flag="--speculative-param")
+    speculative_k: int = _flag(4, "draft tokens per verification (default {default})")
     dtype: str | None = _flag(None, "parameter / compute dtype (default: the checkpoint's)")
     tensor_parallel_size: int = _flag(
         1, "devices the weights and the KV pool are split over, by KV head (the model axis; default {default})")
@@ -91,6 +99,7 @@ class ServeConfig:
                             ("--default-max-tokens", self.default_max_tokens),
                             ("--max-body-bytes", self.max_body_bytes), ("--max-connections", self.max_connections),
                             ("--tensor-parallel-size", self.tensor_parallel_size),
+                            ("--speculative-k", self.speculative_k),
                             ("--data-parallel-size", self.data_parallel_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{flag}={value!r} is invalid: must be a positive integer")
@@ -128,6 +137,40 @@ class ServeConfig:
             raise ConfigError(f"--cache-policy={cache.policy!r} cannot run in lcx serve (it needs calibration or "
                               f"a cache type of its own); allowed: {', '.join(allowed)}")
         return cache
+
+    def speculative(self):
+        """``(SpeculativeConfig, the target's CacheConfig)`` of ``--speculative-draft`` / ``--speculative-param`` /
+        ``--speculative-k`` (the draft's ``compression`` resolved against ``--max-model-len``), or None without
+        ``--speculative-draft``; the flags a speculative server cannot honour are refused by name."""
+        if self.speculative_draft is None:
+            if self.speculative_params:
+                raise ConfigError("--speculative-param without --speculative-draft: name the draft's policy, e.g. "
+                                  "--speculative-draft streaming --speculative-param budget=256")
+            return None
+        from lcx.cache.config import CacheConfig
+        from lcx.lm import as_speculative
+
+        refused = [(flag, value) for flag, value, default in (
+            ("--cache-policy", self.cache_policy, "full"), ("--kv-store", self.kv_store, None),
+            ("--kv-memory", self.kv_memory, None), ("--gpu-memory-utilization", self.gpu_memory_utilization, None),
+            ("--warmup", self.warmup, None), ("--tensor-parallel-size", self.tensor_parallel_size, 1),
+            ("--data-parallel-size", self.data_parallel_size, 1)) if value != default]
+        if refused:
+            flag, value = refused[0]
+            raise ConfigError(f"{flag}={value!r} is invalid with --speculative-draft: a speculative server verifies "
+                              "against the full cache, every sequence reserving --max-model-len slots on one device "
+                              "(allowed with --speculative-draft: --cache-policy full, --kv-dtype, --cache-param, "
+                              "--max-num-seqs, --max-model-len, --segment, --prefill-chunk)")
+        target = CacheConfig.from_mapping({"kv_dtype": self.kv_dtype, **dict(self.cache_params)},
+                                          prefix="--cache-param")
+        from lcx.cache.policy import registered
+
+        if self.speculative_draft not in registered():
+            raise ConfigError(f"--speculative-draft={self.speculative_draft!r} is not a registered eviction policy "
+                              f"(allowed: {', '.join(registered())})")
+        draft = {"policy": self.speculative_draft, **dict(self.speculative_params)}
+        spec = as_speculative({"draft": draft, "k": self.speculative_k, "min_context": 0}, self.max_model_len, 0)
+        return spec, target
 
     def meshes(self, model, devices=None) -> list:
         """One device mesh per replica: ``--data-parallel-size`` of them, each of ``--tensor-parallel-size``
@@ -232,8 +275,8 @@ def config_of(args) -> ServeConfig:
     values = {}
     for f in flags():
         value = getattr(args, f.name)
-        if f.name == "cache_params":
-            value = tuple(_param(item) for item in value)
+        if f.name in ("cache_params", "speculative_params"):
+            value = tuple(_param(item, flag_name(f)) for item in value)
         elif value is not None and f.metadata["size"]:
             value = parse_bytes(value, flag_name(f))
         if value is not None:
@@ -241,13 +284,14 @@ def config_of(args) -> ServeConfig:
     return ServeConfig(**values)
 
 
-def _param(item: str) -> tuple[str, Any]:
-    """``--cache-param KEY=VALUE`` as ``(key, value)``, the value read as YAML (``budget=1024`` an integer)."""
+def _param(item: str, flag: str = "--cache-param") -> tuple[str, Any]:
+    """``--cache-param KEY=VALUE`` (or ``flag``'s) as ``(key, value)``, the value read as YAML (``budget=1024`` an
+    integer)."""
     import yaml
 
     key, sep, value = item.partition("=")
     if not sep or not key:
-        raise ConfigError(f"--cache-param {item!r} is invalid: write KEY=VALUE, e.g. budget=1024")
+        raise ConfigError(f"{flag} {item!r} is invalid: write KEY=VALUE, e.g. budget=1024")
     return key, yaml.safe_load(value)
 
 

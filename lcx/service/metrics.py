@@ -3,7 +3,9 @@
 Names (a contract: dashboards and checks read them): ``lcx_kv_pages_used``, ``lcx_kv_pages_total``,
 ``lcx_kv_bytes_used``, ``lcx_requests_running``, ``lcx_requests_waiting``, ``lcx_prompt_tokens_total``,
 ``lcx_prompt_tokens_cached_total``, ``lcx_generation_tokens_total``, ``lcx_requests_finished_total{reason}``,
-``lcx_time_to_first_token_seconds`` and ``lcx_inter_token_latency_seconds`` (histograms).
+``lcx_time_to_first_token_seconds`` and ``lcx_inter_token_latency_seconds`` (histograms); under
+``--speculative-draft`` ``lcx_spec_draft_tokens_total`` and ``lcx_spec_accepted_tokens_total`` (draft tokens
+verified / accepted: their ratio is the acceptance rate; 0 without speculation).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ class Metrics:
                               registry=r)
         self.itl = Histogram("lcx_inter_token_latency_seconds", "between consecutive tokens of a request",
                              buckets=ITL_BUCKETS, registry=r)
+        self.spec_drafted = Counter("lcx_spec_draft_tokens", "draft tokens verified (--speculative-draft)",
+                                    registry=r)
+        self.spec_accepted = Counter("lcx_spec_accepted_tokens", "draft tokens accepted (--speculative-draft)",
+                                     registry=r)
+        self._spec_seen = (0, 0)  # the server's counts when last observed
         self.pages_total.set(pages_total)
 
     def observe_server(self, server) -> None:
@@ -45,6 +52,10 @@ class Metrics:
         self.bytes_used.set(used * self.page_bytes)
         self.running.set(server.running)
         self.waiting.set(server.waiting)
+        counts = (getattr(server, "drafted_tokens", 0), getattr(server, "accepted_tokens", 0))
+        self.spec_drafted.inc(counts[0] - self._spec_seen[0])
+        self.spec_accepted.inc(counts[1] - self._spec_seen[1])
+        self._spec_seen = counts
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -185,8 +185,9 @@ def test_the_speculative_loop_lowers_for_cuda_and_updates_both_caches_in_place()
     sampling = RowSampling(temperature=S((b,), jnp.float32), top_k=rows, top_p=S((b,), jnp.float32),
                            keys=S((b, 2), jnp.uint32))
     state = SpecState(target=target.abstract(b, 512), draft=draft.abstract(b, 192), token=rows, extra=rows,
-                      has_extra=flags, tokens=S((b, 16), jnp.int32), n_generated=rows, done=flags, drafted=rows,
-                      accepted=rows, verifications=rows, step=S((), jnp.int32), sampling=sampling)
+                      has_extra=flags, tokens=S((b, 16), jnp.int32), n_generated=rows, limit=rows, stops=flags,
+                      done=flags, drafted=rows, accepted=rows, verifications=rows, step=S((), jnp.int32),
+                      sampling=sampling)
     buffers = len(jax.tree.leaves(state.target)) + len(jax.tree.leaves(state.draft))
     for sampled in (False, True):
         text = lower_for_cuda(spec_program(model, 1, 0, target, draft, 4, False), abstract_params(model), state,
