@@ -8,7 +8,9 @@ against the plain one (``Server``, the paged full cache), on a real checkpoint, 
 throwaway request of the same shape (compiles its programs), then the timed batch: ``wall_s`` from submit to the
 last token, ``decode_tok_s`` = tokens generated after each request's first / the time from the last first token to
 the end (the phase where every row decodes). ``same``: every request's tokens equal the plain server's;
-``accept``: tokens per verification of the speculative server. Writes ``--out`` (CSV).
+``accept``: tokens per verification of the speculative server. ``contiguous``: the same requests as one static batch
+of ``lcx.Generator`` on a contiguous full cache, without speculation (the speculative server's layout, so the
+layout's share of a difference is visible: the plain server reads a paged cache). Writes ``--out`` (CSV).
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+
 import lcx
 from lcx.config import CacheConfig
+from lcx.engine import Generator
 from lcx.engine.server import Server
 from lcx.engine.spec_server import SpecServer
 from lcx.engine.speculative import SpeculativeConfig
@@ -41,6 +46,22 @@ def timed(server, prompts, new: int) -> tuple[dict, float, float]:
     end = time.perf_counter()
     decode_tokens = sum(len(out[i]) - 1 for i in ids)
     return [out[i] for i in ids], end - start, decode_tokens / (end - max(firsts.values()))
+
+
+def contiguous(lm, prompts, new: int) -> tuple[list, float, float]:
+    """The same requests as one static batch on a contiguous full cache (``lcx.Generator``): what the speculative
+    server's rows are, without speculation - separates the layout's share of a difference from speculation's."""
+    gen = Generator(lm.config, lm.params, max_new_tokens=new, eos_id=None)
+    gen.result(gen.decode(gen.prefill(prompts[:1]), steps=2))  # compiles (one row: the prefill's chunk shape)
+    start = time.perf_counter()
+    state = gen.prefill(prompts)
+    state = gen.decode(state, steps=1)
+    jax.block_until_ready(state.tokens)
+    first = time.perf_counter()
+    result = gen.result(gen.decode(state))
+    end = time.perf_counter()
+    tokens = [result.tokens[i, :int(result.lengths[i])].tolist() for i in range(len(prompts))]
+    return tokens, end - start, sum(len(t) - 1 for t in tokens) / (end - first)
 
 
 def main(argv=None) -> int:
@@ -68,6 +89,10 @@ def main(argv=None) -> int:
     rows.append(dict(server="plain", wall_s=wall, decode_tok_s=rate, speedup=1.0, same=True))
     print(f"plain: {wall:.1f} s, {rate:.2f} decode tok/s", flush=True)
     base = rate
+    got, wall, rate = contiguous(lm, prompts, args.new)
+    rows.append(dict(server="contiguous", wall_s=wall, decode_tok_s=rate, speedup=rate / base, same=got == want))
+    print(f"contiguous (lcx.Generator, one static batch): {wall:.1f} s, {rate:.2f} decode tok/s "
+          f"({rate / base:.2f}x), same={got == want}", flush=True)
     for name in args.drafts:
         spec = SpeculativeConfig(draft=draft_config(name, args.context), k=args.k, min_context=0)
         server = SpecServer(lm.config, lm.params, speculative=spec, **settings)

@@ -84,23 +84,9 @@ class SpeculativeGenerator:
                 f"{t.cache.kv_dtype!r}, layout={t.cache.layout!r}) ({t.kind.name!r} cache): the target must keep every "
                 "token in a contiguous slot cache of a model whose layers are all global, in a per-token format "
                 "(kv_dtype null, int8, fp8 or fp4), so that rejected drafts can be forgotten")
-        draft_kind = speculative.draft.kind(config)
-        if not isinstance(draft_kind, SlotCacheKind) or not draft_kind.truncatable:
-            raise ConfigError(
-                f"speculative.draft=CacheConfig(policy={speculative.draft.policy!r}, kv_dtype="
-                f"{speculative.draft.kv_dtype!r}) builds a {draft_kind.name!r} cache: a draft must be a contiguous "
-                "slot cache in a per-token format (kv_dtype null, int8, fp8 or fp4; grouped int4 / int2 codes cannot "
-                "forget a rejected draft one token at a time)")
-        if draft_kind.dtype != t.kind.dtype:
-            raise ConfigError(f"speculative.draft.dtype={draft_kind.dtype!r} differs from the target's "
-                              f"{t.kind.dtype!r}: the draft is derived from the target's keys and values")
         # the prefill: under the draft policy where it observes the prompt (its statistics), else the target's
-        self.draft_kind = draft_kind
+        self.draft_kind = draft_kind = draft_kind_of(config, speculative, t.kind)
         self.observes_prefill = draft_kind.policy.evicts and draft_kind.policy.observes.prefill
-        if self.observes_prefill and draft_kind.policy.mode != "original":
-            raise ConfigError(f"speculative.draft.policy={speculative.draft.policy!r} observes the prompt and keys its "
-                              "slots by rank: its prefill would store keys the full cache cannot read; allowed: "
-                              "positions: original")
         float_draft = dataclasses.replace(draft_kind, storage=t.kind.storage)
         self.prefill_runner = t if not self.observes_prefill else build(
             config, params, cache=speculative.draft, eos_id=eos_id,
@@ -198,6 +184,27 @@ class SpeculativeGenerator:
                               cache_bytes=state.target.kv_bytes()), stats
 
 
+def draft_kind_of(config: ModelConfig, speculative: SpeculativeConfig, target_kind) -> SlotCacheKind:
+    """The draft's cache kind, checked against ``target_kind``: a contiguous slot cache in a per-token format of the
+    target's dtype, whose prefill (where it observes the prompt) stores keys the target reads."""
+    draft_kind = speculative.draft.kind(config)
+    if not isinstance(draft_kind, SlotCacheKind) or not draft_kind.truncatable:
+        raise ConfigError(
+            f"speculative.draft=CacheConfig(policy={speculative.draft.policy!r}, kv_dtype="
+            f"{speculative.draft.kv_dtype!r}) builds a {draft_kind.name!r} cache: a draft must be a contiguous "
+            "slot cache in a per-token format (kv_dtype null, int8, fp8 or fp4; grouped int4 / int2 codes cannot "
+            "forget a rejected draft one token at a time)")
+    if draft_kind.dtype != target_kind.dtype:
+        raise ConfigError(f"speculative.draft.dtype={draft_kind.dtype!r} differs from the target's "
+                          f"{target_kind.dtype!r}: the draft is derived from the target's keys and values")
+    policy = draft_kind.policy
+    if policy.evicts and policy.observes.prefill and policy.mode != "original":
+        raise ConfigError(f"speculative.draft.policy={speculative.draft.policy!r} observes the prompt and keys its "
+                          "slots by rank: its prefill would store keys the full cache cannot read; allowed: "
+                          "positions: original")
+    return draft_kind
+
+
 def _target(target_kind: SlotCacheKind, state):
     """The target over a prefilled ``state``'s own buffers (outside jit: a jitted function would return copies)."""
     return target_kind.state_type(kind=target_kind, **{n: getattr(state, n) for n in target_kind.fields()})
@@ -249,4 +256,4 @@ def generate_speculative(config: ModelConfig, params, prompt_ids, *, max_new_tok
     return dataclasses.replace(result, speculative=stats)
 
 
-__all__ = ["SpeculativeGenerator", "SpeculativeStats", "generate_speculative"]
+__all__ = ["SpeculativeGenerator", "SpeculativeStats", "draft_kind_of", "generate_speculative"]

@@ -71,11 +71,12 @@ class SpecPlan:
         return -(-(self.row_bytes + self.draft_row_bytes) // self.row_pages)
 
     def lines(self) -> list[str]:
+        total = self.rows * (self.row_bytes + self.draft_row_bytes)
         return [f"speculative decoding: {self.draft} drafts {self.k} tokens per verification against the full cache",
                 f"every one of {self.rows} sequences reserves {self.capacity:,} slots of the full cache "
                 f"({format_bytes(self.row_bytes)}) and {self.draft_capacity:,} of its draft "
-                f"({format_bytes(self.draft_row_bytes)}): {format_bytes(self.rows * (self.row_bytes + self.draft_row_bytes))} "
-                f"in all, at --max-model-len {self.max_len:,}"]
+                f"({format_bytes(self.draft_row_bytes)}): {format_bytes(total)} in all, at --max-model-len "
+                f"{self.max_len:,}"]
 
 
 class SpecServer:
@@ -108,7 +109,8 @@ class SpecServer:
                              row_bytes=self.gen.target.kind.nbytes(1, self.capacity),
                              draft_row_bytes=self.gen.draft_kind.nbytes(1, self.draft_capacity),
                              draft=speculative.draft.policy if speculative.draft.kv_dtype is None
-                             else f"{speculative.draft.policy} ({speculative.draft.kv_dtype})", k=k, page_size=page_size)
+                             else f"{speculative.draft.policy} ({speculative.draft.kv_dtype})", k=k,
+                             page_size=page_size)
         self.queue: list[Request] = []
         self.active: dict[int, Request] = {}  # row -> its request (prefilling or decoding)
         self.prefilling: dict[int, tuple] = {}  # request id -> (its own cache, its last logits)

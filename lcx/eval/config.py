@@ -77,6 +77,24 @@ class PerplexityConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpeculativeEvalConfig:
+    """``eval.speculative``: beside each retrieval cell's accuracy under its cache, that cache's acceptance as the
+    draft of self-speculative decoding for the full cache on the same prompts (``lcx.eval.acceptance``): ``k``
+    draft tokens per verification."""
+
+    k: int = 4
+
+    def __post_init__(self):
+        from lcx.engine.speculative import MAX_K
+
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_K:
+            raise ConfigError(f"eval.speculative.k={self.k!r} is invalid: must be an integer in [1, {MAX_K}]")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"k": self.k}
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalConfig:
     """What to measure: a retrieval ``task`` (passkey, niah, mqar, a RULER-style task -> accuracy) or a text task
     (corpus, prose, documents -> perplexity), at each context length in ``lengths`` and needle depth in ``depths``
@@ -87,7 +105,9 @@ class EvalConfig:
     ``unroll``: ``Generator(unroll=)`` (null: auto, the unrolled decoder when its weight copy fits): the unrolled
     decoder's steps are faster on a CPU, but each cache setting compiles about 3x longer (a 30-layer model on 2 cores:
     ~45 s against ~15 s per setting), so a grid of many settings on a CPU finishes sooner with ``false``.
-    ``perplexity`` (optional): perplexity on held-out text measured next to it.
+    ``perplexity`` (optional): perplexity on held-out text measured next to it. ``speculative`` (optional,
+    ``{k: 4}``): each retrieval cell whose cache can draft also measures its acceptance as a draft for the full
+    cache (``SpeculativeEvalConfig``; results.csv ``accept``, ``accept_lo``, ``accept_hi``).
 
     Lengths are in the run tokenizer's tokens (``data.tokenizer``; a checkpoint's own by default).
 
@@ -113,6 +133,7 @@ class EvalConfig:
     unroll: bool | None = None
     checkpoint: str | None = None  # params to evaluate (null: the run's latest stage)
     perplexity: PerplexityConfig | None = None
+    speculative: SpeculativeEvalConfig | None = None
 
     def __post_init__(self):
         if isinstance(self.params, Mapping):
@@ -193,6 +214,7 @@ class EvalConfig:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["params"] = dict(self.params)
         out["perplexity"] = None if self.perplexity is None else self.perplexity.to_dict()
+        out["speculative"] = None if self.speculative is None else self.speculative.to_dict()
         return out
 
 

@@ -34,6 +34,7 @@ from lcx.eval.cells import (ONE, Cell, CellStore, Shard, assign, cell_name, coun
                              write_atomic)
 from lcx.eval.config import AblateConfig, EvalConfig, RopeVariant, Setting
 from lcx.data.task import TOKENIZER, Task
+from lcx.eval.acceptance import acceptance, columns as acceptance_columns, draft_refusal
 from lcx.eval.evaluate import grades, retrieval_outputs, window_nll
 from lcx.eval.cell_prompts import (CellPrompts, check_prompts, dropped_bos, grid_tasks, max_new_tokens,
                                    perplexity_args, prompts)
@@ -174,6 +175,7 @@ class _Grid:
     capacities: dict
     specs: list
     cells: list
+    drafts: dict  # eval.speculative: (setting, variant, length) -> whether it drafts
 
 
 def _plan(models, ev: EvalConfig, settings: list[Setting], ropes: tuple[RopeVariant, ...], tokenizer,
@@ -189,13 +191,36 @@ def _plan(models, ev: EvalConfig, settings: list[Setting], ropes: tuple[RopeVari
                                             if s.compression is None and s.protocol == "streaming" else n)
                   for s in settings for v in ropes for n in ev.lengths if s.runs(v.name, n)}
     specs = list(_cells(settings, ropes, tasks, ev))
+    drafts = _drafts(models, ev, settings, ropes, caches)
     tok = TOKENIZER if tokenizer is None else tokenizer
-    cells = [_cell(spec, caches, models, ev, tasks, per_task, ppl_task, tok, inputs) for spec in specs]
-    return _Grid(tasks, ppl_task, per_task, max_new, caches, capacities, specs, cells)
+    cells = [_cell(spec, caches, models, ev, tasks, per_task, ppl_task, tok, inputs, drafts) for spec in specs]
+    return _Grid(tasks, ppl_task, per_task, max_new, caches, capacities, specs, cells, drafts)
+
+
+def _drafts(models, ev: EvalConfig, settings: list[Setting], ropes, caches) -> dict:
+    """``eval.speculative``: (setting, variant, length) -> whether its cache drafts for the full cache; a setting
+    that cannot is named once, with why (the full cache itself, the target, silently)."""
+    if ev.speculative is None:
+        return {}
+    out, told = {}, set()
+    for s in settings:
+        for v in ropes:
+            for n in ev.lengths:
+                cache = caches[(s, n)]
+                if cache.policy == "full" and cache.kv_dtype is None:
+                    out[(s, v.name, n)] = False
+                    continue
+                why = draft_refusal(models[v.name][0], cache, n, s.protocol, ev.speculative.k)
+                out[(s, v.name, n)] = why is None
+                label = setting_label(cache, v.name, s)
+                if why is not None and label not in told:
+                    told.add(label)
+                    _note(f"eval.speculative: {label} at {n} tokens measures no acceptance: {why}")
+    return out
 
 
 def _cell(spec, caches, models, ev: EvalConfig, tasks: dict, per_task: dict, ppl_task: Task, tokenizer,
-          inputs) -> Cell:
+          inputs, drafts: dict) -> Cell:
     """The persisted identity of one cell: a readable name and everything its rows depend on - not the grid's
     other axes, so adding a length, task or policy leaves the other cells' inputs as they were."""
     setting, variant, name, length, depth, metric = spec
@@ -210,6 +235,8 @@ def _cell(spec, caches, models, ev: EvalConfig, tasks: dict, per_task: dict, ppl
         samples = setting.samples or ev.samples
         record.update(task=name, params=dict(ev.params) if not ev.tasks else {}, depth=depth, samples=samples,
                       chat=ev.chat, max_new_tokens=per_task[name])
+        if drafts.get((setting, variant.name, length)):  # only here: the grid's other cells stay done
+            record["speculative"] = ev.speculative.to_dict()
         prompts_, scale = samples, 1.0
     else:
         args = perplexity_args(ev)
@@ -265,6 +292,11 @@ def _compute(grid: _Grid, spec, models, ev: EvalConfig) -> tuple[list[dict], lis
             capacity=fixed, protocol=setting.protocol, unroll=ev.unroll,
             buffer=max_new + (ONE_SHOT_ROOM if setting.protocol == "one_shot" else 0), counts=counts)
         scores = grades(tasks[name], examples, outputs)
+        if grid.drafts.get((setting, variant.name, length)):
+            counts.update(acceptance_columns(acceptance(
+                model, params, tasks[name], examples, draft=cache, k=ev.speculative.k,
+                batch_size=min(ev.batch_size, samples), max_new_tokens=per_task[name], unroll=ev.unroll),
+                ev.speculative.k))
         generations += [{"setting": label, "task": name, "length": length, "depth": depth, "sample": i,
                          "answer": ex.answer, "output": out, "grade": float(g)}
                         for i, (ex, out, g) in enumerate(zip(examples, outputs, scores))]

@@ -14,9 +14,10 @@ import numpy as np
 
 from lcx.eval.stats import wilson_interval
 
+# new columns go last: older files keep their order (accept*: eval.speculative, lcx.eval.acceptance)
 FIELDS = ("setting", "policy", "budget", "rope", "length", "depth", "metric", "value", "lo", "hi", "samples",
           "seconds", "task", "compression", "protocol", "prompt_tokens", "prefilled_tokens",
-          "kv_bytes", "held_kv_bytes", "bos")  # new columns go last: older files keep their order
+          "kv_bytes", "held_kv_bytes", "bos", "accept", "accept_lo", "accept_hi")
 MACRO = "macro average"
 
 
@@ -95,8 +96,11 @@ def macro_rows(rows: list[dict]) -> list[dict]:
             n = sum(int(r["samples"]) for r in cell)
             value = float(np.mean([v for v, _, _ in per_task]))
             lo, hi = wilson_interval(value * n, n)
+            accept = [float(r["accept"]) for r in cell if r.get("accept") not in (None, "")]
             out.append({**cell[0], "task": MACRO, "depth": "", "value": value, "lo": lo, "hi": hi, "samples": n,
-                        "seconds": round(sum(float(r["seconds"] or 0) for r in cell), 2)})
+                        "seconds": round(sum(float(r["seconds"] or 0) for r in cell), 2),
+                        # tokens per verification over every task's cells (their intervals are per task)
+                        "accept": float(np.mean(accept)) if accept else "", "accept_lo": "", "accept_hi": ""})
     return out
 
 
@@ -290,9 +294,37 @@ def bos_note(rows: list[dict]) -> str:
     return f"\nBOS: {', '.join(parts)} (as the tokenizer adds it, or the chat template writes it).\n" if parts else ""
 
 
+def acceptance_table(rows: list[dict]) -> str:
+    """``eval.speculative``: each setting's acceptance as a draft for the full cache beside its accuracy, a line per
+    (setting, task), a column per length: "accuracy / tokens per verification (its 95% interval)"; empty without."""
+    cells = [r for r in rows if r.get("accept") not in (None, "") and r.get("task") != MACRO]
+    if not cells:
+        return ""
+    lengths = sorted({r["length"] for r in cells})
+    keys = list(dict.fromkeys((label(r), r.get("task", "")) for r in cells))
+    lines = ["", "", "Draft acceptance (eval.speculative): accuracy under the setting's cache / tokens emitted per "
+             "verification when it drafts for the full cache (95% t-interval over prompts)", "",
+             "| setting | task | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
+             "|---|---|" + "---|" * len(lengths)]
+    for key in keys:
+        out = []
+        for n in lengths:
+            hit = [r for r in cells if (label(r), r.get("task", "")) == key and r["length"] == n]
+            if not hit:
+                out.append("-")
+                continue
+            r = hit[0]
+            interval = "" if r.get("accept_lo") in (None, "") else \
+                f" ({float(r['accept_lo']):.2f}-{float(r['accept_hi']):.2f})"
+            out.append(f"{_fmt('accuracy', float(r['value']))} / {float(r['accept']):.2f}{interval}")
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(out) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def write_report(rows: list[dict], out_dir: Path, title: str) -> list[Path]:
     """results.csv, results.md and the plots in ``out_dir``; returns the written paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out_dir / "results.csv")
-    (out_dir / "results.md").write_text(markdown_table(rows, title) + prefill_note(rows) + bos_note(rows))
+    (out_dir / "results.md").write_text(markdown_table(rows, title) + prefill_note(rows) + bos_note(rows)
+                                        + acceptance_table(rows))
     return [out_dir / "results.csv", out_dir / "results.md", *plot(rows, out_dir, title)]
