@@ -125,10 +125,14 @@ def test_bad_settings_are_refused_naming_the_flag(params, tmp_path):
     from lcx.service.config import config_of
 
     args = build_parser().parse_args(["serve", "m", "--speculative-draft", "snapkv", "--speculative-param",
-                                     "budget=64", "--speculative-param", "window=8", "--speculative-k", "3"])
+                                     "budget=64", "--speculative-param", "window=8", "--speculative-k", "3",
+                                     "--speculative-confidence", "0.4"])
     config = config_of(args)
     spec, target = config.speculative()
-    assert (spec.draft.policy, spec.draft.budget, spec.k, target.policy) == ("snapkv", 64, 3, "full")
+    assert (spec.draft.policy, spec.draft.budget, spec.k, spec.confidence, target.policy) == \
+        ("snapkv", 64, 3, 0.4, "full")
+    with pytest.raises(ConfigError, match="speculative.confidence=2.0 is invalid"):
+        ServeConfig(**base, speculative_confidence=2.0).speculative()
 
 
 @pytest.mark.slow

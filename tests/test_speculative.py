@@ -62,6 +62,22 @@ def test_greedy_tokens_equal_plain_decoding(params, plain, name):
         assert stats.accept_rate > 0.9  # and the 2-token catch-up of the draft run on most iterations
 
 
+@pytest.mark.parametrize("name", ["streaming", "snapkv-fp8"])
+def test_adaptive_k_keeps_the_tokens_and_drafts_less(params, plain, name):
+    """``confidence``: rows stop drafting where the draft is unsure (tokens still plain decoding's) and, on this
+    random model, draft fewer tokens per verification than k."""
+    fixed = lcx.generate(CFG, params, _prompts(), max_new_tokens=NEW, eos_id=7,
+                         speculative=SpeculativeConfig(draft=DRAFTS[name], k=4, min_context=0))
+    result = lcx.generate(CFG, params, _prompts(), max_new_tokens=NEW, eos_id=7,
+                          speculative=SpeculativeConfig(draft=DRAFTS[name], k=4, min_context=0, confidence=0.3))
+    np.testing.assert_array_equal(result.tokens, plain.tokens)
+    np.testing.assert_array_equal(result.lengths, plain.lengths)
+    adaptive, always = result.speculative, fixed.speculative
+    assert np.all(adaptive.drafted <= 4 * adaptive.verifications)
+    assert adaptive.drafted.sum() / adaptive.verifications.sum() < 4.0
+    assert adaptive.accept_rate > always.accept_rate  # the drafts it skips were the unsure ones
+
+
 def test_each_row_generates_what_it_generates_alone(params):
     """Greedy and sampled rows in one batch, with a policy that evicts per KV head while decoding: each row's tokens
     (and acceptance) are the ones it gets alone."""
@@ -107,6 +123,10 @@ def test_sampling_keeps_the_target_distribution():
                         **kw).tokens
     alone = lcx.generate(SMALL, params, prompts, cache=draft, **kw).tokens
     assert _same_distribution(_pairs(plain), _pairs(spec)) > 1e-3
+    adaptive = lcx.generate(SMALL, params, prompts, speculative=SpeculativeConfig(
+        draft=draft, k=2, min_context=0, confidence=0.4), **kw)  # some rows stop after one draft, some do not
+    assert 1 < adaptive.speculative.drafted.sum() / adaptive.speculative.verifications.sum() < 2
+    assert _same_distribution(_pairs(plain), _pairs(adaptive.tokens)) > 1e-3
     assert _same_distribution(_pairs(plain), _pairs(alone)) < 1e-3  # the test can fail
 
 
@@ -165,6 +185,7 @@ def test_truncate_forgets_the_newest_tokens_exactly(params):
     (dict(draft="streaming", k=2), "speculative.draft='streaming' is invalid"),
     (dict(draft=CacheConfig(policy="streaming", budget=8, interval=1), k=2), "speculative.draft.interval=1"),
     (dict(draft=CacheConfig(policy="streaming", budget=8), min_context=-1), "speculative.min_context=-1 is invalid"),
+    (dict(draft=CacheConfig(policy="streaming", budget=8), confidence=1.0), "speculative.confidence=1.0 is invalid"),
 ])
 def test_bad_settings_are_refused_at_construction(kwargs, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -208,7 +229,7 @@ def test_text_api_and_cli_give_plain_decodings_text(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert main(argv + ["--speculative-draft", "streaming", "--speculative-param", "budget=16",
                         "--speculative-param", "sinks=2", "--speculative-k", "3",
-                        "--speculative-min-context", "0"]) == 0
+                        "--speculative-min-context", "0", "--speculative-confidence", "0.3"]) == 0
     captured = capsys.readouterr()
     assert captured.out == printed
     assert "tokens per verification" in captured.err

@@ -15,6 +15,9 @@ the draft from the prefilled cache (compiling included). ``same`` is whether eve
 ``accept_max`` its spread over the rows; ``draft KV`` the draft cache's bytes beside the full cache's. Writes
 ``--out`` (CSV) and, with ``--plot``, speed-up against context.
 
+``--confidence C ...`` adds each draft with adaptive ``k`` at those confidences (``SpeculativeConfig.confidence``,
+method ``DRAFT@cC``; ``drafts_per_verification`` shows how many it drafted).
+
 Drafts: ``streaming-W`` (4 sinks + a window, budget W; ``streaming-W-orig`` keys at their true positions instead of
 re-rotated by rank), ``snapkv-C`` / ``tova-C`` / ``h2o-C`` (compression C of the
 prompt: budget = (1 - C) x context), ``int8`` / ``fp8`` (8-bit codes of every token).
@@ -39,7 +42,8 @@ from lcx.engine.spec_generator import SpeculativeGenerator
 from lcx.engine.speculative import SpeculativeConfig
 
 COLUMNS = ("context", "batch", "method", "k", "tokens_per_s", "speedup", "same", "accept", "accept_rate",
-           "accept_min", "accept_max", "decode_s", "prefill_s", "derive_s", "kv_bytes", "draft_bytes")
+           "accept_min", "accept_max", "decode_s", "prefill_s", "derive_s", "kv_bytes", "draft_bytes", "confidence",
+           "drafts_per_verification")
 
 
 def prose_prompts(lm, batch: int, context: int) -> list[list[int]]:
@@ -99,9 +103,9 @@ def plain(lm, owner: SpeculativeGenerator, cache, logits, rows, new: int) -> dic
                 kv_bytes=result.cache_bytes, draft_bytes=0)
 
 
-def speculative(lm, cache, logits, rows, new: int, draft: CacheConfig, k: int) -> dict:
+def speculative(lm, cache, logits, rows, new: int, draft: CacheConfig, k: int, confidence=None) -> dict:
     gen = SpeculativeGenerator(lm.config, lm.params, max_new_tokens=new,
-                               speculative=SpeculativeConfig(draft=draft, k=k))
+                               speculative=SpeculativeConfig(draft=draft, k=k, confidence=confidence))
     state, derive_s = timed(lambda: gen.start(cache, logits, rows))
     state, _ = timed(lambda: gen.decode(state, iterations=1))  # compiles
     before = int(np.sum(np.asarray(state.n_generated)))
@@ -112,7 +116,9 @@ def speculative(lm, cache, logits, rows, new: int, draft: CacheConfig, k: int) -
     per_row = (stats.accepted + stats.verifications) / verified  # each row's tokens per verification: its spread
     return dict(tokens=result.tokens, tokens_per_s=tokens / decode_s, decode_s=decode_s, derive_s=derive_s,
                 kv_bytes=result.cache_bytes, draft_bytes=stats.draft_bytes, accept=stats.acceptance,
-                accept_rate=stats.accept_rate, accept_min=float(per_row.min()), accept_max=float(per_row.max()))
+                accept_rate=stats.accept_rate, accept_min=float(per_row.min()), accept_max=float(per_row.max()),
+                confidence="" if confidence is None else confidence,
+                drafts_per_verification=float(stats.drafted.sum() / max(int(stats.verifications.sum()), 1)))
 
 
 def owner_of(lm, drafts: list[CacheConfig], new: int, k: int) -> SpeculativeGenerator:
@@ -135,6 +141,8 @@ def main(argv=None) -> None:
     parser.add_argument("--drafts", nargs="+", default=["streaming-256-orig", "snapkv-0.9", "int8"])
     parser.add_argument("--k", type=int, nargs="+", default=[4])
     parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--confidence", type=float, nargs="+", default=None,
+                        help="also run each draft with adaptive k at these confidences (SpeculativeConfig.confidence)")
     parser.add_argument("--out", default="runs/bench/speculative.csv")
     parser.add_argument("--plot", default=None, help="write speed-up against context to this PNG")
     args = parser.parse_args(argv)
@@ -159,20 +167,23 @@ def main(argv=None) -> None:
                 rows_out.append(line)
                 print(f"ctx {context:6d} b {batch}: plain {base['tokens_per_s']:7.2f} tok/s (shared prefill "
                       f"{prefill_s:.0f} s)", flush=True)
-                for name, draft in drafts.items():
-                    for k in args.k:
-                        r = speculative(lm, copied(cache), logits, rows, args.new, draft, k)
-                        same = bool(np.array_equal(r["tokens"], base["tokens"]))
-                        line = dict(context=context, batch=batch, method=name, k=k, same=same, prefill_s=prefill_s,
-                                    speedup=r["tokens_per_s"] / base["tokens_per_s"],
-                                    **{c: r[c] for c in COLUMNS if c in r})
-                        writer.writerow(line)
-                        f.flush()
-                        rows_out.append(line)
-                        print(f"ctx {context:6d} b {batch}: {name:>15} k={k} {r['tokens_per_s']:7.2f} tok/s "
-                              f"x{line['speedup']:.2f} accept {r['accept']:.2f} same={same} "
-                              f"draft {r['draft_bytes'] / 2**20:.0f} MiB / KV {r['kv_bytes'] / 2**20:.0f} MiB",
-                              flush=True)
+                variants = [(name, draft, k, c) for name, draft in drafts.items() for k in args.k
+                            for c in [None, *(args.confidence or [])]]
+                for name, draft, k, c in variants:
+                    r = speculative(lm, copied(cache), logits, rows, args.new, draft, k, c)
+                    same = bool(np.array_equal(r["tokens"], base["tokens"]))
+                    name = name if c is None else f"{name}@c{c:g}"
+                    line = dict(context=context, batch=batch, method=name, k=k, same=same, prefill_s=prefill_s,
+                                speedup=r["tokens_per_s"] / base["tokens_per_s"],
+                                **{c: r[c] for c in COLUMNS if c in r})
+                    writer.writerow(line)
+                    f.flush()
+                    rows_out.append(line)
+                    print(f"ctx {context:6d} b {batch}: {name:>15} k={k} {r['tokens_per_s']:7.2f} tok/s "
+                          f"x{line['speedup']:.2f} accept {r['accept']:.2f} "
+                          f"drafts/verification {r['drafts_per_verification']:.2f} same={same} "
+                          f"draft {r['draft_bytes'] / 2**20:.0f} MiB / KV {r['kv_bytes'] / 2**20:.0f} MiB",
+                          flush=True)
                 del cache
     if args.plot:
         plot(rows_out, args.plot)

@@ -80,6 +80,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--speculative-param", action="append", default=[], metavar="KEY=VALUE",
                    help="the draft cache's settings, e.g. budget=256, sinks=4, compression=0.9 (repeatable)")
     p.add_argument("--speculative-k", type=int, default=4, help="draft tokens per verification (default 4)")
+    p.add_argument("--speculative-confidence", type=float, default=None, metavar="P",
+                   help="adaptive k: a row stops drafting once the draft gives its last token a probability below P "
+                        "(default: always k)")
     p.add_argument("--speculative-min-context", default="auto",
                    help="decode plainly below this many prompt tokens (default auto: where drafting costs more than "
                         "it saves; 0: always speculate)")
@@ -170,8 +173,8 @@ def _speculative(args, config, params, cache, sampling, eos, prompt, show) -> in
     draft = {"policy": args.speculative_draft, **_policy_params(args.speculative_param, "--speculative-param")}
     min_context = args.speculative_min_context
     min_context = int(min_context) if min_context.isdigit() else min_context
-    spec = as_speculative({"draft": draft, "k": args.speculative_k, "min_context": min_context}, len(prompt),
-                          args.max_new_tokens)
+    spec = as_speculative({"draft": draft, "k": args.speculative_k, "min_context": min_context,
+                           "confidence": args.speculative_confidence}, len(prompt), args.max_new_tokens)
     gen = SpeculativeGenerator(config, params, max_new_tokens=args.max_new_tokens, speculative=spec, cache=cache,
                                sampling=sampling, eos_id=eos, seed=args.seed)
     if not gen.pays([prompt]):

@@ -95,7 +95,8 @@ class SpeculativeGenerator:
         self.config, self.max_new_tokens, self.eos_id, self.seed = config, max_new_tokens, eos_id, seed
         self.strict, self.cache_config = strict, t.cache
         self.sampling = sampling or SamplingConfig()
-        self.loop = spec_program(config, eos_id, t.pad_id, t.kind, draft_kind, speculative.k, t.unrolled)
+        self.loop = spec_program(config, eos_id, t.pad_id, t.kind, draft_kind, speculative.k, t.unrolled,
+                                 speculative.confidence)
 
     # ------------------------------------------------------------------------------------------------ generate
     def generate(self, prompt_ids, *, sampling: Sequence[SamplingConfig] | None = None,

@@ -54,9 +54,10 @@ class SpecState:
 
 @functools.lru_cache(maxsize=32)
 def spec_program(config: ModelConfig, eos_id: int | None, pad_id: int, target_kind: Any, draft_kind: Any, k: int,
-                 unrolled: bool):
+                 unrolled: bool, confidence: float | None = None):
     """The jitted ``loop(params, state, limit, sampled)`` of one configuration: iterations until ``limit`` or until
-    every row is done. ``sampled`` (static): some row samples (else the argmax-only program)."""
+    every row is done. ``sampled`` (static): some row samples (else the argmax-only program). ``confidence``:
+    adaptive ``k`` (``SpeculativeConfig.confidence``; None: ``k`` drafts per iteration)."""
     model = Decoder(config, unrolled=unrolled)
     split = (lambda c: c.split_layers()) if unrolled else (lambda c: c)  # noqa: E731
     # calls of k + 1 queries (the verification) and 2 (the draft's catch-up) attend query by query over the caches'
@@ -69,6 +70,46 @@ def spec_program(config: ModelConfig, eos_id: int | None, pad_id: int, target_ki
         weights = ok.astype(jnp.float32) if stats else None  # a draft's decode queries feed its policy's statistics
         return model.apply({"params": params}, ids, cache=cache, ok=ok, logits_index=logits_index,
                            stat_weights=weights)
+
+    def draft_all(params, cache, d, q, active, first, pick):
+        """Drafts 1 .. k - 1 after ``d`` (draft 0), one step each: ``(cache, drafts [b, k], q [b, k, V] or None)``."""
+        def step(carry, i):
+            cache, d = carry
+            cache = draft_kind.make_room(cache, active.astype(jnp.int32))
+            logits, cache = forward(params, cache, d[:, None], active[:, None], stats=True)
+            nxt, q = pick(logits[:, 0], first + i)
+            return (cache, nxt), (nxt, q)
+
+        if k == 1:
+            return cache, d[:, None], None if q is None else q[:, None]
+        (cache, _), (more, more_q) = jax.lax.scan(step, (cache, d), jnp.arange(1, k))
+        drafts = jnp.concatenate([d[:, None], jnp.moveaxis(more, 0, 1)], axis=1)
+        return cache, drafts, None if q is None else jnp.concatenate([q[:, None], jnp.moveaxis(more_q, 0, 1)], 1)
+
+    def draft_while_sure(params, cache, d, q, logits, active, first, pick):
+        """Adaptive ``k``: a row drafts on while the draft gave its last token a probability of at least
+        ``confidence``; the steps end when no row drafts (or after ``k``). ``(cache, drafts [b, k] (0 past a row's
+        own), q [b, k, V] or None, drafts per row [b])``."""
+        b = d.shape[0]
+        sure = lambda logits, token: jnp.take_along_axis(  # noqa: E731
+            jax.nn.softmax(logits.astype(jnp.float32), axis=-1), token[:, None], axis=1)[:, 0] >= confidence
+        drafts = jnp.zeros((b, k), jnp.int32).at[:, 0].set(d)
+        qs = None if q is None else jnp.zeros((b, k) + q.shape[1:], q.dtype).at[:, 0].set(q)
+
+        def step(carry):
+            i, cache, drafting, n, drafts, qs = carry
+            cache = draft_kind.make_room(cache, drafting.astype(jnp.int32))
+            last = jax.lax.dynamic_index_in_dim(drafts, i - 1, axis=1, keepdims=False)
+            logits, cache = forward(params, cache, last[:, None], drafting[:, None], stats=True)
+            nxt, q = pick(logits[:, 0], first + i)
+            drafts = jax.lax.dynamic_update_index_in_dim(drafts, jnp.where(drafting, nxt, 0), i, axis=1)
+            if qs is not None:
+                qs = jax.lax.dynamic_update_index_in_dim(qs, q, i, axis=1)
+            return i + 1, cache, drafting & sure(logits[:, 0], nxt), n + drafting, drafts, qs
+
+        carry = (jnp.int32(1), cache, active & sure(logits, d), active.astype(jnp.int32), drafts, qs)
+        _, cache, _, n, drafts, qs = jax.lax.while_loop(lambda c: (c[0] < k) & jnp.any(c[2]), step, carry)
+        return cache, drafts, qs, n
 
     def body(params, s: SpecState, sampled: bool) -> SpecState:
         b = s.token.shape[0]
@@ -89,19 +130,11 @@ def spec_program(config: ModelConfig, eos_id: int | None, pad_id: int, target_ki
         logits, draft = forward(params, draft, ids, ok, s.has_extra.astype(jnp.int32), stats=True)
         d, q = pick(logits[:, 0], first)
 
-        def draft_step(carry, i):
-            cache, d = carry
-            cache = draft_kind.make_room(cache, active.astype(jnp.int32))
-            logits, cache = forward(params, cache, d[:, None], active[:, None], stats=True)
-            nxt, q = pick(logits[:, 0], first + i)
-            return (cache, nxt), (nxt, q)
-
-        drafts, qs = [d], [q]
-        if k > 1:
-            (draft, _), (more, more_q) = jax.lax.scan(draft_step, (draft, d), jnp.arange(1, k))
-            drafts.append(jnp.moveaxis(more, 0, 1))
-            qs.append(None if q is None else jnp.moveaxis(more_q, 0, 1))
-        drafts = jnp.concatenate([drafts[0][:, None]] + drafts[1:], axis=1)  # [b, k]
+        if confidence is None:
+            draft, drafts, q_all = draft_all(params, draft, d, q, active, first, pick)
+            n_drafts = jnp.full((b,), k, jnp.int32)
+        else:
+            draft, drafts, q_all, n_drafts = draft_while_sure(params, draft, d, q, logits[:, 0], active, first, pick)
 
         # 2. verify: the pending token and the k drafts through the full cache
         start = s.target.lengths
@@ -112,14 +145,13 @@ def spec_program(config: ModelConfig, eos_id: int | None, pad_id: int, target_ki
 
         # 3. accept and emit
         if sampled:
-            q_all = jnp.concatenate([qs[0][:, None]] + qs[1:], axis=1)  # [b, k, V]
-            accepted, nxt = accept_sampled(row_probs(logits, s.sampling), q_all, drafts, s.sampling, first)
-            g_accepted, g_next = accept_greedy(logits, drafts)
+            accepted, nxt = accept_sampled(row_probs(logits, s.sampling), q_all, drafts, s.sampling, first, n_drafts)
+            g_accepted, g_next = accept_greedy(logits, drafts, n_drafts)
             greedy_row = s.sampling.temperature <= 0
             accepted = jnp.where(greedy_row, g_accepted, accepted)
             nxt = jnp.where(greedy_row, g_next, nxt)
         else:
-            accepted, nxt = accept_greedy(logits, drafts)
+            accepted, nxt = accept_greedy(logits, drafts, n_drafts)
         j = jnp.arange(k + 1)[None, :]
         out = jnp.where(j < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])  # [b, k + 1]
         width = s.tokens.shape[1]
@@ -139,12 +171,13 @@ def spec_program(config: ModelConfig, eos_id: int | None, pad_id: int, target_ki
 
         # 4. roll back what was rejected: the target keeps token + accepted drafts, the draft what it read of them
         target = target_kind.truncate(target, jnp.where(active, start + accepted + 1, start))
-        read = jnp.where(active, start + jnp.minimum(accepted + 1, k), s.draft.lengths)
+        read = jnp.where(active, start + jnp.minimum(accepted + 1, n_drafts), s.draft.lengths)
         draft = draft_kind.truncate(draft, read)
-        full = active & (accepted == k)
+        full = active & (accepted == n_drafts)  # the last draft was accepted: the draft cache has not read it
+        last = jnp.take_along_axis(drafts, jnp.maximum(n_drafts - 1, 0)[:, None], axis=1)[:, 0]
         return s.replace(target=target, draft=draft, token=jnp.where(active, nxt, s.token),
-                         extra=jnp.where(full, drafts[:, k - 1], s.extra), has_extra=full, tokens=tokens,
-                         n_generated=n_generated, done=done, drafted=s.drafted + k * active,
+                         extra=jnp.where(full, last, s.extra), has_extra=full, tokens=tokens,
+                         n_generated=n_generated, done=done, drafted=s.drafted + n_drafts * active,
                          accepted=s.accepted + jnp.where(active, accepted, 0), verifications=s.verifications + active,
                          step=s.step + 1)
 

@@ -45,11 +45,14 @@ class SpeculativeConfig:
     budget - ``streaming``, ``snapkv``, ``tova``, ``h2o``, ``kvzip``, ... - and / or ``kv_dtype`` int8 / fp8 / fp4
     codes); ``k``: draft tokens per verification; ``min_context``: ``generate`` decodes plainly when the longest
     prompt is shorter (an int; 0: always speculate); ``auto``: ``AUTO_MIN_CONTEXT`` of the platform (on a CPU:
-    never - drafting costs more than it saves there)."""
+    never - drafting costs more than it saves there). ``confidence``: adaptive ``k`` - a row stops drafting once the
+    draft gave its last token a probability (temperature 1) below this, and the iteration's drafting ends when every
+    row has stopped (at most ``k``); None: always ``k``. Stopping on the draft's own numbers keeps the tokens exact."""
 
     draft: CacheConfig
     k: int = 4
     min_context: int | str = "auto"
+    confidence: float | None = None
 
     def __post_init__(self):
         if isinstance(self.draft, Mapping):
@@ -65,6 +68,10 @@ class SpeculativeConfig:
                          or self.min_context < 0):
             raise ConfigError(f"speculative.min_context={self.min_context!r} is invalid: must be 'auto' or an integer "
                               ">= 0 (prompt tokens below which generate decodes plainly; 0: always speculate)")
+        c = self.confidence
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < 1):
+            raise ConfigError(f"speculative.confidence={c!r} is invalid: must be null (always k drafts) or a "
+                              "probability in (0, 1) below which a row stops drafting")
         draft = self.draft
         if draft.layout != "contiguous":
             raise ConfigError(f"speculative.draft.layout={draft.layout!r} is invalid: a draft is a contiguous slot "
@@ -86,18 +93,21 @@ class SpeculativeConfig:
     def from_mapping(cls, data: Mapping[str, Any], prefix: str = "speculative") -> "SpeculativeConfig":
         """From a YAML mapping ``{draft: {policy: ..., budget: ...}, k: 4}``."""
         data = dict(data)
-        unknown = sorted(set(data) - {"draft", "k", "min_context"})
+        unknown = sorted(set(data) - {"draft", "k", "min_context", "confidence"})
         if unknown:
-            raise ConfigError(f"{prefix}.{unknown[0]} is not a key of {prefix}: allowed draft, k, min_context")
+            raise ConfigError(f"{prefix}.{unknown[0]} is not a key of {prefix}: allowed draft, k, min_context, "
+                              "confidence")
         if "draft" not in data:
             raise ConfigError(f"{prefix}.draft is missing: the draft cache, e.g. {{policy: streaming, budget: 256}}")
         draft = data["draft"]
         if isinstance(draft, Mapping):
             draft = CacheConfig.from_mapping(draft, f"{prefix}.draft")
-        return cls(draft=draft, k=data.get("k", 4), min_context=data.get("min_context", "auto"))
+        return cls(draft=draft, k=data.get("k", 4), min_context=data.get("min_context", "auto"),
+                   confidence=data.get("confidence"))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"draft": self.draft.to_dict(), "k": self.k, "min_context": self.min_context}
+        return {"draft": self.draft.to_dict(), "k": self.k, "min_context": self.min_context,
+                "confidence": self.confidence}
 
     def pays(self, prompt: int, platform: str) -> bool:
         """Whether to speculate for a longest prompt of ``prompt`` tokens on ``platform`` (jax's backend name)."""
@@ -133,31 +143,40 @@ def draw(probs: jax.Array, keys: jax.Array) -> jax.Array:
     return jax.vmap(lambda key, p: jax.random.categorical(key, jnp.log(p)))(keys, probs).astype(jnp.int32)
 
 
-def accept_greedy(target_logits: jax.Array, drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
+def accept_greedy(target_logits: jax.Array, drafts: jax.Array,
+                  n_drafts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """``(accepted [b], next [b])``: the drafts ``[b, k]`` that equal the target's argmax in a row from the first,
     then the target's argmax after them (the correction, or after all ``k`` the bonus token). ``target_logits``:
-    ``[b, k + 1, V]``, position ``j`` the distribution of draft ``j``."""
+    ``[b, k + 1, V]``, position ``j`` the distribution of draft ``j``. ``n_drafts [b]``: each row's real drafts
+    (adaptive ``k``; the rest are not read; None: all ``k``)."""
     b, k = drafts.shape
     choice = greedy(target_logits)  # [b, k + 1]
-    agree = jnp.cumprod((choice[:, :k] == drafts).astype(jnp.int32), axis=1)
+    agree = choice[:, :k] == drafts
+    if n_drafts is not None:
+        agree &= jnp.arange(k)[None, :] < n_drafts[:, None]
+    agree = jnp.cumprod(agree.astype(jnp.int32), axis=1)
     accepted = jnp.sum(agree, axis=1)
     return accepted, jnp.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]
 
 
-def accept_sampled(p: jax.Array, q: jax.Array, drafts: jax.Array, rows: RowSampling,
-                   first: jax.Array) -> tuple[jax.Array, jax.Array]:
+def accept_sampled(p: jax.Array, q: jax.Array, drafts: jax.Array, rows: RowSampling, first: jax.Array,
+                   n_drafts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The speculative-sampling rule per row: ``p [b, k + 1, V]`` the target's distributions, ``q [b, k, V]`` the
     draft's, ``drafts [b, k]`` drawn from ``q``, ``first [b]`` the output index of the first draft. Draft ``j`` is
     accepted when ``u_j q_j(x_j) < p_j(x_j)``; ``(accepted [b], next [b])``, next drawn from ``norm(max(0, p_a -
-    q_a))`` after a rejection at ``a`` and from ``p_k`` when all are accepted."""
+    q_a))`` after a rejection at ``a`` and from ``p_n`` when all ``n`` drafts are accepted (``n_drafts [b]``: each
+    row's real drafts, adaptive ``k``; None: all ``k``)."""
     b, k = drafts.shape
+    n_drafts = jnp.full((b,), k, jnp.int32) if n_drafts is None else n_drafts
     pick = lambda d: jnp.take_along_axis(d, drafts[..., None], axis=-1)[..., 0]  # noqa: E731
     u = jnp.stack([jax.vmap(jax.random.uniform)(token_keys(rows, first + j, 2)) for j in range(k)], axis=1)
-    ok = u * pick(q) < pick(p[:, :k])
+    ok = (u * pick(q) < pick(p[:, :k])) & (jnp.arange(k)[None, :] < n_drafts[:, None])
     accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     target = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]  # [b, V]
-    q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # after all k: q = 0, the residual is p itself
-    residual = jnp.maximum(target - jnp.take_along_axis(q_pad, accepted[:, None, None], axis=1)[:, 0], 0.0)
+    q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)
+    q_at = jnp.take_along_axis(q_pad, accepted[:, None, None], axis=1)[:, 0]
+    q_at = jnp.where((accepted < n_drafts)[:, None], q_at, 0.0)  # every draft accepted: q = 0, the residual is p
+    residual = jnp.maximum(target - q_at, 0.0)
     mass = jnp.sum(residual, axis=-1, keepdims=True)
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), target)  # p == q: nothing to fix
     return accepted, draw(residual, token_keys(rows, first + accepted, 3))

@@ -85,6 +85,9 @@ class ServeConfig:
         (), "a draft cache setting or policy parameter (repeatable), e.g. budget=256", metavar="KEY=VALUE",
         flag="--speculative-param")
     speculative_k: int = _flag(4, "draft tokens per verification (default {default})")
+    speculative_confidence: float | None = _flag(
+        None, "adaptive k: a sequence stops drafting once the draft gives its last token a probability below P "
+        "(default: always --speculative-k)", metavar="P", type=float)
     dtype: str | None = _flag(None, "parameter / compute dtype (default: the checkpoint's)")
     tensor_parallel_size: int = _flag(
         1, "devices the weights and the KV pool are split over, by KV head (the model axis; default {default})")
@@ -169,7 +172,8 @@ class ServeConfig:
             raise ConfigError(f"--speculative-draft={self.speculative_draft!r} is not a registered eviction policy "
                               f"(allowed: {', '.join(registered())})")
         draft = {"policy": self.speculative_draft, **dict(self.speculative_params)}
-        spec = as_speculative({"draft": draft, "k": self.speculative_k, "min_context": 0}, self.max_model_len, 0)
+        spec = as_speculative({"draft": draft, "k": self.speculative_k, "min_context": 0,
+                               "confidence": self.speculative_confidence}, self.max_model_len, 0)
         return spec, target
 
     def meshes(self, model, devices=None) -> list:
