@@ -170,7 +170,7 @@ def test_prefill_decode_and_server_programs_lower_for_cuda_and_update_the_cache_
 
 def test_the_speculative_loop_lowers_for_cuda_and_updates_both_caches_in_place():
     """Speculative decoding's loop (``lcx.engine.spec_loop``): the draft's steps and the verification through the
-    Pallas kernels, greedy and sampled, and every buffer of both caches aliased to an output (donated, no copy)."""
+    Pallas kernels, greedy and sampled, fixed and adaptive k, and every buffer of both caches aliased to an output (donated, no copy)."""
     from lcx.cache.config import CacheConfig
     from lcx.engine.planning import cache_kind
     from lcx.engine.sampling import RowSampling
@@ -189,8 +189,8 @@ def test_the_speculative_loop_lowers_for_cuda_and_updates_both_caches_in_place()
                       done=flags, drafted=rows, accepted=rows, verifications=rows, step=S((), jnp.int32),
                       sampling=sampling)
     buffers = len(jax.tree.leaves(state.target)) + len(jax.tree.leaves(state.draft))
-    for sampled in (False, True):
-        text = lower_for_cuda(spec_program(model, 1, 0, target, draft, 4, False), abstract_params(model), state,
-                              S((), jnp.int32), sampled=sampled)
+    for sampled, confidence in ((False, None), (True, None), (True, 0.5)):  # 0.5: adaptive k's draft loop
+        text = lower_for_cuda(spec_program(model, 1, 0, target, draft, 4, False, confidence), abstract_params(model),
+                              state, S((), jnp.int32), sampled=sampled)
         assert _triton_calls(text) >= 2, sampled  # the draft's and the verification's attention kernels
         assert text.count("tf.aliasing_output") >= buffers, sampled
