@@ -7,7 +7,6 @@ the flag."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
@@ -18,23 +17,18 @@ from lcx.engine.speculative import SpeculativeConfig
 from lcx.service.config import ServeConfig
 from lcx.service.app import encode_chat
 from tests.test_service import Running, _free_port, _M, _offline
+from tests.test_speculative import CFG, params  # noqa: F401 - the engine tests' tiny model and its params fixture
+from tests.test_speculative import _prompts as _random_prompts
 from tests.tiny_chat_model import write_model
 
-CFG = lcx.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, init_std=0.1)
 EOS = 7
 LENGTHS = (40, 25, 60, 33, 50, 21)
 NEW = (24, 10, 24, 5, 17, 12)
 SNAPKV = SpeculativeConfig(draft=CacheConfig(policy="snapkv", budget=16, window=4, interval=8), k=3)
 
 
-@pytest.fixture(scope="module")
-def params():
-    return lcx.init_params(CFG, jax.random.key(0))
-
-
 def _prompts(lengths=LENGTHS, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, CFG.vocab_size, n).tolist() for n in lengths]
+    return _random_prompts(lengths, seed)
 
 
 def _server(params, spec=SNAPKV, **kw) -> SpecServer:

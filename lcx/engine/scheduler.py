@@ -82,6 +82,14 @@ def new_request(request_id: int, prompt, max_new_tokens: int, sampling: Sampling
                    key=request_key(request_id if seed is None else seed), ignore_eos=bool(ignore_eos), salt=salt)
 
 
+def check_request_id(request_id, next_id: int) -> None:
+    """``Server.cancel``'s argument: an id ``submit`` returned (below ``next_id``), else one clear error."""
+    if (isinstance(request_id, bool) or not isinstance(request_id, (int, np.integer))
+            or not 0 <= request_id < next_id):
+        raise ConfigError(f"Server.cancel: request_id={request_id!r:.60} is invalid: must be an id submit "
+                          f"returned (0 .. {next_id - 1})")
+
+
 class Scheduler:
     """Queue, admission, reservation and cancellation of one server (see the module docstring). ``setup``: its
     ``ServeSetup``; ``prefixes``: its ``PrefixCache``; ``ref``: its ``rows.StateRef``; ``vocab``: the model's
@@ -219,14 +227,11 @@ class Scheduler:
 
     def cancel(self, request_id: int) -> bool:
         """``Server.cancel``: records ``cancelled[request_id] = None`` unless it had already ended."""
-        if (isinstance(request_id, bool) or not isinstance(request_id, (int, np.integer))
-                or not 0 <= request_id < self.next_id):
-            raise ConfigError(f"Server.cancel: request_id={request_id!r:.60} is invalid: must be an id submit "
-                              f"returned (0 .. {self.next_id - 1})")
+        check_request_id(request_id, self.next_id)
         if not self.drop(int(request_id)):
             return False
         self.cancelled[int(request_id)] = None
         return True
 
 
-__all__ = ["MAX_SALT", "Request", "SUGGESTED_POLICY", "Scheduler", "common_pages", "new_request"]
+__all__ = ["MAX_SALT", "Request", "SUGGESTED_POLICY", "Scheduler", "check_request_id", "common_pages", "new_request"]

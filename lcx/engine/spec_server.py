@@ -39,7 +39,7 @@ from lcx.config_base import ConfigError, format_bytes
 from lcx.engine import rows as rows_
 from lcx.engine.planning import plan_capacity
 from lcx.engine.sampling import RowSampling, SamplingConfig
-from lcx.engine.scheduler import Request, new_request
+from lcx.engine.scheduler import Request, check_request_id, new_request
 from lcx.engine.spec_generator import SpeculativeGenerator
 from lcx.engine.spec_loop import SpecState
 from lcx.engine.speculative import SpeculativeConfig
@@ -189,10 +189,7 @@ class SpecServer:
 
     def cancel(self, request_id: int) -> bool:
         """End request ``request_id`` now (``Server.cancel``); False if it had already ended."""
-        if (isinstance(request_id, bool) or not isinstance(request_id, (int, np.integer))
-                or not 0 <= request_id < self.next_id):
-            raise ConfigError(f"Server.cancel: request_id={request_id!r:.60} is invalid: must be an id submit "
-                              f"returned (0 .. {self.next_id - 1})")
+        check_request_id(request_id, self.next_id)
         if not self._drop(int(request_id)):
             return False
         self.cancelled[int(request_id)] = None
