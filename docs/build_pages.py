@@ -36,7 +36,8 @@ PUBLIC = [
 # signature's annotation links to them (and the nitpicky build finds every lcx type it mentions).
 SIGNATURE_TYPES = ["lcx.model.config.AttentionSpec", "lcx.model.families.Family", "lcx.cache.paged.PagedState",
                    "lcx.cache.page_pool.PagePool", "lcx.cache.reconstruct.Reconstruction", "lcx.eval.config.Setting",
-                   "lcx.eval.config.PerplexityConfig", "lcx.eval.cells.Shard", "lcx.cache.storage.base.KVStorage"]
+                   "lcx.eval.config.PerplexityConfig", "lcx.eval.config.SpeculativeEvalConfig", "lcx.eval.cells.Shard",
+                   "lcx.cache.storage.base.KVStorage"]
 # Lower layers first: an object lives where its layer exports it (``lcx.CacheConfig`` is ``lcx.cache.CacheConfig``).
 LAYERS = ["lcx.kernels", "lcx.model", "lcx.parallel.sharding", "lcx.parallel.context", "lcx.cache", "lcx.engine",
           "lcx.engine.server", "lcx.hf", "lcx.lm", "lcx.data", "lcx.train", "lcx.eval", "lcx.plan", "lcx.service",

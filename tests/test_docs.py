@@ -91,11 +91,13 @@ def test_readme_ablation_config_loads_and_builds_its_prompts(tmp_path):
 
 
 def test_every_yaml_block_of_the_guides_is_a_valid_config(tmp_path):
-    """Each ```yaml block in docs/guides/ loads with lcx.load_config as written (a tiny model added where the block
-    shows only a cache section); the custom-policy example is run whole by tests/test_policy_example.py."""
+    """Each ```yaml block in docs/guides/ loads as written - with lcx.load_config, or as an experiment config where
+    it has experiment sections (a tiny model added where the block shows only a cache section); the custom-policy
+    example is run whole by tests/test_policy_example.py."""
     import yaml
 
     import lcx
+    from lcx.experiment.config import load_experiment
 
     tiny = {"vocab_size": 260, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128}
     checked = 0
@@ -106,6 +108,7 @@ def test_every_yaml_block_of_the_guides_is_a_valid_config(tmp_path):
             data.setdefault("model", tiny)
             path = tmp_path / f"{page.stem}_{i}.yaml"
             path.write_text(yaml.safe_dump(data))
-            lcx.load_config(path)  # raises ConfigError naming the bad key
+            experiment = set(data) & {"stages", "train", "data", "eval", "ablate", "finetune"}
+            (load_experiment if experiment else lcx.load_config)(path)  # raises ConfigError naming the bad key
             checked += 1
     assert checked >= 1

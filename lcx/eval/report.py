@@ -302,10 +302,11 @@ def acceptance_table(rows: list[dict]) -> str:
         return ""
     lengths = sorted({r["length"] for r in cells})
     keys = list(dict.fromkeys((label(r), r.get("task", "")) for r in cells))
+    named = any(task for _, task in keys)  # one task: its rows name none
     lines = ["", "", "Draft acceptance (eval.speculative): accuracy under the setting's cache / tokens emitted per "
              "verification when it drafts for the full cache (95% t-interval over prompts)", "",
-             "| setting | task | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
-             "|---|---|" + "---|" * len(lengths)]
+             "| setting | " + ("task | " if named else "") + " | ".join(f"{n} tokens" for n in lengths) + " |",
+             "|---|" + ("---|" if named else "") + "---|" * len(lengths)]
     for key in keys:
         out = []
         for n in lengths:
@@ -317,7 +318,7 @@ def acceptance_table(rows: list[dict]) -> str:
             interval = "" if r.get("accept_lo") in (None, "") else \
                 f" ({float(r['accept_lo']):.2f}-{float(r['accept_hi']):.2f})"
             out.append(f"{_fmt('accuracy', float(r['value']))} / {float(r['accept']):.2f}{interval}")
-        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(out) + " |")
+        lines.append(f"| {key[0]} | " + (f"{key[1]} | " if named else "") + " | ".join(out) + " |")
     return "\n".join(lines) + "\n"
 
 
