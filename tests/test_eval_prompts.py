@@ -347,7 +347,7 @@ def test_bos_is_recorded_and_only_cells_whose_prompts_lost_it_rerun(ckpt, tok, t
     assert _settings(cfg, "eval", info, {}, tok)["bos"] == "as the tokenizer adds it"
     assert "bos" not in _settings(cfg, "eval", info, {}, TOKENIZER)  # a byte-level run's done.json: unchanged
 
-    assert FIELDS[-1] == "bos"  # appended: the columns before keep their order
+    assert FIELDS.index("bos") == FIELDS.index("held_kv_bytes") + 1  # appended: the columns before keep their order
     row = {"setting": "full", "policy": "full", "budget": "", "rope": "trained", "length": 300, "depth": "",
            "metric": "accuracy", "value": 1.0, "lo": 0.5, "hi": 1.0, "samples": 1, "seconds": 0.0, "task": "",
            "compression": "", "protocol": "streaming"}
