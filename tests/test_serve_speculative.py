@@ -151,6 +151,14 @@ def test_the_service_streams_offline_tokens_and_counts_acceptance(tmp_path):
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         chat_ids = encode_chat(running.service, [_M(m["role"], m["content"]) for m in messages])
         assert text == lm.tokenizer.decode(_offline(lm, chat_ids, 12))
+        import httpx
+
+        for body in ('{"model": "tiny", "prompt": "\\ud800", "max_tokens": 4}',  # an unpaired surrogate
+                     '{"model": "tiny", "prompt": "hi", "max_tokens": 100000}', "[" * 64 + "]" * 64):
+            bad = httpx.post(running.url + "/completions", content=body, timeout=30,
+                             headers={"content-type": "application/json"})
+            assert 400 <= bad.status_code < 500, (body[:40], bad.status_code)
+        assert httpx.get(running.base + "/health", timeout=5).json() == {"status": "ok"}
         m = running.settled()
         assert m["lcx_spec_draft_tokens_total"] > 0
         assert 0 <= m["lcx_spec_accepted_tokens_total"] <= m["lcx_spec_draft_tokens_total"]

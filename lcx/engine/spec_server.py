@@ -233,9 +233,10 @@ class SpecServer:
         self.state = self.gen.loop(self.gen.target.params, self.state, self.state.step + self.segment,
                                    sampled=sampled)
         s = self.state
-        n_generated, finished = np.asarray(s.n_generated), np.asarray(s.done)
-        counts = np.stack([np.asarray(s.drafted), np.asarray(s.accepted)], 1)
-        tokens = np.asarray(s.tokens)
+        # one transfer of what the host reads after a segment
+        n_generated, finished, drafted, accepted, tokens = jax.device_get(
+            (s.n_generated, s.done, s.drafted, s.accepted, s.tokens))
+        counts = np.stack([drafted, accepted], 1)
         for row, request in decoding.items():
             new = counts[row] - self._counts[row]
             self.drafted_tokens += int(new[0])

@@ -56,8 +56,9 @@ def build_service(config: ServeConfig, lm=None) -> Service:
     from lcx.service.warmup import chat_head, parse_warmup, warm_up
 
     multihost.check(config)  # across processes: refused before the model loads
-    if config.speculative() is not None:
-        return _speculative_service(config, lm)
+    speculative = config.speculative()
+    if speculative is not None:
+        return _speculative_service(config, *speculative, lm)
     lm = lm or lcx.load(config.model, dtype=config.dtype)
     # --tensor-parallel-size: the weights and the pool split by KV head; --data-parallel-size: replicas of that
     meshes = config.meshes(lm.config)
@@ -96,9 +97,9 @@ def build_service(config: ServeConfig, lm=None) -> Service:
                    keys=IdempotencyKeys(config.idempotency_ttl), warmup=warmed, setup=setup)
 
 
-def _speculative_service(config: ServeConfig, lm=None) -> Service:
+def _speculative_service(config: ServeConfig, spec, target, lm=None) -> Service:
     """``--speculative-draft``: a ``SpecServer`` (rows of a contiguous full cache, each with its draft) on one
-    device, in one process."""
+    device, in one process; ``spec`` / ``target``: ``config.speculative()``."""
     import lcx
     from lcx.config_base import ConfigError
     from lcx.engine.scoring import Scorer
@@ -107,7 +108,6 @@ def _speculative_service(config: ServeConfig, lm=None) -> Service:
     if multihost.spans():
         raise ConfigError("--speculative-draft is not served across processes: a speculative server runs on one "
                           "device (allowed: one process)")
-    spec, target = config.speculative()
     lm = lm or lcx.load(config.model, dtype=config.dtype)
     draft = spec.draft
     reconstruction = repeat_prompt(lm) if draft.make_policy().observes.reconstructs else None
