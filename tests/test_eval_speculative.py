@@ -36,14 +36,15 @@ def test_a_grid_reports_each_drafts_acceptance_beside_its_accuracy(params, tmp_p
     ev = EvalConfig.from_mapping({"task": "passkey", "params": {"instruction": False}, "lengths": [160],
                                   "samples": 4, "batch_size": 4, "speculative": {"k": 3}})
     ablate = AblateConfig.from_mapping({"policies": [{"policy": "snapkv", "window": 8},
-                                                     {"policy": "full", "kv_dtype": "int4"}],
-                                        "budgets": [64], "interval": 16, "prefill_chunk": 64})
+                                                     {"policy": "full", "kv_dtype": "int4", "kv_group": 16}],
+                                        "budgets": [64, 192], "interval": 16, "prefill_chunk": 64})
     rows = run_ablate(CFG, params, ev, ablate, tmp_path, progress=False)
-    (draft,) = [r for r in rows if r["policy"] == "snapkv"]  # tokens per verification: 1 (none accepted) .. k + 1
-    assert 1.0 <= draft["accept_lo"] <= draft["accept"] <= draft["accept_hi"] <= 4.0
-    plain = [r for r in rows if r["policy"] == "full"]
-    assert len(plain) == 1 and plain[0].get("accept") in (None, "")  # int4 cannot draft
-    assert "measures no acceptance" in capsys.readouterr().err  # int4, named with why
+    by = {r["setting"]: r for r in rows}
+    for name in ("snapkv @64 window=8", "full kv_dtype=int4 kv_group=16"):  # tokens per verification: 1 .. k + 1
+        assert 1.0 <= by[name]["accept_lo"] <= by[name]["accept"] <= by[name]["accept_hi"] <= 4.0
+    assert by["full kv_dtype=int4 kv_group=16"]["accept"] > 2.5  # 4-bit codes of every token: most drafts agree
+    assert by["snapkv @192 window=8"].get("accept") in (None, "")  # a budget that holds the prompt cannot draft
+    assert "holds the whole 160-token prompt" in capsys.readouterr().err  # named with why
     report = (tmp_path / "results.md").read_text()
     assert "Draft acceptance (eval.speculative)" in report and "snapkv" in report.split("Draft acceptance")[1]
     csv_text = (tmp_path / "results.csv").read_text().splitlines()[0]

@@ -22,8 +22,10 @@ CFG = lcx.ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_hea
 LENGTHS = (40, 25, 60, 33)
 NEW = 24
 # every way a draft is derived: keys re-rotated by rank (streaming), statistics gathered while prefilling under the
-# draft policy (TOVA; SnapKV, per KV head, in fp8 codes), 8-bit codes of every token (int8)
+# draft policy (TOVA; SnapKV, per KV head, in fp8 codes), 8-bit codes of every token (int8), grouped 4-bit codes
+# whose float window a rejection sets back (int4: groups of 8 behind a 4-token residual, flushed every few drafts)
 DRAFTS = {
+    "int4": CacheConfig(kv_dtype="int4", kv_group=8, kv_residual=4),
     "streaming": CacheConfig(policy="streaming", budget=16, sinks=2, interval=8),
     "tova": CacheConfig(policy="tova", budget=16, interval=8),
     "int8": CacheConfig(kv_dtype="int8"),
@@ -175,6 +177,34 @@ def test_truncate_forgets_the_newest_tokens_exactly(params):
         np.testing.assert_array_equal(getattr(split, name), getattr(cut, name))
 
 
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2"])
+def test_truncate_sets_a_grouped_window_back(params, kv_dtype):
+    """Grouped codes (KIVI, ``lcx.cache.lowbit_slots``): a cache that read 36 tokens in groups of 16 and forgot the
+    last few reads its first slots as before, and holds what one that read only the prefix holds - the same window
+    where no group was flushed by the forgotten tokens' writes (36 -> 33); where one was (36 -> 30) the window moves
+    back to slot 16 and that group comes back dequantized, within its quantization step of the prefix's floats."""
+    from lcx.cache import lowbit_slots
+    gen = lcx.Generator(CFG, params, max_new_tokens=8, cache=CacheConfig(kv_dtype=kv_dtype, kv_group=16),
+                        unroll=False)
+    ids = _prompts((36, 36), seed=4)
+    longer = gen.prefill(ids).cache
+    kind, fmt = longer.kind, longer.kind.storage
+    floats = lambda c, n: [np.asarray(x[..., :n, :]) for x in lowbit_slots.float_layers(c, fmt, jnp.float32)]  # noqa
+    for n, moved in ((33, False), (30, True)):
+        shorter = gen.prefill([p[:n] for p in ids]).cache
+        for cut in (kind.truncate(longer, jnp.full((2,), n, jnp.int32)),
+                    kind.truncate(longer.split_layers(), jnp.full((2,), n, jnp.int32)).stack_layers()):
+            np.testing.assert_array_equal(cut.count, shorter.count)
+            quantized = lowbit_slots.quantized_slots(cut.count, fmt)
+            np.testing.assert_array_equal(quantized, np.full(quantized.shape, 16 if moved else 32))
+            for got, before, want in zip(floats(cut, n), floats(longer, n), floats(shorter, n)):
+                np.testing.assert_allclose(got, before, rtol=1e-6, atol=1e-7)  # the slots it keeps read the same
+                step = max(np.max(np.asarray(longer.k_scale, np.float32)), np.max(np.asarray(longer.v_scale)))
+                assert np.max(np.abs(got - want)) <= step  # the prefix's own cache, up to one quantization step
+                if moved:  # the dequantized group is no longer the prefix's float window
+                    assert np.max(np.abs(got[..., 16:, :] - want[..., 16:, :])) > 0
+
+
 # ----------------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("kwargs, message", [
     (dict(draft=CacheConfig(), k=4), "holds as much as its target"),
@@ -199,9 +229,6 @@ def test_bad_pairings_are_refused_before_anything_runs(params):
     with pytest.raises(ConfigError, match="the target must keep every token"):
         lcx.generate(CFG, params, [[1] * 40], max_new_tokens=4, speculative=spec,
                      cache=CacheConfig(policy="streaming", budget=16))
-    with pytest.raises(ConfigError, match="grouped int4 / int2 codes cannot"):
-        lcx.generate(CFG, params, [[1] * 40], max_new_tokens=4,
-                     speculative=SpeculativeConfig(draft=CacheConfig(kv_dtype="int4", kv_group=16), k=2))
     with pytest.raises(ConfigError, match="speculative decoding runs on one device"):
         lcx.generate(CFG, params, [[1] * 40], max_new_tokens=4, speculative=spec, mesh=object())
     with pytest.raises(ConfigError, match="speculative.nope is not a key"):

@@ -21,7 +21,9 @@ method ``DRAFT@cC``; ``drafts_per_verification`` shows how many it drafted).
 Drafts: ``streaming-W`` (4 sinks + a window, budget W; ``streaming-W-orig`` keys at their true positions instead of
 re-rotated by rank), ``snapkv-C`` / ``tova-C`` / ``h2o-C`` (compression C of the
 prompt: budget = (1 - C) x context), ``int8`` / ``fp8`` (8-bit codes of every token), ``fp4`` (e2m1 codes with a
-scale per 16 values: the 4-bit draft a rejected token can be forgotten from one at a time).
+scale per 16 values: the 4-bit draft a rejected token can be forgotten from one at a time), ``int4`` / ``int2``
+(KIVI's grouped codes, the cache's default groups of 64: a rejection that crossed a group boundary brings that group
+back into the float window dequantized).
 """
 
 from __future__ import annotations
@@ -72,9 +74,9 @@ def draft_config(name: str, context: int) -> CacheConfig:
         budget = max(int(round((1 - float(arg)) * context)), 16)
         extra = {"window": 32} if kind == "snapkv" else {}
         return CacheConfig(policy=kind, budget=budget, **extra)
-    if kind in ("int8", "fp8", "fp4"):
+    if kind in ("int8", "fp8", "fp4", "int4", "int2"):
         return CacheConfig(kv_dtype=kind)
-    raise SystemExit(f"--drafts {name!r}: expected streaming-W, snapkv-C, tova-C, h2o-C, int8, fp8 or fp4")
+    raise SystemExit(f"--drafts {name!r}: expected streaming-W, snapkv-C, tova-C, h2o-C, int8, fp8, fp4, int4 or int2")
 
 
 def timed(fn):

@@ -20,6 +20,7 @@ Shape letters: L layers, b batch, C capacity (slots), t new tokens, H keep heads
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -280,33 +281,39 @@ class SlotCacheKind(CacheKind):
 
     @property
     def truncatable(self) -> bool:
-        """Whether ``truncate`` can forget a row's newest tokens: a per-token storage (float, 8-bit, fp4 codes: each
-        token's bytes stand alone). A grouped format's newest tokens may already sit in a quantized group."""
+        """Whether ``truncate`` forgets a row's newest tokens exactly: a per-token storage (float, 8-bit, fp4 codes:
+        each token's bytes stand alone). A grouped format (int4 / int2) forgets them too, but a key group they were
+        flushed with comes back dequantized into the float window (a draft may be lossy; a target may not)."""
         return self.storage.period == 1
 
     def truncate(self, state: KVCache, lengths: jax.Array) -> KVCache:
         """Forget every token at position ``>= lengths [b]`` (the drafts a speculative verification rejected,
         ``lcx.engine.speculative``): their slots are emptied and the row's count and length set back. Slots stay
         packed in position order - the forgotten ones are each keep head's newest - so the next token is written
-        where the first forgotten one was. Keys and values are not touched (an empty slot is never read). Works on
-        a stacked or a split state; statistics the forgotten tokens' queries added to other slots stay (a draft's
-        eviction scores, never a full cache's attention)."""
-        if not self.truncatable:
-            raise ConfigError(f"cache.kv_dtype={self.kv_dtype!r} keeps tokens in groups of {self.storage.period}: a "
-                              "row's newest tokens cannot be forgotten one by one; allowed: a per-token format "
-                              "(null, int8, fp8, fp4)")
+        where the first forgotten one was. Keys and values are not touched (an empty slot is never read), but a
+        grouped format's float window is set back (``KVStorage.rewind``). Works on a stacked or a split state;
+        statistics the forgotten tokens' queries added to other slots stay (a draft's eviction scores, never a full
+        cache's attention)."""
         row = lengths[:, None, None]  # [b, 1, 1]: broadcasts over the trailing [b, H, C] of a stacked or split buffer
 
         def one(pos, valid, score):
             keep = valid & (pos < row)
             return jnp.where(keep, pos, -1), keep, jnp.sum(keep, axis=-1, dtype=jnp.int32), jnp.where(keep, score, 0.0)
 
+        names = list(self.storage.slot_fields())
+        rewind = lambda before, after, *bufs: self.storage.rewind(  # noqa: E731
+            types.SimpleNamespace(**dict(zip(names, bufs))), before, after)
         if state.split:
             parts = [one(p, v, s) for p, v, s in zip(state.pos, state.valid, state.score)]
             pos, valid, count, score = (tuple(x) for x in zip(*parts))
+            layers = [rewind(b, a, *(getattr(state, n)[i] for n in names))
+                      for i, (b, a) in enumerate(zip(state.count, count))]
+            window = {n: tuple(x[n] for x in layers) for n in layers[0]}
         else:
             pos, valid, count, score = one(state.pos, state.valid, state.score)
-        return state.replace(pos=pos, valid=valid, count=count, score=score, lengths=lengths.astype(jnp.int32))
+            window = jax.vmap(rewind)(state.count, count, *(getattr(state, n) for n in names))
+        return state.replace(pos=pos, valid=valid, count=count, score=score, lengths=lengths.astype(jnp.int32),
+                             **window)
 
     def fork(self, state: KVCache, n: int) -> KVCache:
         """Each row copied ``n`` times (its slots, positions and statistics): the rows continue independently."""

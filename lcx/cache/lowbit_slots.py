@@ -180,6 +180,34 @@ def write(layer, k: jax.Array, v: jax.Array, ok: jax.Array, fmt):
         v_res=_window(sv, flush, width).astype(layer.v_res.dtype))
 
 
+def rewind(layer, before: jax.Array, after: jax.Array, fmt) -> dict[str, jax.Array]:
+    """The float window once a row's newest tokens are forgotten (``count`` from ``before`` to ``after [b, H]``:
+    the rejected drafts of a speculative verification). The window starts at ``quantized_slots(after)``; where
+    the forgotten tokens' writes flushed a group past that start, the group's slots come back dequantized from its
+    codes (lossy, as a draft may be: the group's scale also saw the forgotten tokens), the rest of the window is the
+    old one. Only the window's ``R + G`` slots are read: no layer is dequantized whole."""
+    kv_heads, slots, groups = layer.v.shape[1], layer.v.shape[2], layer.k_scale.shape[2]
+    group, per_byte, width = fmt.group, 8 // LOWBIT[fmt.name], layer.k_res.shape[2]
+    old = quantized_slots(per_kv(before, kv_heads), fmt)  # [b, k] where the window starts now
+    new = quantized_slots(per_kv(after, kv_heads), fmt)  # ... and where it must start
+    span = -(-width // group) * group  # whole groups from ``new`` (a multiple of the group)
+    clip = lambda idx, n: jnp.clip(idx, 0, n - 1)  # noqa: E731 - slots past the cache are never read
+    take = lambda x, idx: jnp.take_along_axis(x, idx[..., None], axis=2)  # noqa: E731 - [b, k, n, ...] at idx
+    byte = clip(new[..., None] // per_byte + jnp.arange(span // per_byte), layer.k.shape[-1])  # [b, k, n]
+    codes = jnp.take_along_axis(layer.k, byte[:, :, None, :], axis=-1)  # [b, k, d, n]
+    codes = jnp.swapaxes(lowbit.unpack(codes, fmt.name, jnp.float32), -1, -2)  # [b, k, span, d]
+    grp = clip(new[..., None] // group + jnp.arange(span // group), groups)
+    scale = lambda x: jnp.repeat(take(x, grp).astype(jnp.float32), group, axis=2)  # noqa: E731
+    k = codes * scale(layer.k_scale) + scale(layer.k_zero)
+    slot = clip(new[..., None] + jnp.arange(span), slots)
+    v = lowbit.dequantize_tokens(take(layer.v, slot), take(layer.v_scale, slot), take(layer.v_zero, slot), fmt.name)
+    at = new[..., None] + jnp.arange(width)  # [b, k, R + G] the new window's slots
+    kept = (at >= old[..., None])[..., None]  # slots the old window holds; below it, the dequantized group
+    idx = jnp.clip(at - old[..., None], 0, width - 1)
+    return {"k_res": jnp.where(kept, take(layer.k_res, idx), k[:, :, :width].astype(layer.k_res.dtype)),
+            "v_res": jnp.where(kept, take(layer.v_res, idx), v[:, :, :width].astype(layer.v_res.dtype))}
+
+
 def requantize(count: jax.Array, k: jax.Array, v: jax.Array, fmt, groups: int, dtype) -> dict[str, jax.Array]:
     """The stored buffers of float slots ``k, v [b, k, C, d]`` whose first ``count [b, H]`` are occupied (after an
     eviction compacted the dequantized slots): whole groups below the window as codes, the rest in the window
@@ -215,4 +243,4 @@ def requantize_layers(state, k: jax.Array, v: jax.Array, fmt):
 
 
 __all__ = ["FIELDS", "STORED", "check", "decode_view", "dequantize_store", "float_kv", "float_layers", "per_kv",
-           "quantized_slots", "requantize", "requantize_layers", "sizes", "value_group", "write"]
+           "quantized_slots", "requantize", "requantize_layers", "rewind", "sizes", "value_group", "write"]

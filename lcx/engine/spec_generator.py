@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lcx.cache import schema
+from lcx.cache import lowbit_slots, schema
 from lcx.cache.base import CacheCapacityError
 from lcx.cache.config import CacheConfig
 from lcx.cache.kv_cache import SlotCacheKind
@@ -189,12 +189,11 @@ def draft_kind_of(config: ModelConfig, speculative: SpeculativeConfig, target_ki
     """The draft's cache kind, checked against ``target_kind``: a contiguous slot cache in a per-token format of the
     target's dtype, whose prefill (where it observes the prompt) stores keys the target reads."""
     draft_kind = speculative.draft.kind(config)
-    if not isinstance(draft_kind, SlotCacheKind) or not draft_kind.truncatable:
+    if not isinstance(draft_kind, SlotCacheKind):
         raise ConfigError(
             f"speculative.draft=CacheConfig(policy={speculative.draft.policy!r}, kv_dtype="
             f"{speculative.draft.kv_dtype!r}) builds a {draft_kind.name!r} cache: a draft must be a contiguous "
-            "slot cache in a per-token format (kv_dtype null, int8, fp8 or fp4; grouped int4 / int2 codes cannot "
-            "forget a rejected draft one token at a time)")
+            "slot cache (the full cache or an eviction policy's, in any kv_dtype)")
     if draft_kind.dtype != target_kind.dtype:
         raise ConfigError(f"speculative.draft.dtype={draft_kind.dtype!r} differs from the target's "
                           f"{target_kind.dtype!r}: the draft is derived from the target's keys and values")
@@ -236,6 +235,15 @@ def _derive(target_kind: SlotCacheKind, draft_kind: SlotCacheKind, draft_capacit
         held = held.replace(k=jnp.moveaxis(keys, 3, 2).astype(held.k.dtype))
     if draft_kind.storage == work.storage:
         return held.replace(kind=draft_kind)
+    if draft_kind.storage.period > 1:  # grouped codes (int4 / int2): whole key groups quantized, the rest a window
+        fmt = draft_kind.storage
+        stored = {n: f for n, f in draft_kind.fields().items() if n in lowbit_slots.STORED}
+        empty = schema.empty(stored, draft_kind.sizes(held.batch, draft_capacity), draft_kind.kv_dtype)
+        groups, dtype = empty["k_scale"].shape[-2], empty["k_res"].dtype
+        # one layer at a time: the padded float copy requantize makes is one layer's, not the cache's
+        codes = jax.lax.map(lambda x: lowbit_slots.requantize(*x, fmt, groups, dtype), (held.count, held.k, held.v))
+        rest = {n: getattr(held, n) for n in draft_kind.fields() if n not in stored}
+        return draft_kind.state_type(kind=draft_kind, **rest, **codes)
     codes = draft_kind.storage.encode(held.k, held.v)
     rest = {n: getattr(held, n) for n in draft_kind.fields() if n not in codes}
     return draft_kind.state_type(kind=draft_kind, **rest, **codes)

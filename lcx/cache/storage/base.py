@@ -179,6 +179,11 @@ class KVStorage:
         return backend.paged_decode(q, pools["k"], pools["v"], table=table, lengths=lengths, sm_scale=sm_scale,
                                     **extra, **scales)
 
+    def rewind(self, layer, before: jax.Array, after: jax.Array) -> dict[str, jax.Array]:
+        """The buffers to replace in ``layer`` when each row's newest tokens are forgotten (``count`` from ``before``
+        to ``after``): none for a per-token format, whose forgotten slots are simply never read."""
+        return {}
+
     # ------------------------------------------------------------------------------------------- eviction
     def evict(self, kind, state, budgets, compact):
         """``compact(policy, state, budgets)`` (``lcx.cache.schedule.evict_cache``) over ``state`` (stacked): a

@@ -127,6 +127,9 @@ class PackedStorage(KVStorage):
         raise ValueError("a bit-packed paged cache is read through the slot view (lcx.cache.paged_slots), whose rows "
                          "keep their float window")
 
+    def rewind(self, layer, before, after):
+        return lowbit_slots.rewind(layer, before, after, self)
+
     # ------------------------------------------------------------------------------------------- eviction
     def evict(self, kind, state, budgets, compact):
         """Policies score and compact the dequantized slots; the survivors are quantized again. A policy that picks
