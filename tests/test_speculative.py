@@ -177,6 +177,19 @@ def test_truncate_forgets_the_newest_tokens_exactly(params):
         np.testing.assert_array_equal(getattr(split, name), getattr(cut, name))
 
 
+@pytest.mark.parametrize("name", ["int4", "streaming"])
+def test_a_draft_of_an_8_bit_target_is_derived_from_its_values(params, name):
+    """The target's int8 codes are dequantized before the draft encodes (or un-rotates) them: tokens equal plain
+    int8 decoding, and the draft accepts about as well as it does for the float target."""
+    cache = CacheConfig(kv_dtype="int8")
+    spec = SpeculativeConfig(draft=DRAFTS[name], k=3, min_context=0)
+    plain8 = lcx.generate(CFG, params, _prompts(), max_new_tokens=NEW, eos_id=7, cache=cache)
+    got = lcx.generate(CFG, params, _prompts(), max_new_tokens=NEW, eos_id=7, cache=cache, speculative=spec)
+    np.testing.assert_array_equal(got.tokens, plain8.tokens)
+    floats = lcx.generate(CFG, params, _prompts(), max_new_tokens=NEW, eos_id=7, speculative=spec)
+    assert got.speculative.acceptance >= floats.speculative.acceptance - 0.5
+
+
 @pytest.mark.parametrize("kv_dtype", ["int4", "int2"])
 def test_truncate_sets_a_grouped_window_back(params, kv_dtype):
     """Grouped codes (KIVI, ``lcx.cache.lowbit_slots``): a cache that read 36 tokens in groups of 16 and forgot the

@@ -157,6 +157,12 @@ class CacheConfig:
                                   "layers are all global; this model has sliding-window layers (a hybrid cache); "
                                   f"allowed here: kv_dtype {[d for d, f in FORMATS.items() if f.windowed_models]} "
                                   "or null")
+        if model.rope.rerotate and (name != "slots" or (policy.evicts and policy.mode == "original")):
+            raise ConfigError(
+                f"rope.rerotate=True with cache.policy={self.policy!r}, layout={self.layout!r} ({name!r} cache): "
+                "re-rotating keys with the current length's base needs them stored before rotation, which only the "
+                "contiguous slot cache does, for every token (policy 'full') or for a policy that re-rotates by "
+                "rank (positions: cache); allowed: one of those, or rope.rerotate false")
         return kind_class(name).from_config(model, self, policy)
 
     @classmethod

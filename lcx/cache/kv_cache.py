@@ -226,7 +226,8 @@ class SlotCacheKind(CacheKind):
         return self.policy.observes.score_weights(n, width, batch)
 
     # ------------------------------------------------------------------------------------------- attention
-    def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None, probe=None):
+    def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None, probe=None,
+               key_tables=None):
         """Append and attend (``slot_attention.attend``); with a ``probe`` (a reconstruction pass of a policy that
         observes ``reconstructs``, ``lcx.cache.reconstruct``) attend without appending and score the probed slots."""
         if probe is not None:  # the pass reads what the chunk op reads (codes, or the layer dequantized)
@@ -236,14 +237,14 @@ class SlotCacheKind(CacheKind):
                                              storage=storage)
             return out, layer.replace(score=scored.score)  # only the scores change
         return slot_attention.attend(self, layer, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
-                                     stat_weights=stat_weights, spec=spec)
+                                     stat_weights=stat_weights, spec=spec, key_tables=key_tables)
 
     def write_prompt(self, layer, rotated, key, val, positions, ok):
         """Append a whole prompt's keys and values (``[b, t, k, d]`` in sequence order; ``rotated``: the keys at
         their positions) to an empty ``layer`` without attending: a prefill whose attention ran across the mesh's
         ``seq`` axis (``lcx.model.attention``). Only for policies that observe nothing while prefilling
         (``Observes.prefill``; ``check_runs`` refuses the others)."""
-        keys = rotated if self.policy.mode == "original" else key
+        keys = rotated if self.policy.mode == "original" and not self.model.rope.rerotate else key
         layout = self.layer_axes()
         return per_shard(slot_attention.write, (layout, BSKD, BSKD, ROWS, ROWS), layout)(layer, keys, val, positions,
                                                                                          ok)

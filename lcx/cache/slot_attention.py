@@ -8,6 +8,9 @@ Position modes (``EvictionPolicy.mode``):
 - "cache": keys are stored unrotated; at attention time slot j is rotated at its rank among the live slots and
   each query at its own rank, so the model sees positions 0 .. count-1 however far decoding has gone
   (StreamingLLM / LaCache). Slots are packed in position order, so rank = cumulative count of live slots.
+- "original" with ``rope.rerotate`` (a length-dependent type: dynamic NTK): keys are stored unrotated; at each
+  call every slot is rotated at its true position, and each query at its own, with the base of the length of the
+  call's last real token - so no key keeps the base of the call that wrote it.
 
 Live slots are packed in position order, so a chunk's query i (written at slot ``count + i``) sees exactly the slots
 ``<= count + i`` - the causal mask of the backend's ``chunk`` with per-row offsets: a prefill chunk never builds a
@@ -91,9 +94,11 @@ def _keep_head_sums(weights: jax.Array, heads: int) -> jax.Array:
     return einops.reduce(weights, "b (H j) C -> b H C", "sum", H=heads)
 
 
-def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, spec: AttentionSpec | None = None):
+def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, spec: AttentionSpec | None = None,
+           key_tables=None):
     """``SlotCacheKind.attend``: append ``key, val [b, t, k, d]`` (unrotated) to ``layer`` and attend ``q [b, t, h,
-    d]`` (unrotated) to it; ``cos, sin`` are the RoPE tables of ``positions`` (used in "original" mode).
+    d]`` (unrotated) to it; ``cos, sin`` are the RoPE tables of ``positions`` (used in "original" mode);
+    ``key_tables``: ``rope.rerotate``'s tables of the slot positions.
 
     A prefill chunk attends through the backend's ``chunk`` with per-row offsets: query i of row b at slot
     ``count_b + i`` sees the slots up to it, and the backend visits only the key tiles some query can see - a
@@ -108,7 +113,10 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     mode, observes = policy.mode, policy.observes
     if observes.moments:  # before RoPE: the policy rotates the moments to the positions it expects
         layer = observe_queries(layer, q, observes.counts_query(positions, ok), spec.sm_scale, observes.moments)
-    if mode == "original":
+    # rope.rerotate (dynamic NTK as published): keys stored before rotation, every key rotated at each call with
+    # the base of the current length, not of the call that wrote it
+    rerotate = mode == "original" and spec.rope.rerotate
+    if mode == "original" and not rerotate:
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
     heads, kv_heads = layer.pos.shape[1], layer.k.shape[1]
     q_offsets = layer.count  # [b, H] the chunk's first slot per keep head
@@ -120,7 +128,15 @@ def attend(kind, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, s
     counted = stat_weights is not None and observes.attention is not None
     # the storage's payload: on its codes where the op reads them, values where keys are rotated at read time
     kv = kind.storage.view(layer, q.dtype, impl=config.attention.impl, queries=q.shape[1], counted=counted,
-                           codes=mode == "original")
+                           codes=mode == "original" and not rerotate)
+    if rerotate:  # ``cos, sin`` and the slots' ``key_tables [b, C, r]`` at each row's length (``spec_tables``)
+        if key_tables is None:
+            raise ValueError("rope.rerotate: the decoder passes the cache positions' RoPE tables (key_tables)")
+        # slot j holds position j: the cache keeps every token in order (``CacheConfig.kind`` refuses an evicting
+        # policy at original positions), so the tables broadcast over the heads without a gather
+        k_cos, k_sin = (t[:, None] for t in key_tables)  # [b, 1, C, r]
+        kv = kv.with_keys(apply_rope(kv.float_keys(q.dtype), k_cos, k_sin))
+        q = apply_rope(q, cos, sin)
     if mode == "cache":  # keys rotated here, whole: stored codes are dequantized first (in the query's dtype)
         k_att = rotate_by_rank(config, kv.float_keys(q.dtype),
                                jnp.maximum(jnp.cumsum(layer.valid, axis=-1, dtype=jnp.int32) - 1, 0),

@@ -172,6 +172,10 @@ def config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> ModelCo
 def _rope_to_hf(config: ModelConfig, rope: RopeConfig) -> dict[str, Any]:
     """``rope_parameters`` of config.json: the type's registry entry says which fields it writes."""
     kind = rope_scaling.get(rope.type)
+    if rope.rerotate:
+        raise ConfigError(f"rope.rerotate=True (type {rope.type!r}) has no transformers config.json form: its cache "
+                          "keeps every key rotated with the base of the call that wrote it; export with "
+                          "rope.rerotate false (the weights are the same)")
     if kind.to_hf is not None:
         out = kind.to_hf(rope, config.rotary_dim)
     else:

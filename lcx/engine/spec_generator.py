@@ -227,24 +227,26 @@ def _derive(target_kind: SlotCacheKind, draft_kind: SlotCacheKind, draft_capacit
             x = getattr(held, name)
             cut[name] = jax.lax.slice_in_dim(x, 0, draft_capacity, axis=field.axes.index("length"))
     held = held.replace(**cut)
-    if work.policy.mode == "cache":  # the draft rotates keys by rank at read time: store them unrotated
-        cos, sin = rope_tables(work.model, held.pos[:, :, 0].reshape(-1, draft_capacity))
-        shape = held.k.shape  # [L, b, k, C, d]
-        keys = jnp.moveaxis(held.k, 2, 3).reshape(-1, draft_capacity, shape[2], shape[4])
-        keys = apply_rope(keys, cos, -sin).reshape(shape[0], shape[1], shape[3], shape[2], shape[4])
-        held = held.replace(k=jnp.moveaxis(keys, 3, 2).astype(held.k.dtype))
-    if draft_kind.storage == work.storage:
+    # a draft that rotates keys by rank at read time stores them unrotated (unless the target already does: rerotate)
+    unrotate = work.policy.mode == "cache" and not target_kind.model.rope.rerotate
+    if draft_kind.storage == work.storage and not unrotate:
         return held.replace(kind=draft_kind)
+    k, v = work.storage.float_kv(held, draft_kind.dtype)  # the target's codes as values (floats: as they are)
+    if unrotate:
+        cos, sin = rope_tables(work.model, held.pos[:, :, 0].reshape(-1, draft_capacity))
+        shape = k.shape  # [L, b, k, C, d]
+        keys = jnp.moveaxis(k, 2, 3).reshape(-1, draft_capacity, shape[2], shape[4])
+        keys = apply_rope(keys, cos, -sin).reshape(shape[0], shape[1], shape[3], shape[2], shape[4])
+        k = jnp.moveaxis(keys, 3, 2)
     if draft_kind.storage.period > 1:  # grouped codes (int4 / int2): whole key groups quantized, the rest a window
         fmt = draft_kind.storage
         stored = {n: f for n, f in draft_kind.fields().items() if n in lowbit_slots.STORED}
         empty = schema.empty(stored, draft_kind.sizes(held.batch, draft_capacity), draft_kind.kv_dtype)
         groups, dtype = empty["k_scale"].shape[-2], empty["k_res"].dtype
         # one layer at a time: the padded float copy requantize makes is one layer's, not the cache's
-        codes = jax.lax.map(lambda x: lowbit_slots.requantize(*x, fmt, groups, dtype), (held.count, held.k, held.v))
-        rest = {n: getattr(held, n) for n in draft_kind.fields() if n not in stored}
-        return draft_kind.state_type(kind=draft_kind, **rest, **codes)
-    codes = draft_kind.storage.encode(held.k, held.v)
+        codes = jax.lax.map(lambda x: lowbit_slots.requantize(*x, fmt, groups, dtype), (held.count, k, v))
+    else:
+        codes = draft_kind.storage.encode(k, v)
     rest = {n: getattr(held, n) for n in draft_kind.fields() if n not in codes}
     return draft_kind.state_type(kind=draft_kind, **rest, **codes)
 

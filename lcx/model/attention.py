@@ -29,7 +29,7 @@ def attend_spec(config: ModelConfig, spec: AttentionSpec, tables, q, key, val, c
     """One layer's attention with a static ``spec``: ``(out [b, t, h, d], cache)``. ``tables``: ``(cos, sin)`` of
     ``spec.rope`` at ``positions``. ``probe``: a reconstruction pass (``lcx.cache.reconstruct.Probe``), handed to
     the cache's ``attend``."""
-    cos, sin = tables
+    cos, sin = tables[:2]
     if cache is not None:
         if segment_ids is not None:
             raise ValueError("segment_ids (packed documents) are for training and scoring without a cache")
@@ -39,6 +39,8 @@ def attend_spec(config: ModelConfig, spec: AttentionSpec, tables, q, key, val, c
         extra = {} if config.plain_attention else {"spec": spec}
         if probe is not None:
             extra["probe"] = probe
+        if len(tables) == 4:  # rope.rerotate: the tables every cached key is rotated with (``spec_tables``)
+            extra["key_tables"] = tables[2:]
         return cache.kind.attend(cache, q, key, val, cos=cos, sin=sin, positions=positions, ok=ok,
                                  stat_weights=stat_weights, **extra)
     if probe is not None:

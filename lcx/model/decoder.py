@@ -25,14 +25,25 @@ from lcx.model.params import as_dtype, declare, normal
 from lcx.model.rope import apply_rope, rope_tables
 
 
-def spec_tables(config: ModelConfig, positions: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
+def spec_tables(config: ModelConfig, positions: jax.Array, ok: jax.Array | None = None,
+                capacity: int | None = None) -> tuple[tuple[jax.Array, ...], ...]:
     """``(cos, sin)`` at ``positions`` for each distinct attention spec (``ModelConfig.spec_table``), computed once per
-    distinct RoPE."""
+    distinct RoPE; a length-dependent type's length counts only the real tokens (``ok``). A RoPE that re-rotates the
+    cache (``rope.rerotate``, with a cache of ``capacity`` slots) takes each row's length from its last real token
+    and adds the tables of positions ``0 .. capacity - 1``, ``[b, C, rotary_dim]`` each: every layer's keys are
+    rotated with them, so the sines and cosines are computed once per call, not per layer."""
     specs, _ = config.spec_table()
     by_rope = {}
     for spec in specs:
-        if spec.rope not in by_rope:
-            by_rope[spec.rope] = rope_tables(config, positions, spec.rope)
+        if spec.rope in by_rope:
+            continue
+        real = positions if ok is None else jnp.where(ok, positions, -1)  # a padded chunk's padding has no length
+        if spec.rope.rerotate and capacity is not None:
+            seq_len = jnp.max(real, axis=1) + 1  # [b]
+            keys = rope_tables(config, jnp.arange(capacity, dtype=jnp.int32)[None], spec.rope, seq_len)
+            by_rope[spec.rope] = (*rope_tables(config, positions, spec.rope, seq_len), *keys)
+        else:  # a length-dependent type at the batch's longest real row, as transformers
+            by_rope[spec.rope] = rope_tables(config, positions, spec.rope, jnp.max(real) + 1)
     return tuple(by_rope[spec.rope] for spec in specs)
 
 
@@ -113,7 +124,7 @@ class Decoder(nn.Module):
         x = jnp.take(embedding, input_ids, axis=0).astype(cfg.dtype)  # [b, t, e]
         if cfg.block.embed_scale:  # sqrt(e) rounded to the compute dtype first, as transformers
             x = x * jnp.asarray(cfg.d_model ** 0.5, cfg.dtype)
-        tables = spec_tables(cfg, positions)
+        tables = spec_tables(cfg, positions, ok, getattr(cache, "capacity", None))
         _, spec_of_layer = cfg.spec_table()
 
         block = Block

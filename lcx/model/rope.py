@@ -38,19 +38,25 @@ def inv_freq_for_length(config: ModelConfig, seq_len: jax.Array, rope: RopeConfi
     return kind.traced(rope, dim, config.max_position_embeddings, original, seq_len)
 
 
-def rope_tables(config: ModelConfig, positions: jax.Array, rope: RopeConfig | None = None
-                ) -> tuple[jax.Array, jax.Array]:
+def rope_tables(config: ModelConfig, positions: jax.Array, rope: RopeConfig | None = None,
+                seq_len: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """cos and sin ``[b, t, rotary_dim]`` (float32, attention factor applied) for int ``positions [b, t]``, of
     ``rope`` (default ``config.rope``; a sliding-window layer's may differ, ``AttentionSpec.rope``).
 
-    For length-dependent types the sequence length is ``max(positions) + 1``, as in transformers.
+    For length-dependent types the sequence length is ``seq_len``: by default ``max(positions) + 1`` over the
+    whole batch, as in transformers; a cache that re-rotates its keys (``rope.rerotate``) passes each row's own
+    ``[b]``, so that a row's rotations never depend on its batch-mates.
     """
     rope = rope or config.rope
     dim = int(config.head_dim * rope.partial_rotary_factor)
     inv, m = inv_freq_and_factor(rope, dim, config.max_position_embeddings)
+    inv = jnp.asarray(inv, jnp.float32)
     if rope_scaling.get(rope.type).length_dependent:
-        inv = inv_freq_for_length(config, jnp.max(positions) + 1, rope)
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv, jnp.float32)  # [b, t, d/2]
+        if seq_len is None or jnp.ndim(seq_len) == 0:
+            inv = inv_freq_for_length(config, jnp.max(positions) + 1 if seq_len is None else seq_len, rope)
+        else:  # per row: [b, 1, d/2], broadcast over the row's positions
+            inv = inv_freq_for_length(config, jnp.asarray(seq_len)[:, None], rope)[:, None, :]
+    freqs = positions.astype(jnp.float32)[..., None] * inv  # [b, t, d/2]
     angles = jnp.concatenate([freqs, freqs], axis=-1)  # [b, t, d]
     return jnp.cos(angles) * m, jnp.sin(angles) * m
 

@@ -79,6 +79,9 @@ class RopeConfig:
     # longrope: one factor per rotary frequency (rotary_dim / 2 values)
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
+    # dynamic: a KV cache stores keys before rotation and rotates every key with the current length's base at each
+    # call (False: each key keeps the base of the call that wrote it, as transformers' cache does)
+    rerotate: bool = False
 
     def __post_init__(self):
         check(self.type in rope_types(), "rope.type", self.type, f"must be one of {list(rope_types())}")
@@ -96,6 +99,12 @@ class RopeConfig:
             check(self.factor > 0, "rope.factor", self.factor, "must be > 0")
         if kind.check is not None:
             kind.check(self)
+        check(isinstance(self.rerotate, bool), "rope.rerotate", self.rerotate, "must be true or false")
+        if self.rerotate and not kind.length_dependent:
+            raise ConfigError(f"rope.rerotate=True is invalid with rope.type={self.type!r}: its frequencies do not "
+                              "depend on the length, so a cached key is already rotated as it would be now; allowed "
+                              "with rope.type 'dynamic' (or any length-dependent type: "
+                              f"{[t.name for t in _REGISTRY.values() if t.length_dependent]})")
         for name in ("short_factor", "long_factor"):
             value = getattr(self, name)
             if value is not None:
