@@ -116,3 +116,12 @@ def test_a_padded_chunks_padding_does_not_grow_the_dynamic_base(params, ids):
     got = [np.asarray(lcx.Generator(c, params, max_new_tokens=1, cache=CacheConfig(prefill_chunk=64), unroll=False)
                       .prefill(ids[:, :36]).logits) for c in (CACHED, raw)]
     np.testing.assert_allclose(got[0], got[1], rtol=1e-5, atol=1e-5)
+
+
+def test_the_default_decoder_is_the_scanned_one(params):
+    """Rotating the whole cache each step costs the unrolled decoder more than the scanned one on XLA:CPU
+    (docs/benchmarks.md): ``unroll=None`` picks the scanned decoder, even after another Generator kept an unrolled
+    copy of the same weights; an explicit ``unroll=True`` is kept."""
+    assert lcx.Generator(CACHED, params, max_new_tokens=1).unrolled  # the unrolled copy is kept for these weights
+    assert not lcx.Generator(CFG, params, max_new_tokens=1).unrolled
+    assert lcx.Generator(CFG, params, max_new_tokens=1, unroll=True).unrolled

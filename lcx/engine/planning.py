@@ -106,13 +106,15 @@ def auto_prefill_chunk(config: ModelConfig, batch: int, max_len: int) -> int:
 def choose_unroll(config: ModelConfig, params, requested: bool | None) -> bool:
     """Whether generation runs the unrolled decoder (``Decoder(unrolled=True)``, per-layer params and, inside the
     decode loop, per-layer cache buffers): asked for, or ``None`` (auto): yes when ``params`` are already unrolled,
-    or when a copy of the layer weights takes at most half the memory free now (the rest is the cache's); else the
-    scanned decoder, which reads the stacked params without a copy but slices (copies) each layer's weights and
-    keys/values every step."""
+    or when a copy of the layer weights takes at most half the memory free now (the rest is the cache's), unless the
+    RoPE re-rotates the cache (``rope.rerotate``); else the scanned decoder, which reads the stacked params without a
+    copy but slices (copies) each layer's weights and keys/values every step."""
     if requested is not None:
         return bool(requested)
     if is_unrolled(params):
         return True
+    if config.rope.rerotate:  # every step rotates the whole cache: on XLA:CPU the unrolled decoder takes
+        return False          # 1.4-1.6x the scanned one's time (docs/benchmarks.md, "Re-rotating dynamic NTK")
     free = device_memory.free_bytes()
     layer_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
     return free is None or 2 * layer_bytes <= free

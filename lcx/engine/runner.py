@@ -259,7 +259,8 @@ def build(config: ModelConfig, params, *, cache: CacheConfig | None = None, eos_
     if seq > 1:  # a prompt split over seq: the kind must take it, the policy observe nothing while prefilling
         kind.check_runs(policy, seq=seq)
     kept = kept_unrolled(placed)
-    unrolled = choose_unroll(config, placed, unroll) if kept is None or unroll is not None else True
+    fresh = kept is None or unroll is not None or config.rope.rerotate  # else: the kept copy, unrolled
+    unrolled = choose_unroll(config, placed, unroll) if fresh else True
     if unrolled:
         placed = kept if kept is not None else keep_unrolled(placed)
     elif is_unrolled(placed):
