@@ -100,6 +100,18 @@ def test_an_int8_draft_is_accepted_almost_always_and_counted_exactly(params):
     assert server.accepted_tokens / server.drafted_tokens > 0.9
 
 
+def test_a_grouped_int4_draft_serves_each_request_as_alone(params):
+    """int4 codes (groups of 8 behind a 4-token float residual, so rejections cross group boundaries) as the draft
+    of every row of the continuous batch: each request's tokens are its tokens alone, the counters the loop's."""
+    server = _server(params, SpeculativeConfig(draft=CacheConfig(kv_dtype="int4", kv_group=8, kv_residual=4), k=3))
+    ids = [server.submit(p, 20, ignore_eos=True) for p in _prompts()[:3]]
+    out = server.run()
+    for i, p in zip(ids, _prompts()[:3]):
+        assert out[i] == _alone(params, p, 20, ignore_eos=True)
+    assert server.drafted_tokens == int(np.asarray(server.state.drafted).sum()) > 0
+    assert 0 < server.accepted_tokens <= server.drafted_tokens
+
+
 def test_bad_settings_are_refused_naming_the_flag(params, tmp_path):
     with pytest.raises(ConfigError, match="budget=.*max_len=32"):
         SpecServer(CFG, params, speculative=SNAPKV.__class__(draft=CacheConfig(policy="streaming", budget=40)),

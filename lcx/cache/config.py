@@ -157,7 +157,8 @@ class CacheConfig:
                                   "layers are all global; this model has sliding-window layers (a hybrid cache); "
                                   f"allowed here: kv_dtype {[d for d, f in FORMATS.items() if f.windowed_models]} "
                                   "or null")
-        if model.rope.rerotate and (name != "slots" or (policy.evicts and policy.mode == "original")):
+        rerotates = any(spec.rope.rerotate for spec in model.attention_specs())  # a local_rope's setting too
+        if rerotates and (name != "slots" or (policy.evicts and policy.mode == "original")):
             raise ConfigError(
                 f"rope.rerotate=True with cache.policy={self.policy!r}, layout={self.layout!r} ({name!r} cache): "
                 "re-rotating keys with the current length's base needs them stored before rotation, which only the "

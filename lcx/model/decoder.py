@@ -33,11 +33,11 @@ def spec_tables(config: ModelConfig, positions: jax.Array, ok: jax.Array | None 
     and adds the tables of positions ``0 .. capacity - 1``, ``[b, C, rotary_dim]`` each: every layer's keys are
     rotated with them, so the sines and cosines are computed once per call, not per layer."""
     specs, _ = config.spec_table()
+    real = positions if ok is None else jnp.where(ok, positions, -1)  # a padded chunk's padding has no length
     by_rope = {}
     for spec in specs:
         if spec.rope in by_rope:
             continue
-        real = positions if ok is None else jnp.where(ok, positions, -1)  # a padded chunk's padding has no length
         if spec.rope.rerotate and capacity is not None:
             seq_len = jnp.max(real, axis=1) + 1  # [b]
             keys = rope_tables(config, jnp.arange(capacity, dtype=jnp.int32)[None], spec.rope, seq_len)
