@@ -14,7 +14,7 @@ from lcx.config import CacheConfig, ConfigError
 from lcx.data import make_task
 from lcx.data.haystack import NOISE, prose_text
 from lcx.data.tokenizer import HFTokenizer, resolve_tokenizer
-from lcx.eval import evaluate
+from lcx.eval import one_shot
 from lcx.eval.evaluate import retrieval_outputs, window_nll
 from lcx.eval.paired import paired_table, read_outputs
 from lcx.experiment import load_experiment, run
@@ -140,7 +140,7 @@ def test_one_shot_protocol_equals_prefill_when_nothing_is_evicted(hf_dir, monkey
     assert len(outputs) == 2 and all(isinstance(o, str) for o in outputs)
     assert 0 < counts["prefilled_tokens"] < counts["prompt_tokens"]
     assert counts["held_kv_bytes"] == counts["kv_bytes"] > 0  # a contiguous cache holds its arrays after compressing
-    monkeypatch.setattr(evaluate, "_runs", lambda prompts: [(i, 1) for i in range(len(prompts))])  # no sharing
+    monkeypatch.setattr(one_shot, "_runs", lambda prompts: [(i, 1) for i in range(len(prompts))])  # no sharing
     assert retrieval_outputs(config, params, shared, length=320, depth=None, samples=2, batch_size=2, seed=0,
                              cache=zipped, max_new_tokens=3, protocol="one_shot", counts=alone)[1] == outputs
     assert alone["prefilled_tokens"] == alone["prompt_tokens"] == counts["prompt_tokens"]

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 import lcx  # noqa: E402
 from lcx.data import make_task  # noqa: E402
 from lcx.data.tokenizer import resolve_tokenizer  # noqa: E402
-from lcx.eval import evaluate  # noqa: E402
+from lcx.eval import evaluate, one_shot  # noqa: E402
 from lcx.checkpoints.sources import load_source  # noqa: E402
 
 BATCH = 4
@@ -41,15 +41,15 @@ def run(config, params, task, args, cache, protocol, share: bool):
     """(outputs, counts, seconds of the second run, accuracy)."""
     def once():
         counts = {}
-        original = evaluate._runs
+        original = one_shot._runs
         if not share:  # every row prefilled on its own
-            evaluate._runs = lambda prompts: [(i, 1) for i in range(len(prompts))]
+            one_shot._runs = lambda prompts: [(i, 1) for i in range(len(prompts))]
         try:
             examples, outputs = evaluate.retrieval_outputs(
                 config, params, task, length=args.length, depth=None, samples=args.samples, batch_size=BATCH,
                 seed=0, cache=cache, max_new_tokens=12, protocol=protocol, counts=counts)
         finally:
-            evaluate._runs = original
+            one_shot._runs = original
         return examples, outputs, counts
 
     once()

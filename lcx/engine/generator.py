@@ -106,7 +106,8 @@ class Generator:
     # ----------------------------------------------------------------------------------------------- prefill
 
     def prefill(self, prompt_ids, progress: bool = False, state: DecodeState | None = None, *,
-                sampling: Sequence[SamplingConfig] | None = None, seeds: Sequence[int] | None = None) -> DecodeState:
+                sampling: Sequence[SamplingConfig] | None = None, seeds: Sequence[int] | None = None,
+                whole=None) -> DecodeState:
         """Run the prompts through the model in chunks; returns the state before the first sampled token.
         ``progress``: show a progress bar (tokens per second, ETA) over the chunks - for long prompts.
 
@@ -125,6 +126,8 @@ class Generator:
         ``sampling``: one ``SamplingConfig`` per prompt (default: the generator's for all); ``seeds``: one seed per
         prompt, the key of that request's random stream (default: the generator's seed folded with the prompt's
         index; a ``state``'s rows keep theirs). A prompt with a seed gets the same tokens alone or in any batch.
+        ``whole``: with ``state``, the whole prompts whose start the state holds and whose rest ``prompt_ids`` is
+        (``lcx.engine.split_prefill``): a policy that scores by reconstruction repeats them, not only the rest.
         """
         ids, lengths = pad_prompts(prompt_ids, pad_id=0)
         rows_sampling = self._row_sampling(ids.shape[0], sampling, seeds, state)
@@ -166,7 +169,7 @@ class Generator:
                                   "prefill(state=...) appends to a filled one - use a mesh without seq for it")
             cache, capacity = self._continued(state, batch, max_len)
         reconstructs = getattr(self.policy, "reconstructs", False)
-        if reconstructs and (state is not None or max_len > capacity):
+        if reconstructs and ((state is not None and whole is None) or max_len > capacity):
             raise ConfigError(
                 f"cache.policy={self.cache_config.policy!r} compresses a fresh prompt once, after scoring all of it: "
                 + ("append later tokens with Generator.score, not prefill(state=...)" if state is not None else
@@ -174,7 +177,8 @@ class Generator:
                    f"least the prompt length - budget"))
         cache, last_logits = self._chunks(ids, lengths, cache, capacity, progress)
         if reconstructs:
-            cache = self.runner.reconstruct(cache, ids, lengths, progress)
+            cache = self.runner.reconstruct(cache, *((ids, lengths) if whole is None else pad_prompts(whole)),
+                                            progress)
         with sharding.use_mesh(self.mesh):
             cache = self.kind.sync(self.programs.end_prefill(cache))
         return DecodeState(

@@ -97,17 +97,23 @@ def normalized(inputs: Any) -> Any:
     return json.loads(json.dumps(inputs, default=str, sort_keys=True))
 
 
-def assign(cells: Sequence[Cell], shard: Shard) -> list[int]:
+def assign(cells: Sequence[Cell], shard: Shard, groups: Sequence[str] | None = None) -> list[int]:
     """The indices (in grid order) of the cells ``shard`` owns: cells dealt largest estimated cost first to the
-    least loaded shard (ties: the lower index) - the same share in every worker, whatever it has done."""
+    least loaded shard (ties: the lower index) - the same share in every worker, whatever it has done. ``groups``:
+    one key per cell (empty: none); the cells of one key are computed together (their prompts' prefill shared) and
+    dealt as one unit of their summed cost."""
     if shard.count == 1:
         return list(range(len(cells)))
+    units: dict[object, list[int]] = {}
+    for i in range(len(cells)):
+        units.setdefault(groups[i] if groups and groups[i] else i, []).append(i)
     loads = [0.0] * shard.count
     owner = [0] * len(cells)
-    for i in sorted(range(len(cells)), key=lambda i: (-cells[i].cost, i)):
+    for unit in sorted(units.values(), key=lambda u: (-sum(cells[i].cost for i in u), u[0])):
         k = min(range(shard.count), key=lambda s: (loads[s], s))
-        owner[i] = k
-        loads[k] += cells[i].cost
+        for i in unit:
+            owner[i] = k
+        loads[k] += sum(cells[i].cost for i in unit)
     return [i for i in range(len(cells)) if owner[i] == shard.index]
 
 

@@ -21,6 +21,7 @@ from lcx.data.task import TOKENIZER, Example, Task
 from lcx.data.tokenizer import check_model_tokens
 from lcx.eval.stats import perplexity_interval, wilson_interval  # noqa: F401  (re-exported)
 from lcx.engine import Generator, PositionRangeWarning
+from lcx.eval.one_shot import one_shot_outputs
 
 
 def grade(task: Task, output: str, example: Example) -> float:
@@ -84,7 +85,9 @@ def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, de
     ``protocol``: ``streaming`` prefills the whole prompt through the cache (chunks and evictions as configured);
     ``one_shot`` (kvpress's protocol) prefills the context alone, compresses it once, then reads the question
     (teacher-forced, no eviction when the cache's ``interval`` leaves room for the question and the answer) and
-    generates - the question never influences what is kept. Examples are batched by question length.
+    generates - the question never influences what is kept. Examples are batched by question length. A policy
+    that observes only a context's end reads its first ``len - 256`` tokens and its last 256 in two calls
+    (``lcx.eval.one_shot``: how a grid shares the first between policies).
     ``buffer``: the generator's ``max_new_tokens`` when larger than this task's (tasks of one grid share one compiled
     decode loop; its step limit is traced, so each stops at its own ``max_new_tokens``); with ``one_shot`` it must
     also hold the question's tokens.
@@ -105,55 +108,34 @@ def retrieval_outputs(model: ModelConfig, params, task: Task, *, length: int, de
     # for it as for generated tokens (a grid's ``buffer`` already holds room for it)
     question = max((ex.prompt_len - ex.context_len for ex in examples if ex.context_len is not None), default=0)
     extra = question if protocol == "one_shot" and buffer is None else 0
-    gen = Generator(model, params, max_new_tokens=max(max_new, buffer or 0) + extra, cache=cache, eos_id=tok.eos_id,
+    batches = prompt_batches(examples, batch_size, protocol, task.name)
+    if protocol == "one_shot":
+        [measured] = one_shot_outputs(model, params, task, examples, [cache], batches=batches, batch_size=batch_size,
+                                      max_new=max_new, generator_new=max(max_new, buffer or 0) + extra,
+                                      capacity=capacity, unroll=unroll)
+        if counts is not None:
+            counts.update(measured.counts)
+        return examples, measured.outputs
+    gen = Generator(model, params, max_new_tokens=max(max_new, buffer or 0), cache=cache, eos_id=tok.eos_id,
                     capacity=capacity, unroll=unroll, **policy_inputs(cache.make_policy(), task.frame))
     outputs = [""] * samples
-    asked = kv_bytes = held = 0
-    for batch in _batches(examples, batch_size, protocol, task.name):
-        real = len(batch)
-        if protocol == "one_shot":  # a group smaller than the batch repeats its last row: one compiled batch shape
-            batch = batch + [batch[-1]] * (min(batch_size, samples) - real)
+    asked = kv_bytes = 0
+    for batch in batches:
         with warnings.catch_warnings():  # an evaluation grid measures past the trained range on purpose
             warnings.simplefilter("ignore", PositionRangeWarning)
-            if protocol == "one_shot":
-                contexts = [examples[i].prompt_ids[:examples[i].context_len] for i in batch]
-                asked += sum(len(c) for c in contexts)
-                # consecutive equal contexts: prefilled once, then forked (where the cache type can fork)
-                forks = gen.mesh is None and gen.kind.can_fork
-                runs = _runs(contexts) if forks else [(i, 1) for i in range(len(contexts))]
-                state = gen.prefill([contexts[start] for start, _ in runs])
-                if len(runs) < len(contexts):
-                    state = gen.fork(state, [n for _, n in runs])
-                held = max(held, state.cache.held_bytes() // len(contexts))
-                questions = np.stack([examples[i].prompt_ids[examples[i].context_len:] for i in batch])
-                if questions.shape[1]:
-                    state, _ = gen.score(state, questions)
-            else:
-                asked += sum(examples[i].prompt_len for i in batch)
-                state = gen.prefill([examples[i].prompt_ids for i in batch])
+            asked += sum(examples[i].prompt_len for i in batch)
+            state = gen.prefill([examples[i].prompt_ids for i in batch])
             result = gen.result(gen.decode(state, steps=max_new))
             kv_bytes = max(kv_bytes, result.cache_bytes // max(len(result.tokens), 1))
-        for i, tokens, n in zip(batch[:real], result.tokens, result.lengths):
+        for i, tokens, n in zip(batch, result.tokens, result.lengths):
             outputs[i] = tok.decode(tokens[:n])
     gen.close()
     if counts is not None:
-        counts.update(prompt_tokens=asked, prefilled_tokens=gen.prefilled_tokens, kv_bytes=kv_bytes,
-                      **({"held_kv_bytes": held} if protocol == "one_shot" else {}))
+        counts.update(prompt_tokens=asked, prefilled_tokens=gen.prefilled_tokens, kv_bytes=kv_bytes)
     return examples, outputs
 
 
-def _runs(prompts: list[np.ndarray]) -> list[tuple[int, int]]:
-    """(first index, length) of each run of consecutive equal prompts."""
-    runs: list[tuple[int, int]] = []
-    for i, ids in enumerate(prompts):
-        if runs and np.array_equal(prompts[runs[-1][0]], ids):
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((i, 1))
-    return runs
-
-
-def _batches(examples: list[Example], batch_size: int, protocol: str, name: str) -> list[list[int]]:
+def prompt_batches(examples: list[Example], batch_size: int, protocol: str, name: str) -> list[list[int]]:
     """Indices of the examples per batch: in order, or (one_shot) grouped by question length, since the question is
     teacher-forced as one ``[batch, n]`` block."""
     if protocol not in PROTOCOLS:

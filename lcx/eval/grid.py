@@ -17,6 +17,7 @@ The prompts themselves (tasks as the grid runs them, each cell's prompts and the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -35,12 +36,15 @@ from lcx.eval.cells import (ONE, Cell, CellStore, Shard, assign, cell_name, coun
 from lcx.eval.config import AblateConfig, EvalConfig, RopeVariant, Setting
 from lcx.data.task import TOKENIZER, Task
 from lcx.eval.acceptance import acceptance, columns as acceptance_columns, draft_refusal
-from lcx.eval.evaluate import grades, retrieval_outputs, window_nll
+from lcx.eval.evaluate import cell_examples, check_fits, grades, prompt_batches, retrieval_outputs, window_nll
+from lcx.eval.groups import members, share_keys
+from lcx.eval.one_shot import one_shot_outputs
 from lcx.eval.cell_prompts import (CellPrompts, check_prompts, dropped_bos, grid_tasks, max_new_tokens,
                                    perplexity_args, prompts)
 from lcx.eval.report import write_report
 from lcx.eval.stats import perplexity_interval, wilson_interval
 from lcx.engine import CacheCapacityError, plan_capacity, release_compiled
+from lcx.engine.split_prefill import TAIL, split_refusal
 
 # What every cell of one cache setting shares: the grid's own knobs, not the policy's parameters.
 _GRID_KEYS = ("policy", "budget", "interval", "prefill_chunk")
@@ -123,7 +127,7 @@ def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, setti
         return _merge(store, grid.cells, out_dir, title, footer, partial=True)
     check_prompts(models, ev, tokenizer)  # after the capacity check (in _plan): it builds a prompt per cell
     store.clean()
-    owned = assign(grid.cells, shard)
+    owned = assign(grid.cells, shard, grid.shares)
     done = count_done(store, grid.cells)
     if done:
         _note(f"{title}: {done} of {len(grid.cells)} cells already done in {store.root}")
@@ -131,20 +135,26 @@ def _run(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConfig, setti
                unit="cell", disable=not progress, dynamic_ncols=True)
     busy = []
     for i in order(owned, len(grid.cells)):
-        cell, spec = grid.cells[i], grid.specs[i]
+        cell = grid.cells[i]
         if store.is_done(cell):
             continue
-        with store.lock(cell) as held:
-            if not held:
-                busy.append(cell)
-                continue
-            if store.is_done(cell):  # finished by another worker since the check above
+        with contextlib.ExitStack() as locks:  # the cell and the group-mates no other worker holds
+            held = [j for j in members(grid.shares, i) if not store.is_done(grid.cells[j])
+                    and locks.enter_context(store.lock(grid.cells[j]))]
+            held = [j for j in held if not store.is_done(grid.cells[j])]  # finished since the check above
+            if i not in held:
+                if not store.is_done(cell):
+                    busy.append(cell)
                 continue
             release_compiled()  # programs of earlier cells, once they fill the process's memory map
-            bar.set_postfix_str(cell.name[:-9])
+            bar.set_postfix_str(cell.name[:-9] + (f" (+{len(held) - 1} sharing its prefill)" if len(held) > 1 else ""))
             t0 = time.perf_counter()
-            rows, outputs = _compute(grid, spec, models, ev)
-            store.save(cell, rows, outputs, time.perf_counter() - t0)
+            if len(held) == 1:
+                rows, outputs = _compute(grid, grid.specs[i], models, ev)
+                store.save(cell, rows, outputs, time.perf_counter() - t0)
+            else:
+                for j, (rows, outputs) in zip(held, _compute_group(grid, [grid.specs[j] for j in held], models, ev)):
+                    store.save(grid.cells[j], rows, outputs, sum(r["seconds"] for r in rows))
         bar.n = count_done(store, grid.cells)
         bar.refresh()
     bar.close()
@@ -176,6 +186,7 @@ class _Grid:
     specs: list
     cells: list
     drafts: dict  # eval.speculative: (setting, variant, length) -> whether it drafts
+    shares: list  # per cell: the key of the cells computed with it, sharing prefills (lcx.eval.groups); "": alone
 
 
 def _plan(models, ev: EvalConfig, settings: list[Setting], ropes: tuple[RopeVariant, ...], tokenizer,
@@ -194,7 +205,8 @@ def _plan(models, ev: EvalConfig, settings: list[Setting], ropes: tuple[RopeVari
     drafts = _drafts(models, ev, settings, ropes, caches)
     tok = TOKENIZER if tokenizer is None else tokenizer
     cells = [_cell(spec, caches, models, ev, tasks, per_task, ppl_task, tok, inputs, drafts) for spec in specs]
-    return _Grid(tasks, ppl_task, per_task, max_new, caches, capacities, specs, cells, drafts)
+    shares = share_keys(specs, caches, capacities, models, ev)
+    return _Grid(tasks, ppl_task, per_task, max_new, caches, capacities, specs, cells, drafts, shares)
 
 
 def _drafts(models, ev: EvalConfig, settings: list[Setting], ropes, caches) -> dict:
@@ -235,6 +247,8 @@ def _cell(spec, caches, models, ev: EvalConfig, tasks: dict, per_task: dict, ppl
         samples = setting.samples or ev.samples
         record.update(task=name, params=dict(ev.params) if not ev.tasks else {}, depth=depth, samples=samples,
                       chat=ev.chat, max_new_tokens=per_task[name])
+        if setting.protocol == "one_shot" and split_refusal(models[variant.name][0], cache) is None:
+            record["split"] = TAIL  # the context read in two calls (lcx.engine.split_prefill); before: one
         if drafts.get((setting, variant.name, length)):  # only here: the grid's other cells stay done
             record["speculative"] = ev.speculative.to_dict()
         prompts_, scale = samples, 1.0
@@ -251,8 +265,9 @@ def _cell(spec, caches, models, ev: EvalConfig, tasks: dict, per_task: dict, ppl
     return Cell(cell_name(label, name, length, "" if depth is None else f"d{depth:g}", metric), record, cost)
 
 
-def _compute(grid: _Grid, spec, models, ev: EvalConfig) -> tuple[list[dict], list[dict]]:
-    """Run one cell: its rows (one, or one per perplexity bucket) and its prompts' generations."""
+def _compute(grid: _Grid, spec, models, ev: EvalConfig, measured=None) -> tuple[list[dict], list[dict]]:
+    """Run one cell: its rows (one, or one per perplexity bucket) and its prompts' generations. ``measured``: a
+    one-shot cell's ``(examples, lcx.eval.one_shot.Measured)``, computed with its group (``_compute_group``)."""
     setting, variant, name, length, depth, metric = spec
     tasks, per_task, max_new = grid.tasks, grid.per_task, grid.max_new
     cache = grid.caches[(setting, length)]
@@ -286,11 +301,15 @@ def _compute(grid: _Grid, spec, models, ev: EvalConfig) -> tuple[list[dict], lis
         value, (lo, hi) = math.exp(float(np.mean(nll))), perplexity_interval(nll)
     else:
         samples = setting.samples or ev.samples
-        examples, outputs = retrieval_outputs(
-            model, params, tasks[name], length=length, depth=depth, samples=samples,
-            batch_size=min(ev.batch_size, samples), seed=ev.seed, cache=cache, max_new_tokens=per_task[name],
-            capacity=fixed, protocol=setting.protocol, unroll=ev.unroll,
-            buffer=max_new + (ONE_SHOT_ROOM if setting.protocol == "one_shot" else 0), counts=counts)
+        if measured is None:
+            examples, outputs = retrieval_outputs(
+                model, params, tasks[name], length=length, depth=depth, samples=samples,
+                batch_size=min(ev.batch_size, samples), seed=ev.seed, cache=cache, max_new_tokens=per_task[name],
+                capacity=fixed, protocol=setting.protocol, unroll=ev.unroll,
+                buffer=max_new + (ONE_SHOT_ROOM if setting.protocol == "one_shot" else 0), counts=counts)
+        else:  # its share of the group's time: the shared prefill split equally, its own calls whole
+            examples, outputs, t0 = measured[0], measured[1].outputs, time.perf_counter() - measured[1].seconds
+            counts.update(measured[1].counts)
         scores = grades(tasks[name], examples, outputs)
         if grid.drafts.get((setting, variant.name, length)):
             counts.update(acceptance_columns(acceptance(
@@ -304,6 +323,23 @@ def _compute(grid: _Grid, spec, models, ev: EvalConfig) -> tuple[list[dict], lis
     rows.append({**_row(cache, variant, length, depth, metric, value, (lo, hi), label, samples,
                         time.perf_counter() - t0, name, setting, len(tasks)), **counts, **bos})
     return rows, generations
+
+
+def _compute_group(grid: _Grid, specs: list, models, ev: EvalConfig) -> list[tuple[list[dict], list[dict]]]:
+    """One-shot cells on the same prompts (``lcx.eval.groups``), each context's start prefilled once for all:
+    ``_compute``'s result for each."""
+    setting, variant, name, length, depth, _ = specs[0]
+    model, params = models[variant.name]
+    samples = setting.samples or ev.samples
+    task = grid.tasks[name]
+    examples = cell_examples(task, length=length, depth=depth, samples=samples, seed=ev.seed)
+    check_fits(task, model, [ex.prompt_ids for ex in examples])
+    batch = min(ev.batch_size, samples)
+    measured = one_shot_outputs(model, params, task, examples, [grid.caches[(s[0], length)] for s in specs],
+                                batches=prompt_batches(examples, batch, "one_shot", name), batch_size=batch,
+                                max_new=grid.per_task[name], generator_new=grid.max_new + ONE_SHOT_ROOM,
+                                capacity=grid.capacities[(setting, variant.name, length)], unroll=ev.unroll)
+    return [_compute(grid, spec, models, ev, measured=(examples, m)) for spec, m in zip(specs, measured)]
 
 
 def _merge(store: CellStore, cells: list[Cell], out_dir: Path, title: str, footer: str, *,

@@ -1,0 +1,131 @@
+"""One-shot contexts read in two parts (``lcx.engine.split_prefill``) and one-shot grid cells that share each
+prompt's prefill (``lcx.eval.groups``): the same compressed caches and answers as each policy alone, the same kept
+tokens as one call, and the refusals for policies the split would change."""
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from lcx.config import CacheConfig
+from lcx.data import make_task
+from lcx.data.policy_inputs import policy_inputs
+from lcx.data.tokenizer import HFTokenizer
+from lcx.engine import Generator
+from lcx.engine import split_prefill
+from lcx.eval import grid
+from lcx.eval.cells import Cell, Shard, assign
+from lcx.eval.config import Setting
+from lcx.eval.evaluate import cell_examples
+from lcx.experiment import load_experiment, run
+from lcx.hf import load_hf
+from tests.tiny_chat_model import write_model
+
+LENGTH = 640  # a context of ~600 tokens: more than the split's 256-token tail
+SHARED = [{"policy": "snapkv", "window": 8}, {"policy": "tova"}, {"policy": "kvzip", "chunk": 128},
+          {"policy": "knorm"}]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    folder = write_model(tmp_path_factory.mktemp("tiny"))
+    config, params = load_hf(folder)
+    task = make_task("niah_single_1", {}).with_tokenizer(HFTokenizer(folder), chat=True)
+    return folder, config, params, task
+
+
+def _one_shot(spec: dict, room: int = 64) -> CacheConfig:
+    return Setting(tuple(sorted({**spec, "interval": 32, "prefill_chunk": 256}.items())), compression=0.75,
+                   protocol="one_shot").cache(LENGTH, room)
+
+
+def test_refusals_name_what_the_split_would_change(chat_model):
+    _, config, _, _ = chat_model
+    for spec in SHARED:
+        assert split_prefill.split_refusal(config, _one_shot(spec)) is None, spec
+    refused = {"h2o": "observes queries before", "expected_attention": "statistics of every query",
+               "streaming": "not stored rotated"}
+    for policy, why in refused.items():
+        assert why in split_prefill.split_refusal(config, _one_shot({"policy": policy})), policy
+    assert "int8 storage" in split_prefill.split_refusal(config, _one_shot({"policy": "snapkv", "kv_dtype": "int8"}))
+    assert "contiguous" in split_prefill.split_refusal(config, _one_shot({"policy": "snapkv", "layout": "paged"}))
+    assert "nothing to share" in split_prefill.split_refusal(config, CacheConfig())
+
+
+def test_a_shared_start_gives_each_policy_its_cache_alone(chat_model):
+    """Each policy continued from one start (read once, every policy after the other) holds the same slots, keys and
+    positions as from a start read for it alone - the start is not consumed - and keeps the tokens a single-call
+    prefill of the whole context keeps."""
+    _, config, params, task = chat_model
+    examples = cell_examples(task, length=LENGTH, depth=None, samples=2, seed=0)
+    contexts = [ex.prompt_ids[:ex.context_len] for ex in examples]
+    assert split_prefill.split(contexts)
+    caches = [_one_shot(spec) for spec in SHARED]
+    gens = [Generator(config, params, max_new_tokens=64, cache=c, capacity=LENGTH + 128,
+                      **policy_inputs(c.make_policy(), task.frame)) for c in caches]
+    base = split_prefill.base_generator(gens[0], LENGTH + 128)
+    start = split_prefill.read_start(base, contexts)
+    shared = [split_prefill.read_rest(g, start, contexts).cache for g in gens]
+    for gen, cache, spec in zip(gens, shared, SHARED):
+        alone = split_prefill.read_rest(gen, split_prefill.read_start(base, contexts), contexts).cache
+        for name in ("k", "v", "pos", "valid", "count", "lengths"):
+            np.testing.assert_array_equal(np.asarray(getattr(cache, name)), np.asarray(getattr(alone, name)), name)
+        one_call = gen.prefill(contexts).cache  # the context in one call: the same math, rounded otherwise
+        kept = lambda c: np.sort(np.where(np.asarray(c.valid), np.asarray(c.pos), -1), axis=-1)  # noqa: E731
+        assert np.mean(kept(cache) == kept(one_call)) > 0.97, spec["policy"]
+        assert int(np.asarray(cache.count).max()) < len(contexts[0]) // 2  # it compressed
+
+
+def test_roomy_split_equals_one_call(chat_model):
+    """A budget that holds the whole context evicts nothing: the split read's next-token logits are one call's."""
+    _, config, params, task = chat_model
+    contexts = [ex.prompt_ids[:ex.context_len] for ex in cell_examples(task, length=LENGTH, depth=None, samples=1,
+                                                                       seed=0)]
+    roomy = CacheConfig(policy="snapkv", window=8, budget=LENGTH, interval=1024, prefill_chunk=1024)
+    gen = Generator(config, params, max_new_tokens=8, cache=roomy, capacity=LENGTH + 64)
+    split = split_prefill.read_rest(gen, split_prefill.read_start(split_prefill.base_generator(gen, LENGTH + 64),
+                                                                  contexts), contexts)
+    np.testing.assert_allclose(np.asarray(split.logits), np.asarray(gen.prefill(contexts).logits), atol=2e-4,
+                               rtol=2e-4)
+
+
+def test_group_answers_equal_each_policy_alone(chat_model, tmp_path, monkeypatch):
+    """A grid of one-shot policies: the cells that can split share each prompt's start (read once per prompt, not
+    once per policy) and give the answers of the same grid run cell by cell; H2O, which observes every query, runs
+    alone; the cells record the split."""
+    folder = chat_model[0]
+    starts = []
+    read_start = split_prefill.read_start
+    monkeypatch.setattr(split_prefill, "read_start", lambda *a: starts.append(1) or read_start(*a))
+    body = {"name": "group", "checkpoint": str(folder), "stages": ["ablate"],
+            "eval": {"tasks": ["niah_single_1"], "lengths": [LENGTH], "samples": 2, "batch_size": 1, "chat": True},
+            "ablate": {"policies": [*SHARED, {"policy": "h2o"}], "compressions": [0.75], "protocols": ["one_shot"],
+                       "interval": 32, "prefill_chunk": 256}}
+
+    def outputs(name):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({**body, "runs_dir": str(tmp_path / name)}))
+        run(load_experiment(path), progress=False)
+        out = tmp_path / name / "group" / "ablate"
+        records = [json.loads(p.read_text()) for p in (out / "cells").glob("*/cell.json")]
+        return [json.loads(line) for line in open(out / "outputs.jsonl")], records
+
+    grouped, records = outputs("grouped")
+    assert len(starts) == 2  # one per prompt for the 4 policies that split
+    assert len(grouped) == 2 * (len(SHARED) + 1)
+    assert sorted(r["inputs"].get("split") for r in records if "h2o" not in r["cell"]) == [256] * len(SHARED)
+    assert all("split" not in r["inputs"] for r in records if "h2o" in r["cell"])
+    monkeypatch.setattr(grid, "share_keys", lambda specs, *a: [""] * len(specs))  # every cell alone
+    alone, _ = outputs("alone")
+    assert len(starts) == 2 + 2 * len(SHARED)  # each policy read each prompt's start itself
+    assert alone == grouped
+
+
+def test_a_group_is_one_shard_unit():
+    cells = [Cell(f"c{i}", {"i": i}, cost=c) for i, c in enumerate([5, 1, 1, 1, 4, 3])]
+    groups = ["", "g", "g", "g", "", ""]
+    shares = [assign(cells, Shard(i, 2), groups) for i in range(2)]
+    assert sorted(shares[0] + shares[1]) == list(range(6))
+    assert any({1, 2, 3} <= set(s) for s in shares)  # the group's three cells went to one worker
+    assert assign(cells, Shard(0, 2)) == assign(cells, Shard(0, 2), [""] * 6)  # no groups: as before
