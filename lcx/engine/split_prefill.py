@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from lcx.cache.hybrid import HybridKind
 from lcx.cache.kv_cache import METADATA, KVCache, SlotCacheKind
 from lcx.config import CacheConfig, ModelConfig
 from lcx.engine.generator import Generator
@@ -36,19 +37,20 @@ TAIL = 256  # a context's last tokens, read by each policy: at least any observa
 def split_refusal(model: ModelConfig, cache: CacheConfig, mesh=None) -> str | None:
     """Why ``cache`` cannot read a context in two parts with the first shared (None: it can)."""
     kind = cache_kind(model, cache, mesh)
-    if type(kind) is not SlotCacheKind or mesh is not None:
+    slots = kind.glob if isinstance(kind, HybridKind) else kind  # sliding-window layers keep their window
+    if type(slots) is not SlotCacheKind or mesh is not None:
         return "only the contiguous slot cache on one device shares a prefill"
-    if kind.budgets is None:
+    if slots.budgets is None:
         return "the full cache compresses nothing: nothing to share"
-    if kind.storage.slot_fields().keys() != {"k", "v"}:
-        return f"its {kind.kv_dtype} storage is written as the prefill reads it (only float slots are shared)"
-    if kind.policy.mode != "original" or model.rope.rerotate:
+    if slots.storage.slot_fields().keys() != {"k", "v"}:
+        return f"its {slots.kv_dtype} storage is written as the prefill reads it (only float slots are shared)"
+    if slots.policy.mode != "original" or model.rope.rerotate:
         return "its keys are not stored rotated at their original positions"
-    extra = [n for n, x in vars(kind.abstract(1, 4 * TAIL)).items()
+    extra = [n for n, x in vars(slots.abstract(1, 4 * TAIL)).items()
              if n not in ("k", "v", "kind", *METADATA) and x is not None]
     if extra:
         return f"it keeps statistics of every query ({', '.join(extra)})"
-    weights = kind.prefill_weights(np.asarray([4 * TAIL]), 4 * TAIL)
+    weights = slots.prefill_weights(np.asarray([4 * TAIL]), 4 * TAIL)
     if weights is not None and np.any(weights[:, :3 * TAIL]):
         return f"it observes queries before a context's last {TAIL} tokens"
     return None
@@ -56,24 +58,44 @@ def split_refusal(model: ModelConfig, cache: CacheConfig, mesh=None) -> str | No
 
 def base_generator(gen: Generator, capacity: int) -> Generator:
     """The full cache that reads the shared part for ``gen``'s policy (and every policy of the same storage): the
-    same model, dtype and prefill chunk, ``capacity`` slots - the policies' own."""
-    cache = CacheConfig(dtype=gen.cache_config.dtype, prefill_chunk=gen.cache_config.prefill_chunk)
+    same model, dtype, prefill chunk and ``interval`` (a sliding-window layer's room), ``capacity`` slots - the
+    policies' own."""
+    own = gen.cache_config
+    cache = CacheConfig(dtype=own.dtype, prefill_chunk=own.prefill_chunk, interval=own.interval)
     return Generator(gen.config, gen.params, max_new_tokens=1, cache=cache, capacity=capacity, unroll=gen.unrolled,
                      strict=gen.strict)
 
 
-def adopt(kind: SlotCacheKind, cache: KVCache) -> KVCache:
-    """``cache`` (a full slot cache that observed nothing) as a fresh state of ``kind``: its keys and values copied
-    (the policy's calls donate their input), its slot metadata broadcast over ``kind``'s keep heads, scores zero."""
-    batch, capacity = int(cache.lengths.shape[0]), cache.capacity
+def adopt(kind, cache):
+    """``cache`` (a full cache that observed nothing) as a fresh state of ``kind`` (a slot cache, or a hybrid one
+    over sliding-window layers): new buffers (the policy's calls donate their input) holding its keys and values,
+    its slot metadata broadcast over ``kind``'s keep heads and its slots padded to ``kind``'s, scores zero."""
+    if isinstance(kind, HybridKind):
+        local = None if cache.loc is None else _slots(kind.loc, cache.loc, kind.local_capacity(cache.planned))
+        return kind.state_type(kind=kind, planned=cache.planned, lengths=jnp.array(cache.lengths, copy=True),
+                               glob=_slots(kind.glob, cache.glob, cache.glob.capacity), loc=local)
+    return _slots(kind, cache, cache.capacity)
+
+
+def _slots(kind: SlotCacheKind, cache: KVCache, capacity: int) -> KVCache:
+    batch = int(cache.k.shape[1])
     shapes = kind.abstract(batch, capacity)
-    if shapes.k.shape != cache.k.shape or shapes.k.dtype != cache.k.dtype:
+    if shapes.k.shape[:-2] != cache.k.shape[:-2] or shapes.k.dtype != cache.k.dtype or capacity < cache.capacity:
         raise ValueError(f"a {cache.k.dtype} cache of keys {cache.k.shape} cannot become a {kind.policy.name} cache "
                          f"of keys {shapes.k.shape} ({shapes.k.dtype})")
-    copy = {n: jnp.array(getattr(cache, n), copy=True) for n in ("k", "v", "lengths")}
-    spread = {n: jnp.array(jnp.broadcast_to(getattr(cache, n), getattr(shapes, n).shape), copy=True)
-              for n in ("pos", "valid", "count")}
-    return kind.state_type(kind=kind, score=jnp.zeros(shapes.score.shape, shapes.score.dtype), **copy, **spread)
+
+    def grow(x, axis: int, fill):  # the slot axis padded with empty slots (a new array: never the input)
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, capacity - x.shape[axis])
+        return jnp.pad(x, widths, constant_values=fill) if capacity > x.shape[axis] else jnp.array(x, copy=True)
+
+    heads = {n: jnp.broadcast_to(getattr(cache, n), getattr(shapes, n).shape[:-1] + getattr(cache, n).shape[-1:])
+             for n in ("pos", "valid")}
+    return kind.state_type(
+        kind=kind, k=grow(cache.k, -2, 0), v=grow(cache.v, -2, 0), pos=grow(heads["pos"], -1, -1),
+        valid=grow(heads["valid"], -1, False), count=jnp.array(jnp.broadcast_to(cache.count, shapes.count.shape)),
+        score=jnp.zeros(shapes.score.shape, shapes.score.dtype),
+        lengths=None if cache.lengths is None else jnp.array(cache.lengths, copy=True))
 
 
 def split(contexts: list[np.ndarray]) -> bool:
