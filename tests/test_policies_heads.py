@@ -186,3 +186,28 @@ def test_per_head_cache_attends_exactly_what_each_head_keeps():
     pos = runs["per_head"][2]  # [L, b, H, C]
     assert (np.sort(pos[:, :, 0], -1) == np.sort(runs["shared"][2][:, :, 0], -1)).all()
     assert (np.sort(pos[:, :, 0], -1) != np.sort(pos[:, :, 1], -1)).any()  # the heads' sets do differ
+
+
+@pytest.mark.parametrize("haystack", ["noise", "prose"])
+def test_kvzip_head_budget_and_the_haystack(haystack):
+    """The mechanism behind docs/real_model (e)'s KVzip finding on SmolLM2 (per KV head: 8/8 passkeys in a
+    repeated-noise haystack, 0/8 in prose; global: 5-8/8 in both). Two KV heads of one layer, 8 slots each; the
+    needle (4 slots) is what head 0 reconstructs from. In noise filler nothing else stands out, so it is head 0's
+    top and both rules keep it. In prose 11 other tokens outscore it in head 0: its own 8 slots (uniform) drop it;
+    the pooled 16 (global) flow to head 0, where the scores are (15 of them: head 1 keeps its floor of 1), and keep
+    it - head 1, whose scores are low everywhere, gives up slots it does not need."""
+    c, budget, needle = 64, 8, np.arange(30, 34)
+    rng = np.random.default_rng(0)
+    scores = rng.uniform(0.0, 0.02, (2, c))  # filler: low everywhere
+    scores[0, needle] = 0.8
+    if haystack == "prose":
+        scores[0, rng.choice(np.setdiff1d(np.arange(c), needle), 11, replace=False)] = 0.9  # sentences that compete
+    pos = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (2, c))
+    ok = jnp.ones((2, c), bool)
+    per_head = np.asarray(adaptive_keep(make_policy("kvzip", {"head_cap": 1.0}), jnp.asarray(scores, jnp.float32),
+                                        ok, pos, jnp.int32(budget)))  # cap = budget: each head its own top 8
+    pooled = np.asarray(adaptive_keep(make_policy("kvzip", {"head_budget": "global"}),
+                                      jnp.asarray(scores, jnp.float32), ok, pos, jnp.int32(budget)))
+    assert per_head.sum() == pooled.sum() == 2 * budget  # the same memory
+    assert pooled[0, needle].all()
+    assert per_head[0, needle].all() == (haystack == "noise")
