@@ -60,7 +60,7 @@ def test_a_shared_start_gives_each_policy_its_cache_alone(chat_model):
     _, config, params, task = chat_model
     examples = cell_examples(task, length=LENGTH, depth=None, samples=2, seed=0)
     contexts = [ex.prompt_ids[:ex.context_len] for ex in examples]
-    assert split_prefill.split(contexts)
+    assert split_prefill.split(contexts, LENGTH + 128)
     caches = [_one_shot(spec) for spec in SHARED]
     gens = [Generator(config, params, max_new_tokens=64, cache=c, capacity=LENGTH + 128,
                       **policy_inputs(c.make_policy(), task.frame)) for c in caches]
@@ -177,3 +177,36 @@ def _overlap(a, b) -> float:
         return {(*idx[:-1], int(pos[idx])) for idx in zip(*np.nonzero(valid))}
     x, y = kept(a), kept(b)
     return len(x & y) / max(len(x | y), 1)
+
+
+def test_what_a_split_needs_besides_the_policy(chat_model):
+    """The split is a one-shot read: a cache too small for the whole context reads it in one call, evicting as it
+    goes (SnapKV answers; KVzip is refused as before, naming the whole context's length); a RoPE whose frequencies
+    depend on the length is refused; caches of other dtypes do not share a start, and a group of both runs."""
+    import dataclasses
+
+    from lcx.config import ConfigError
+    from lcx.eval.one_shot import one_shot_outputs
+    from lcx.eval.evaluate import prompt_batches, retrieval_outputs
+    from lcx.model.config import RopeConfig
+
+    _, config, params, task = chat_model
+    examples = cell_examples(task, length=LENGTH, depth=None, samples=1, seed=0)
+    contexts = [ex.prompt_ids[:ex.context_len] for ex in examples]
+    assert not split_prefill.split(contexts, len(contexts[0]) - 1) and split_prefill.split(contexts, LENGTH)
+    small = CacheConfig(policy="snapkv", budget=64, window=8)  # capacity 96 < the context: evicts while reading
+    _, out = retrieval_outputs(config, params, task, length=LENGTH, depth=None, samples=1, batch_size=1, seed=0,
+                               cache=small, max_new_tokens=4, protocol="one_shot")
+    assert isinstance(out[0], str)
+    with pytest.raises(ConfigError, match=f"the prompt \\({len(contexts[0])} tokens\\) must fit"):
+        retrieval_outputs(config, params, task, length=LENGTH, depth=None, samples=1, batch_size=1, seed=0,
+                          cache=CacheConfig(policy="kvzip", budget=300, interval=64, chunk=128), max_new_tokens=4,
+                          protocol="one_shot")
+    dynamic = dataclasses.replace(config, rope=RopeConfig(type="dynamic", factor=4.0))
+    assert "depend on the length" in split_prefill.split_refusal(dynamic, _one_shot({"policy": "tova"}))
+    half = _one_shot({"policy": "tova", "dtype": "bfloat16"})
+    assert split_prefill.base_key(half, 900) != split_prefill.base_key(_one_shot({"policy": "tova"}), 900)
+    measured = one_shot_outputs(config, params, task, examples, [_one_shot({"policy": "tova"}), half],
+                                batches=prompt_batches(examples, 1, "one_shot", task.name), batch_size=1, max_new=4,
+                                generator_new=4 + 64, capacity=LENGTH + 128, unroll=None)
+    assert all(isinstance(m.outputs[0], str) and m.counts["prefilled_tokens"] > 0 for m in measured)

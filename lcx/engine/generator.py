@@ -169,11 +169,12 @@ class Generator:
                                   "prefill(state=...) appends to a filled one - use a mesh without seq for it")
             cache, capacity = self._continued(state, batch, max_len)
         reconstructs = getattr(self.policy, "reconstructs", False)
-        if reconstructs and ((state is not None and whole is None) or max_len > capacity):
+        longest = max_len if whole is None else max(len(w) for w in whole)  # what the policy scores and keeps
+        if reconstructs and ((state is not None and whole is None) or longest > capacity):
             raise ConfigError(
                 f"cache.policy={self.cache_config.policy!r} compresses a fresh prompt once, after scoring all of it: "
                 + ("append later tokens with Generator.score, not prefill(state=...)" if state is not None else
-                   f"the prompt ({max_len} tokens) must fit the capacity ({capacity}) - raise cache.interval to at "
+                   f"the prompt ({longest} tokens) must fit the capacity ({capacity}) - raise cache.interval to at "
                    f"least the prompt length - budget"))
         cache, last_logits = self._chunks(ids, lengths, cache, capacity, progress)
         if reconstructs:

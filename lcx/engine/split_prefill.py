@@ -30,6 +30,7 @@ from lcx.config import CacheConfig, ModelConfig
 from lcx.engine.generator import Generator
 from lcx.engine.planning import cache_kind
 from lcx.engine.state import DecodeState
+from lcx.model import rope_scaling
 
 TAIL = 256  # a context's last tokens, read by each policy: at least any observation window split_refusal allows
 
@@ -46,6 +47,8 @@ def split_refusal(model: ModelConfig, cache: CacheConfig, mesh=None) -> str | No
         return f"its {slots.kv_dtype} storage is written as the prefill reads it (only float slots are shared)"
     if slots.policy.mode != "original" or model.rope.rerotate:
         return "its keys are not stored rotated at their original positions"
+    if any(rope_scaling.get(spec.rope.type).length_dependent for spec in model.attention_specs()):
+        return "its RoPE frequencies depend on the length a call reaches (a shared start would rotate by another)"
     extra = [n for n, x in vars(slots.abstract(1, 4 * TAIL)).items()
              if n not in ("k", "v", "kind", *METADATA) and x is not None]
     if extra:
@@ -64,6 +67,11 @@ def base_generator(gen: Generator, capacity: int) -> Generator:
     cache = CacheConfig(dtype=own.dtype, prefill_chunk=own.prefill_chunk, interval=own.interval)
     return Generator(gen.config, gen.params, max_new_tokens=1, cache=cache, capacity=capacity, unroll=gen.unrolled,
                      strict=gen.strict)
+
+
+def base_key(cache: CacheConfig, capacity: int) -> tuple:
+    """What the shared start depends on besides the contexts: caches of one key can share it."""
+    return capacity, cache.dtype, cache.prefill_chunk, cache.interval
 
 
 def adopt(kind, cache):
@@ -98,9 +106,11 @@ def _slots(kind: SlotCacheKind, cache: KVCache, capacity: int) -> KVCache:
         lengths=None if cache.lengths is None else jnp.array(cache.lengths, copy=True))
 
 
-def split(contexts: list[np.ndarray]) -> bool:
-    """Whether every context is long enough to be read in two parts."""
-    return min(len(c) for c in contexts) > TAIL
+def split(contexts: list[np.ndarray], capacity: int) -> bool:
+    """Whether the contexts are read in two parts by a cache of ``capacity`` slots: each is longer than the tail, and
+    the cache holds the longest whole - a one-shot compression (a smaller cache evicts while it reads, observing
+    each chunk's end, which one call does too)."""
+    return min(len(c) for c in contexts) > TAIL and capacity >= max(len(c) for c in contexts)
 
 
 def read_start(base: Generator, contexts: list[np.ndarray]) -> DecodeState:
@@ -115,4 +125,4 @@ def read_rest(gen: Generator, start: DecodeState, contexts: list[np.ndarray]) ->
     return gen.prefill([np.asarray(c)[-TAIL:] for c in contexts], state=state, whole=[np.asarray(c) for c in contexts])
 
 
-__all__ = ["TAIL", "adopt", "base_generator", "read_rest", "read_start", "split", "split_refusal"]
+__all__ = ["TAIL", "adopt", "base_generator", "base_key", "read_rest", "read_start", "split", "split_refusal"]

@@ -247,7 +247,7 @@ def _cell(spec, caches, models, ev: EvalConfig, tasks: dict, per_task: dict, ppl
         samples = setting.samples or ev.samples
         record.update(task=name, params=dict(ev.params) if not ev.tasks else {}, depth=depth, samples=samples,
                       chat=ev.chat, max_new_tokens=per_task[name])
-        if setting.protocol == "one_shot" and split_refusal(models[variant.name][0], cache) is None:
+        if setting.protocol == "one_shot" and length > TAIL and split_refusal(models[variant.name][0], cache) is None:
             record["split"] = TAIL  # the context read in two calls (lcx.engine.split_prefill); before: one
         if drafts.get((setting, variant.name, length)):  # only here: the grid's other cells stay done
             record["speculative"] = ev.speculative.to_dict()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from lcx.engine.split_prefill import split_refusal
+from lcx.engine.split_prefill import base_key, split_refusal
 
 
 def share_keys(specs, caches: dict, capacities: dict, models, ev) -> list[str]:
@@ -29,7 +29,7 @@ def share_keys(specs, caches: dict, capacities: dict, models, ev) -> list[str]:
             keys.append("")
             continue
         keys.append(json.dumps([variant.name, name, length, depth, setting.samples or ev.samples,
-                                capacities[(setting, variant.name, length)]]))
+                                *base_key(cache, capacities[(setting, variant.name, length)])]))
     counts = Counter(keys)
     return [k if k and counts[k] > 1 else "" for k in keys]
 

@@ -48,53 +48,59 @@ def one_shot_outputs(model: ModelConfig, params, task: Task, examples: list[Exam
     gens = [Generator(model, params, max_new_tokens=generator_new, cache=c, eos_id=tok.eos_id, capacity=capacity,
                       unroll=unroll, **policy_inputs(c.make_policy(), task.frame)) for c in caches]
     splits = [split_prefill.split_refusal(model, c, g.mesh) is None for g, c in zip(gens, caches)]
-    bases: dict[int, Generator] = {}
+    bases: dict[tuple, Generator] = {}
     out = [Measured([""] * len(examples), {"prompt_tokens": 0, "prefilled_tokens": 0, "kv_bytes": 0,
                                            "held_kv_bytes": 0}) for _ in caches]
     forks = all(g.mesh is None and g.kind.can_fork for g in gens)
-    for batch in batches:
-        real = len(batch)
-        batch = batch + [batch[-1]] * (min(batch_size, len(examples)) - real)  # one compiled batch shape
-        contexts = [examples[i].prompt_ids[:examples[i].context_len] for i in batch]
-        runs = _runs(contexts) if forks else [(i, 1) for i in range(len(contexts))]
-        unique = [contexts[start] for start, _ in runs]
-        questions = np.stack([examples[i].prompt_ids[examples[i].context_len:] for i in batch])
-        start, users, shared = None, sum(splits) if split_prefill.split(unique) else 0, 0.0
-        for gen, splits_, m in zip(gens, splits, out):
-            t0 = time.perf_counter()
-            with warnings.catch_warnings():  # an evaluation grid measures past the trained range on purpose
-                warnings.simplefilter("ignore", PositionRangeWarning)
-                if splits_ and users:
-                    if start is None:  # the shared start: read once, its time shared by every setting that uses it
-                        cap = capacity or plan_capacity(model, gen.cache_config, len(unique),
-                                                        max(len(c) for c in unique), gen.max_new_tokens)
-                        base = bases.get(cap) or bases.setdefault(cap, split_prefill.base_generator(gen, cap))
-                        t1 = time.perf_counter()
-                        start = split_prefill.read_start(base, unique)
-                        shared = time.perf_counter() - t1
-                        t0 += shared  # added back below, in equal shares
-                    state = split_prefill.read_rest(gen, start, unique)
-                    m.counts["prefilled_tokens"] += sum(len(c) for c in unique) - len(unique) * split_prefill.TAIL
-                    m.seconds += shared / users if shared else 0.0
-                else:
-                    state = gen.prefill(unique)
-                if len(runs) < len(contexts):
-                    state = gen.fork(state, [n for _, n in runs])
-                held = state.cache.held_bytes() // len(contexts)
-                if questions.shape[1]:
-                    state, _ = gen.score(state, questions)
-                result = gen.result(gen.decode(state, steps=max_new))
-            m.seconds += time.perf_counter() - t0
-            m.counts["prompt_tokens"] += sum(len(c) for c in contexts)
-            m.counts["kv_bytes"] = max(m.counts["kv_bytes"], result.cache_bytes // max(len(result.tokens), 1))
-            m.counts["held_kv_bytes"] = max(m.counts["held_kv_bytes"], held)
-            for i, tokens, n in zip(batch[:real], result.tokens, result.lengths):
-                m.outputs[i] = tok.decode(tokens[:n])
-    for gen, m in zip(gens, out):
-        m.counts["prefilled_tokens"] += gen.prefilled_tokens
-        gen.close()
-    for base in bases.values():
-        base.close()
+    try:
+        for batch in batches:
+            real = len(batch)
+            batch = batch + [batch[-1]] * (min(batch_size, len(examples)) - real)  # one compiled batch shape
+            contexts = [examples[i].prompt_ids[:examples[i].context_len] for i in batch]
+            runs = _runs(contexts) if forks else [(i, 1) for i in range(len(contexts))]
+            unique = [contexts[start] for start, _ in runs]
+            questions = np.stack([examples[i].prompt_ids[examples[i].context_len:] for i in batch])
+            # each cache's slots for this batch (as its prefill would plan them), and whether it reads in two parts
+            caps = [capacity or plan_capacity(model, g.cache_config, len(unique), max(len(c) for c in unique),
+                                              g.max_new_tokens) for g in gens]
+            keys = [split_prefill.base_key(c, cap) if ok and split_prefill.split(unique, cap) else None
+                    for c, cap, ok in zip(caches, caps, splits)]
+            starts: dict[tuple, tuple] = {}  # base key -> (start state, seconds per cache that shares it)
+            for gen, key, m in zip(gens, keys, out):
+                t0 = time.perf_counter()
+                with warnings.catch_warnings():  # an evaluation grid measures past the trained range on purpose
+                    warnings.simplefilter("ignore", PositionRangeWarning)
+                    if key is not None:
+                        if key not in starts:  # read once; its time shared equally by the caches of its key
+                            base = bases.get(key) or bases.setdefault(key, split_prefill.base_generator(gen, key[0]))
+                            t1 = time.perf_counter()
+                            start = split_prefill.read_start(base, unique)
+                            starts[key] = (start, (time.perf_counter() - t1) / keys.count(key))
+                            t0 += time.perf_counter() - t1  # added back below, in equal shares
+                        start, share = starts[key]
+                        state = split_prefill.read_rest(gen, start, unique)
+                        m.seconds += share
+                        m.counts["prefilled_tokens"] += sum(len(c) for c in unique) - len(unique) * split_prefill.TAIL
+                    else:
+                        state = gen.prefill(unique)
+                    if len(runs) < len(contexts):
+                        state = gen.fork(state, [n for _, n in runs])
+                    held = state.cache.held_bytes() // len(contexts)
+                    if questions.shape[1]:
+                        state, _ = gen.score(state, questions)
+                    result = gen.result(gen.decode(state, steps=max_new))
+                m.seconds += time.perf_counter() - t0
+                m.counts["prompt_tokens"] += sum(len(c) for c in contexts)
+                m.counts["kv_bytes"] = max(m.counts["kv_bytes"], result.cache_bytes // max(len(result.tokens), 1))
+                m.counts["held_kv_bytes"] = max(m.counts["held_kv_bytes"], held)
+                for i, tokens, n in zip(batch[:real], result.tokens, result.lengths):
+                    m.outputs[i] = tok.decode(tokens[:n])
+            del starts  # the shared starts' buffers, before the next batch's
+        for gen, m in zip(gens, out):
+            m.counts["prefilled_tokens"] += gen.prefilled_tokens
+    finally:
+        for gen in [*gens, *bases.values()]:
+            gen.close()
     return out
 
 
