@@ -145,7 +145,8 @@ def test_lowbit_eviction_keeps_values_exact_and_keys_within_requantization(param
                                    atol=float(np.abs(flt.v[0]).max()) / 7.5 * 0.51 + 1e-6)
 
 
-POLICIES = {"streaming": dict(sinks=2), "h2o": {}, "tova": {}, "snapkv": dict(window=4), "knorm": {},
+# SnapKV runs as AdaKV's and PyramidKV's scorer here and on int2 pages below.
+POLICIES = {"streaming": dict(sinks=2), "h2o": {}, "tova": {}, "knorm": {},
             "ladder": dict(sinks=2, span=1, overlap=0, recent=4),  # span below the 2 layers
             "adakv": dict(policy="snapkv", window=4, head_budget="adaptive"),
             "pyramid": dict(policy="snapkv", window=4, budget_schedule="pyramid"),
@@ -156,8 +157,9 @@ POLICIES = {"streaming": dict(sinks=2), "h2o": {}, "tova": {}, "snapkv": dict(wi
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(POLICIES))  # one case per policy: the workers share them
 def test_lowbit_every_eviction_policy_runs_and_keeps_its_budget(params, name):
-    """Every eviction policy runs on int2 codes with a window (scores on the dequantized slots, survivors
-    re-quantized): finite logits, the cache evicted and within its capacity, fewer bytes than the float cache."""
+    """Every eviction policy (SnapKV as AdaKV's and PyramidKV's scorer) runs on int2 codes with a window (scores
+    on the dequantized slots, survivors re-quantized): finite logits, the cache evicted and within its capacity,
+    fewer bytes than the float cache."""
     from lcx.cache.reconstruct import Reconstruction
 
     kw = {"policy": name, **POLICIES[name]}
