@@ -1,0 +1,57 @@
+"""The tables of docs/real_model (l) from ``memory_router_probe.py``'s JSON lines: one row per prompt (where the
+needle is, its block's rank and share of (layer, KV head) pairs recalling it, the answers with the router and with
+the oracle), then the share recalling it under each routing alternative, averaged over the prompts with a block.
+
+    python experiments/real_model/memory_router_table.py runs/memory_probe/smollm2_16k.jsonl [--topk 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def _answer(cell) -> str:
+    if cell is None or cell.get("found") is None:
+        return "-"
+    text = " ".join(cell["output"].split())[:28].replace("|", "\\|")
+    return f"{'yes' if cell['found'] else 'no'} (`{text}`)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+", type=Path)
+    args = ap.parse_args()
+    for path in args.files:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        print(f"\n## {path.stem} ({len(rows)} prompts)\n")
+        print("| prompt | needle at token | blocks | (layer, head) recalling it | median rank | router | oracle |")
+        print("|---:|---:|---:|---:|---:|---|---|")
+        for r in rows:
+            where = f"{r['needle_tokens'][0]:,} of {r['length']:,}" if "needle_tokens" in r else "in the window"
+            share = f"{r['in_top']:.0%}" if "in_top" in r else "-"
+            rank = f"{r['median_rank']:g}" if "median_rank" in r else "-"
+            print(f"| {r['prompt']} | {where} | {r.get('blocks', '-')} | {share} | {rank} | {_answer(r['router'])} | "
+                  f"{_answer(r.get('oracle'))} |")
+        found = [r["router"]["found"] for r in rows]
+        oracle = [r["oracle"]["found"] for r in rows if r.get("oracle") and r["oracle"]["found"] is not None]
+        print(f"\nrouter {sum(found)}/{len(found)}" + (f", oracle {sum(oracle)}/{len(oracle)} (prompts with a block)"
+                                                      if oracle else ""))
+        blocked = [r for r in rows if "alternatives" in r]
+        if blocked:
+            names = list(blocked[0]["alternatives"])
+            print("\n| routing | (layer, head) pairs recalling the needle's block, mean over prompts | "
+                  "median rank, median over prompts |\n|---|---:|---:|")
+            print(f"| as configured | {np.mean([r['in_top'] for r in blocked]):.0%} | "
+                  f"{np.median([r['median_rank'] for r in blocked]):g} |")
+            for name in names:
+                alt = [r["alternatives"][name] for r in blocked if name in r["alternatives"]]
+                print(f"| {name} | {np.mean([a['in_top'] for a in alt]):.0%} | "
+                      f"{np.median([a['median_rank'] for a in alt]):g} |")
+
+
+if __name__ == "__main__":
+    main()
