@@ -10,15 +10,21 @@ The prompts are the grid's (the config's ``eval`` section, its seed and chat set
 memory-tier row (``--cache`` overrides it, YAML inline). Per prompt the script
 
 1. reads the whole prompt as the grid does (one ``prefill``: chunks of ``prefill_chunk``, spills between them), then,
-   per layer and KV head, scores every long-term block with the router and the pooled last queries of the prompt -
-   what the first decode step routes with; ``rank`` is the best rank of a block holding the needle sentence (0: the
-   top), ``in_top`` the share of (layer, head) pairs where it is among the ``topk`` recalled;
+   per layer and KV head, scores every long-term block with the router and the pooled last queries of the prompt;
+   ``rank`` is the best rank of a block holding the needle sentence (0: the top), ``in_top`` the share of (layer,
+   head) pairs where it is among the ``topk`` recalled;
 2. decodes the answer (the router as configured);
 3. with ``--oracle``: reads the context (up to the question), widens the Quest bounds of the needle's blocks to
    +-1e4 so every layer and KV head recalls them from then on, reads the question and decodes - the answer the model
-   gives when routing is perfect. A needle still in the working window has no block: no oracle row.
+   gives when routing is perfect. A needle still in the working window has no block: no oracle row;
+4. with ``--control``: the oracle's two calls without the widening, so the oracle's effect is the widening's alone.
 
-Prints one line per prompt and writes ``--out`` (JSON lines: ranks per layer and head, answers).
+The ranks are taken after the prompt's last call and its spill, over every block then in the store - the candidates
+of the first decode step, which pools the same last queries and its own.
+
+Prints one line per prompt and writes ``--out`` (JSON lines: ranks per layer and head, answers). Settings it does
+not reproduce are refused (``check_probe``): a device store, clustered blocks, shared or grouped routing, the learned
+router.
 """
 
 from __future__ import annotations
@@ -171,29 +177,51 @@ def widen(cache, needle_blocks: list[list[int]]):
     return cache.replace(kmin=jnp.asarray(kmin), kmax=jnp.asarray(kmax))
 
 
-def run(lm, cache_cfg, ex, new: int, oracle: bool):
+def run(lm, cache_cfg, ex, new: int, mode: str):
+    """One prompt in one ``mode`` (:data:`MODES`): ``(answer, ranks, block count, needle span, needle blocks)``;
+    answer None where the mode needs a needle block and the needle is still in the working window."""
     ids = list(map(int, ex.prompt_ids))
     cut = ex.context_len
-    # room for the question read after the context (the oracle's second call), the same in both modes
+    # room for the question read after the context (the split modes' second call), the same in every mode
     gen = Generator(lm.config, lm.params, max_new_tokens=new, cache=cache_cfg, eos_id=lm.eos_id,
                     unroll=False, capacity=len(ids) + new + 128)
     start, end = needle_span(lm.tokenizer, ids, ex.references[0])
-    if oracle:  # the context, the needle's blocks widened, then the question
+    if mode == "router":  # the whole prompt in one prefill, as the grid reads it
+        state = gen.prefill([ids])
+        blocks = _needle_blocks(state, start, end)
+    else:  # the context, then (the needle's blocks widened for the oracle) the question
         state = gen.prefill([ids[:cut]])
         blocks = _needle_blocks(state, start, end)
         if not all(blocks):  # the needle is still in the working window: nothing to force
             gen.close()
             return None, None, None, (start, end), []
-        state = gen.prefill([ids[cut:]], state=state.replace(cache=_widened(state.cache, blocks)))
-    else:  # the whole prompt in one prefill, as the grid reads it
-        state = gen.prefill([ids])
-        blocks = _needle_blocks(state, start, end)
+        if mode == "oracle":
+            state = state.replace(cache=_widened(state.cache, blocks))
+        state = gen.prefill([ids[cut:]], state=state)
     memory = memory_of(state.cache)
     rank, count = (ranks(gen, memory, blocks, get_store(int(memory.store_id[0]))) if all(blocks) else (None, None))
     result = gen.result(gen.decode(state, steps=new))
     gen.close()
     answer = lm.tokenizer.decode([t for t in result.tokens[0][:result.lengths[0]] if t != lm.eos_id])
     return answer, rank, count, (start, end), blocks[0]
+
+
+MODES = ("router", "oracle", "control")
+
+
+def check_probe(cfg: CacheConfig, modes) -> None:
+    """Refuse the memory settings the probe does not reproduce: it ranks blocks per KV head over every block, reads
+    block positions from a host / disk store, and widens Quest's per-block bounds."""
+    p = dict(cfg.policy_params)
+    unsupported = {"store": p.get("store", "host") == "device", "blocks": p.get("blocks", "contiguous") != "contiguous",
+                   "route_heads": p.get("route_heads", "per_head") != "per_head",
+                   "route_groups": bool(p.get("route_groups", 0)), "router": p.get("router", "quest") == "learned"}
+    bad = sorted(name for name, hit in unsupported.items() if hit)
+    if bad:
+        raise SystemExit(f"the probe does not reproduce cache.{', cache.'.join(bad)} as set: it needs store host or "
+                         "disk, contiguous blocks, per-head routing, no route_groups and a quest or infllm router")
+    if "oracle" in modes and p.get("router", "quest") != "quest":
+        raise SystemExit("--oracle widens Quest's bounds: it needs router: quest")
 
 
 def main(argv=None) -> int:
@@ -205,45 +233,48 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--cache", default=None, help="the memory row, YAML inline (default: the config's)")
     ap.add_argument("--oracle", action="store_true", help="also answer with the needle's blocks forced")
+    ap.add_argument("--control", action="store_true",
+                    help="also answer from the oracle's two calls without the widening (what the split alone does)")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=None,
+                    help="exactly these modes (default: router, and oracle / control where asked)")
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
     lm = lcx.load(args.model)
     cfg = memory_cache(args.config, args.cache, args.length)
+    modes = tuple(args.modes or ("router",) + ("oracle",) * args.oracle + ("control",) * args.control)
+    check_probe(cfg, modes)
     exs = examples(lm, args.config, args.task, args.length, args.samples)
     rows = []
     topk = dict(cfg.policy_params).get("topk", 8)
-    if args.oracle and dict(cfg.policy_params).get("router", "quest") != "quest":
-        raise SystemExit("--oracle widens Quest's bounds: it needs router: quest")
     print(f"cache: {cfg}", flush=True)
     for i, ex in enumerate(exs):
         t0 = time.time()
         row = {"prompt": i, "answer": ex.answer, "length": len(ex.prompt_ids)}
-        for mode in ("router", "oracle") if args.oracle else ("router",):
-            answer, rank, count, span, blocks = run(lm, cfg, ex, args.new, mode == "oracle")
+        for mode in modes:
+            answer, rank, count, span, blocks = run(lm, cfg, ex, args.new, mode)
+            row["needle_tokens"] = list(span)
             if answer is None:
                 row[mode] = {"output": None, "found": None}
                 continue
             row[mode] = {"output": answer, "found": bool(lcx_score(ex, answer))}
             if mode == "router" and rank is not None:
                 routed = rank["routed"]
-                row.update(needle_tokens=list(span), needle_blocks=blocks, blocks=int(count[0]),
-                           rank=routed.tolist(), in_top=float(np.mean(routed < topk)),
-                           median_rank=float(np.median(routed)),
+                row.update(needle_blocks=blocks, blocks=int(count[0]), rank=routed.tolist(),
+                           in_top=float(np.mean(routed < topk)), median_rank=float(np.median(routed)),
                            alternatives={name: {"in_top": float(np.mean(r < topk)), "median_rank": float(np.median(r))}
                                          for name, r in rank.items() if name != "routed"})
         rows.append(row)
+        answers = "; ".join(f"{m} {row[m]['found']} {row[m]['output']!r}" for m in modes)
         print(f"[{i + 1}/{len(exs)}] {time.time() - t0:.0f} s  needle tokens {row.get('needle_tokens')} of "
               f"{row['length']}, blocks {row.get('blocks')}: in the top {topk} for {row.get('in_top', 0):.0%} of "
-              f"layer x head, median rank {row.get('median_rank')} {row.get('alternatives', '')}; "
-              f"router {row['router']['found']} "
-              f"{row['router']['output']!r}" + (f"; oracle {row['oracle']['found']} {row['oracle']['output']!r}"
-                                               if args.oracle else ""), flush=True)
+              f"layer x head, median rank {row.get('median_rank')} {row.get('alternatives', '')}; {answers}",
+              flush=True)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    for mode in ("router", "oracle") if args.oracle else ("router",):
+    for mode in modes:
         done = [r[mode]["found"] for r in rows if r[mode]["found"] is not None]
         print(f"{mode}: {sum(done)}/{len(done)} found")
     return 0

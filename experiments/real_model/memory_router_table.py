@@ -1,8 +1,8 @@
 """The tables of docs/real_model (l) from ``memory_router_probe.py``'s JSON lines: one row per prompt (where the
-needle is, its block's rank and share of (layer, KV head) pairs recalling it, the answers with the router and with
-the oracle), then the share recalling it under each routing alternative, averaged over the prompts with a block.
+needle is, its block's rank and share of (layer, KV head) pairs recalling it, the answers in each mode the probe ran:
+router, oracle, control), then the share recalling it under each routing alternative, averaged over the prompts with a block.
 
-    python experiments/real_model/memory_router_table.py runs/memory_probe/smollm2_16k.jsonl [--topk 8]
+    python experiments/real_model/memory_router_table.py runs/memory_probe/smollm2_16k.jsonl [more.jsonl ...]
 """
 
 from __future__ import annotations
@@ -28,18 +28,22 @@ def main() -> None:
     for path in args.files:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         print(f"\n## {path.stem} ({len(rows)} prompts)\n")
-        print("| prompt | needle at token | blocks | (layer, head) recalling it | median rank | router | oracle |")
-        print("|---:|---:|---:|---:|---:|---|---|")
+        modes = [m for m in ("router", "oracle", "control") if any(m in r for r in rows)]
+        print("| prompt | needle at token | blocks | (layer, head) recalling it | median rank | " + " | ".join(modes)
+              + " |")
+        print("|---:|---:|---:|---:|---:|" + "---|" * len(modes))
         for r in rows:
-            where = f"{r['needle_tokens'][0]:,} of {r['length']:,}" if "needle_tokens" in r else "in the window"
+            span = r.get("needle_tokens")  # files of the probe's first version hold no span for an unranked needle
+            where = ("in the window" if span is None else
+                     f"{span[0]:,} of {r['length']:,}" + ("" if "in_top" in r else " (in the window)"))
             share = f"{r['in_top']:.0%}" if "in_top" in r else "-"
             rank = f"{r['median_rank']:g}" if "median_rank" in r else "-"
-            print(f"| {r['prompt']} | {where} | {r.get('blocks', '-')} | {share} | {rank} | {_answer(r['router'])} | "
-                  f"{_answer(r.get('oracle'))} |")
-        found = [r["router"]["found"] for r in rows]
-        oracle = [r["oracle"]["found"] for r in rows if r.get("oracle") and r["oracle"]["found"] is not None]
-        print(f"\nrouter {sum(found)}/{len(found)}" + (f", oracle {sum(oracle)}/{len(oracle)} (prompts with a block)"
-                                                      if oracle else ""))
+            print(f"| {r['prompt']} | {where} | {r.get('blocks', '-')} | {share} | {rank} | "
+                  + " | ".join(_answer(r.get(m)) for m in modes) + " |")
+        for mode in modes:
+            done = [r[mode]["found"] for r in rows if r.get(mode) and r[mode]["found"] is not None]
+            print(f"\n{mode}: {sum(done)}/{len(done)} found" + ("" if mode == "router" else
+                                                              " (the prompts whose needle left the window)"))
         blocked = [r for r in rows if "alternatives" in r]
         if blocked:
             names = list(blocked[0]["alternatives"])
