@@ -1,6 +1,7 @@
 """The tables of docs/real_model (l) from ``memory_router_probe.py``'s JSON lines: one row per prompt (where the
 needle is, its block's rank and share of (layer, KV head) pairs recalling it, the answers in each mode the probe ran:
-router, oracle, control), then the share recalling it under each routing alternative, averaged over the prompts with a block.
+router, oracle, control), then the share recalling it under each routing alternative, averaged over the prompts
+with a block.
 
     python experiments/real_model/memory_router_table.py runs/memory_probe/smollm2_16k.jsonl [more.jsonl ...]
 """
