@@ -54,7 +54,8 @@ def examples(lm, config: str, task_name: str, length: int, samples: int):
     tasks = grid_tasks(ev, lm.tokenizer)[0]
     if task_name not in tasks:
         raise SystemExit(f"--task={task_name!r} is not in {config}'s eval.tasks {sorted(tasks)}")
-    return cell_examples(tasks[task_name], length=length, depth=None, samples=samples, seed=ev.seed)
+    task = tasks[task_name]
+    return task, cell_examples(task, length=length, depth=None, samples=samples, seed=ev.seed)
 
 
 def needle_span(tok, ids: list[int], value: str) -> tuple[int, int]:
@@ -245,7 +246,7 @@ def main(argv=None) -> int:
     cfg = memory_cache(args.config, args.cache, args.length)
     modes = tuple(args.modes or ("router",) + ("oracle",) * args.oracle + ("control",) * args.control)
     check_probe(cfg, modes)
-    exs = examples(lm, args.config, args.task, args.length, args.samples)
+    task, exs = examples(lm, args.config, args.task, args.length, args.samples)
     rows = []
     topk = dict(cfg.policy_params).get("topk", 8)
     print(f"cache: {cfg}", flush=True)
@@ -258,7 +259,7 @@ def main(argv=None) -> int:
             if answer is None:
                 row[mode] = {"output": None, "found": None}
                 continue
-            row[mode] = {"output": answer, "found": bool(lcx_score(ex, answer))}
+            row[mode] = {"output": answer, "found": task.score(ex, answer) == 1.0}  # the grid's grading
             if mode == "router" and rank is not None:
                 routed = rank["routed"]
                 row.update(needle_blocks=blocks, blocks=int(count[0]), rank=routed.tolist(),
@@ -278,10 +279,6 @@ def main(argv=None) -> int:
         done = [r[mode]["found"] for r in rows if r[mode]["found"] is not None]
         print(f"{mode}: {sum(done)}/{len(done)} found")
     return 0
-
-
-def lcx_score(ex, output: str) -> float:
-    return float(all(ref in output for ref in ex.references))
 
 
 if __name__ == "__main__":
