@@ -357,3 +357,40 @@ def test_bos_is_recorded_and_only_cells_whose_prompts_lost_it_rerun(ckpt, tok, t
     old = tmp_path / "old.csv"  # written before the column
     old.write_text(",".join(FIELDS[:-1]) + "\n" + ",".join(str(row.get(k, "")) for k in FIELDS[:-1]) + "\n")
     assert read_csv(old)[0]["bos"] == "" and read_csv(old)[0]["value"] == 1.0
+
+
+def test_eval_bos_forces_the_bos_of_plain_retrieval_prompts(ckpt, tok):
+    """``eval.bos: true`` puts BOS first on every plain retrieval prompt of a tokenizer that adds none (the prompts
+    lcx built before it followed the tokenizer), so its cells' inputs equal those records again; ``false`` drops it;
+    the perplexity windows and a chat frame keep their own rule; what a tokenizer cannot follow is refused by name."""
+    from lcx.config import CacheConfig
+    from lcx.eval.config import AblateConfig, RopeVariant
+
+    base = {"task": "passkey", "lengths": [300], "samples": 2, "perplexity": {"task": "prose"}}
+    built = {bos: prompts(EvalConfig.from_mapping({**base, "bos": bos}), tok) for bos in (None, True, False)}
+    for cell_none, cell_true, cell_false in zip(*built.values()):
+        for ids_none, ids_true, ids_false in zip(cell_none.ids, cell_true.ids, cell_false.ids):
+            if cell_none.metric == "perplexity":  # eval.perplexity's windows: their own bos parameter
+                assert np.array_equal(ids_none, ids_true) and np.array_equal(ids_none, ids_false)
+                continue
+            assert ids_true[0] == tok.bos_id and ids_none[0] != tok.bos_id and np.array_equal(ids_false, ids_none)
+            # the same prompt after the BOS, its filler a token shorter: the prompt keeps the cell's length
+            assert len(ids_true) == len(ids_none) and np.array_equal(ids_true[1:40], ids_none[:39])
+        for ex_none, ex_true in zip(cell_none.examples, cell_true.examples):  # the BOS counted in the context
+            assert ex_true.answer == ex_none.answer and ex_true.context_len == ex_none.context_len
+            assert np.array_equal(ex_true.ids[ex_true.context_len:], ex_none.ids[ex_none.context_len:])
+    model = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
+    records = {}
+    for bos in (None, True):
+        ev = EvalConfig.from_mapping({**base, "bos": bos, "perplexity": None})
+        cells = grid._plan({"trained": (model, None)}, ev, [AblateConfig.of_cache(CacheConfig())],
+                           (RopeVariant("trained"),), tok, {}).cells
+        records[bos] = cells[0].inputs
+    assert records[None]["bos"] is False and "bos" not in records[True]  # BOS first: the record from before
+    assert "bos" not in EvalConfig.from_mapping(base).to_dict()  # default: done.json files stay done
+    with pytest.raises(ConfigError, match=r"eval.bos=true cannot be combined with eval.chat=true"):
+        EvalConfig.from_mapping({**base, "bos": True, "chat": True})
+    with pytest.raises(ConfigError, match=r"eval.bos=false is invalid for lcx's byte tokenizer"):
+        prompts(EvalConfig.from_mapping({**base, "bos": False}), None)
+    with pytest.raises(ConfigError, match=r"eval.bos"):
+        EvalConfig.from_mapping({**base, "bos": "yes"})

@@ -217,18 +217,23 @@ def pieces_length(tokenizer, pieces: Sequence[Piece]) -> int:
 @dataclasses.dataclass(frozen=True)
 class Frame:
     """How a task's prompt is framed: plain (the question, then the answer prefix after a space) or in a chat
-    template (the context and question as the user's message, the answer prefix opening the reply)."""
+    template (the context and question as the user's message, the answer prefix opening the reply).
+    ``bos_first``: whether a plain prompt begins with the BOS id (``eval.bos``; None: as the tokenizer adds it)."""
 
     tokenizer: object
     chat: ChatTemplate | None = None
+    bos_first: bool | None = None
 
     @property
     def bos(self) -> bool:
-        """Whether the prompt begins with the BOS id: plain, when the tokenizer adds one to a text (``adds_bos``);
-        in a chat template, when the template writes the BOS token's text (whatever the tokenizer adds)."""
+        """Whether the prompt begins with the BOS id: plain, when the tokenizer adds one to a text (``adds_bos``)
+        unless ``bos_first`` says; in a chat template, when the template writes the BOS token's text (whatever the
+        tokenizer adds)."""
         if self.tokenizer.bos_id is None:
             return False
-        return self.chat.has_bos if self.chat is not None else prompt_bos(self.tokenizer)
+        if self.chat is not None:
+            return self.chat.has_bos
+        return prompt_bos(self.tokenizer) if self.bos_first is None else self.bos_first
 
     def wrap(self, context: Sequence[Piece], question: str, prefix: str) -> list[Piece]:
         """The prompt's pieces, BOS first where ``bos`` says; the first ``context_pieces`` of them are the context,

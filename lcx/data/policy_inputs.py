@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from lcx.data.haystack import Frame
@@ -22,8 +24,9 @@ def calibration_ids(frame: Frame, length: int = 2048) -> np.ndarray:
     ``frame``'s tokenizer and chat framing, cut on the left to one length (the scored queries are each row's
     last ones - the question and the answer; see ``lcx.cache.duo.head_scores``)."""
     chat = frame.chat is not None
-    rows = [make_task("passkey", {"depth": d}).with_tokenizer(frame.tokenizer, chat=chat)
-            .examples(0, 0, 1, length, "train")[0].ids for d in CALIBRATION_DEPTHS]
+    tasks = [dataclasses.replace(make_task("passkey", {"depth": d}).with_tokenizer(frame.tokenizer, chat=chat),
+                                 bos_first=frame.bos_first) for d in CALIBRATION_DEPTHS]
+    rows = [task.examples(0, 0, 1, length, "train")[0].ids for task in tasks]
     width = min(len(r) for r in rows)
     return np.stack([r[len(r) - width:] for r in rows]).astype(np.int32)
 

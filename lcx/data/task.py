@@ -88,6 +88,7 @@ class Task(abc.ABC):
     # section the parameters came from (``data``, ``eval``, ``eval.perplexity``), which messages name.
     tokenizer: Any = run_attribute(TOKENIZER)
     chat: Any = run_attribute(None)
+    bos_first: bool | None = run_attribute(None)  # plain prompts begin with BOS (eval.bos); None: the tokenizer's rule
     section: str = run_attribute("data", compare=False)
     name_key: str | None = run_attribute(None, compare=False)  # where the name was set, if not ``{section}.task``
 
@@ -101,7 +102,7 @@ class Task(abc.ABC):
         """How prompts are framed - plain, or in the chat template (``lcx.data.haystack.Frame``)."""
         from lcx.data.haystack import Frame
 
-        return Frame(self.tokenizer, self.chat)
+        return Frame(self.tokenizer, self.chat, self.bos_first)
 
     @property
     def starts_with_bos(self) -> bool | None:

@@ -38,8 +38,9 @@ def max_new_tokens(ev: EvalConfig, tasks: Mapping[str, object]) -> dict[str, int
 
 def grid_tasks(ev: EvalConfig, tokenizer=None) -> tuple[dict[str, Task], Task]:
     """The tasks of ``ev`` as the grid runs them - name -> task, and the perplexity task (``eval.perplexity``'s, or
-    the one task) - built with the run's ``tokenizer`` (None: lcx's byte tokenizer) and ``ev.chat``."""
-    tasks = {name: _tokenized(task, tokenizer, ev.chat) for name, task in ev.make_tasks().items()}
+    the one task) - built with the run's ``tokenizer`` (None: lcx's byte tokenizer), ``ev.chat`` and ``ev.bos`` (the
+    retrieval tasks'; ``ConfigError`` where the tokenizer cannot follow it)."""
+    tasks = {name: _with_bos(_tokenized(task, tokenizer, ev.chat), ev.bos) for name, task in ev.make_tasks().items()}
     ppl_task = (_tokenized(ev.perplexity.make_task(), tokenizer, False) if ev.perplexity is not None
                 else next(iter(tasks.values())))
     return tasks, ppl_task
@@ -114,6 +115,19 @@ def dropped_bos(task: Task) -> bool:
     if task.tokenizer.bos_id is None or task.starts_with_bos is not False:
         return False
     return task.chat is None and getattr(task, "bos", None) is None
+
+
+def _with_bos(task, bos: bool | None):
+    """``task`` whose plain prompts begin with BOS as ``eval.bos`` says (None: the tokenizer's rule)."""
+    if bos is None:
+        return task
+    if task.tokenizer.bos_id is None and bos:
+        raise ConfigError(f"eval.bos=true is invalid for {describe(task.tokenizer)}: it has no BOS token; set "
+                          "eval.bos=null")
+    if task.tokenizer.spec == TOKENIZER.spec and not bos:
+        raise ConfigError("eval.bos=false is invalid for lcx's byte tokenizer: its prompts always begin with BOS "
+                          "(the byte-level tasks build them so); set eval.bos=null")
+    return dataclasses.replace(task, bos_first=bos)
 
 
 def _tokenized(task, tokenizer, chat: bool):

@@ -102,6 +102,10 @@ class EvalConfig:
     ``seed``. ``params`` are the task's parameters. ``tasks``: several retrieval tasks instead of one, each with its
     defaults (``ruler``: the RULER-style suite, ``lcx.data.ruler.RULER_SUITE``); results per task and their macro
     average. ``chat``: prompts framed in the tokenizer's chat template, the answer prefix opening the reply.
+    ``bos``: whether a retrieval prompt (plain, not chat) begins with the BOS id - null (the default): as the
+    tokenizer adds it to a text (a GGUF's ``add_bos_token``, a tokenizer.json's post-processor); true / false force it
+    (results from before lcx followed the tokenizer put BOS first on every prompt: ``bos: true`` reproduces them).
+    ``eval.perplexity``'s windows have their own ``bos`` parameter.
     ``unroll``: ``Generator(unroll=)`` (null: auto, the unrolled decoder when its weight copy fits): the unrolled
     decoder's steps are faster on a CPU, but each cache setting compiles about 3x longer (a 30-layer model on 2 cores:
     ~45 s against ~15 s per setting), so a grid of many settings on a CPU finishes sooner with ``false``.
@@ -130,6 +134,7 @@ class EvalConfig:
     ppl_prefix: int | None = None
     ppl_buckets: tuple[int, ...] = ()
     chat: bool = False
+    bos: bool | None = None
     unroll: bool | None = None
     checkpoint: str | None = None  # params to evaluate (null: the run's latest stage)
     perplexity: PerplexityConfig | None = None
@@ -152,6 +157,11 @@ class EvalConfig:
                                  or self.ppl_buckets[-1] > max(self.lengths) or self.ppl_buckets[0] < 1):
             raise ConfigError(f"eval.ppl_buckets={list(self.ppl_buckets)!r} is invalid: ascending positions, the "
                               f"last at most max(eval.lengths)={max(self.lengths)}")
+        if self.bos is not None and not isinstance(self.bos, bool):
+            raise ConfigError(f"eval.bos={self.bos!r} is invalid: true, false or null (as the tokenizer adds it)")
+        if self.bos is not None and self.chat:
+            raise ConfigError(f"eval.bos={str(self.bos).lower()} cannot be combined with eval.chat=true: a chat "
+                              "prompt begins with what the chat template writes; set eval.bos=null")
         if self.tasks and self.params:
             raise ConfigError(f"eval.params={dict(self.params)!r} cannot be combined with eval.tasks="
                               f"{list(self.tasks)!r}: each of several tasks runs with its own defaults")
@@ -215,6 +225,8 @@ class EvalConfig:
         out["params"] = dict(self.params)
         out["perplexity"] = None if self.perplexity is None else self.perplexity.to_dict()
         out["speculative"] = None if self.speculative is None else self.speculative.to_dict()
+        if self.bos is None:  # the default: a stage's done.json from before the key existed stays done
+            del out["bos"]
         return out
 
 

@@ -284,14 +284,15 @@ def prefill_note(rows: list[dict]) -> str:
 
 def bos_note(rows: list[dict]) -> str:
     """A line saying whether the prompts began with the BOS token (the ``bos`` column: the tokenizer's rule, or a
-    chat template's BOS text); empty when no row records it."""
+    chat template's BOS text, or ``eval.bos``); empty when no row records it."""
     words = {frozenset({True}): "with", frozenset({False}): "without", frozenset({True, False}): "with and without"}
     parts = []
     for metric in dict.fromkeys(r["metric"] for r in rows):
         seen = frozenset(r.get("bos") for r in rows if r["metric"] == metric) - {"", None}
         if seen:
             parts.append(f"{metric} prompts {words[seen]} BOS first")
-    return f"\nBOS: {', '.join(parts)} (as the tokenizer adds it, or the chat template writes it).\n" if parts else ""
+    why = "as the tokenizer adds it, the chat template writes it, or eval.bos says"
+    return f"\nBOS: {', '.join(parts)} ({why}).\n" if parts else ""
 
 
 def acceptance_table(rows: list[dict]) -> str:
