@@ -126,7 +126,7 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is bool:
         if isinstance(value, (bool, np.bool_)):
             return bool(value)
-        raise ConfigError(f"{key}={value!r} is invalid: must be true or false")
+        raise ConfigError(f"{key}={value!r} is invalid: must be true or false" + (" or null" if optional else ""))
     if tp is int:
         if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
             return int(value)

@@ -392,5 +392,11 @@ def test_eval_bos_forces_the_bos_of_plain_retrieval_prompts(ckpt, tok):
         EvalConfig.from_mapping({**base, "bos": True, "chat": True})
     with pytest.raises(ConfigError, match=r"eval.bos=false is invalid for lcx's byte tokenizer"):
         prompts(EvalConfig.from_mapping({**base, "bos": False}), None)
-    with pytest.raises(ConfigError, match=r"eval.bos"):
+    with pytest.raises(ConfigError, match=r"eval.bos='yes' is invalid: must be true or false or null"):
         EvalConfig.from_mapping({**base, "bos": "yes"})
+    with pytest.raises(ConfigError, match=r"eval.bos=true is invalid with eval.task='prose'.*eval.params.bos"):
+        EvalConfig.from_mapping({"task": "prose", "bos": True})
+    mixture = make_task("mixture", {"parts": [{"task": "passkey"}, {"task": "niah"}]}).with_tokenizer(tok)
+    forced = dataclasses.replace(mixture, bos_first=True)  # as a grid copies a task: every part follows
+    assert forced.starts_with_bos and all(part.starts_with_bos for part, _, _ in forced.parts)
+    assert not any(part.starts_with_bos for part, _, _ in mixture.parts)

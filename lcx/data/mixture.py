@@ -63,6 +63,7 @@ class Mixture(Task):
         chat = self.chat is not None
         built = [(task if task.tokenizer == self.tokenizer and (task.chat is not None) == chat
                   else task.with_tokenizer(self.tokenizer, chat=chat), w, lw) for task, w, lw in built]
+        built = [(dataclasses.replace(task, bos_first=self.bos_first), w, lw) for task, w, lw in built]
         object.__setattr__(self, "parts", tuple(built))
 
     @property

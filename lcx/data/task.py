@@ -7,9 +7,9 @@ modelling the model sees exactly ``seq_len`` input positions (the last token is 
 
 Tasks are frozen dataclasses whose fields are their parameters, validated in ``__post_init__`` (``ConfigError``
 naming the key where the parameter was set, ``Task.key``: ``data.params.<field>``, ``eval.params.<field>`` ...) and
-registered with ``@register``; ``make_task(name, params)`` builds one. Four more fields are not parameters but the
-run's: the tokenizer, the chat frame and where the task was set in the config (``with_tokenizer``,
-``make_task(prefix=, name_key=)``). They are fields so that every copy of a task keeps them; a config's ``params``
+registered with ``@register``; ``make_task(name, params)`` builds one. Five more fields are not parameters but the
+run's: the tokenizer, the chat frame, whether plain prompts begin with BOS (``eval.bos``) and where the task was set in
+the config (``with_tokenizer``, ``make_task(prefix=, name_key=)``). They are fields so that every copy of a task keeps them; a config's ``params``
 cannot set them. The built-in tasks live in ``tasks.py``, ``ruler/``, ``corpus.py``, ``prose.py``, ``documents.py``
 and ``mixture.py`` and are registered when ``lcx.data`` is imported.
 """
@@ -84,11 +84,12 @@ class Task(abc.ABC):
     metric: ClassVar[str] = "accuracy"
     # Not parameters (a config's params cannot set them) but fields all the same, so that every copy of a task -
     # ``dataclasses.replace(task, depth=0.5)`` in an evaluation grid, ``copy.copy`` - keeps them: the tokenizer that
-    # builds the ids, the ``haystack.ChatTemplate`` framing prompts (``with_tokenizer(chat=True)``), and the config
+    # builds the ids, the ``haystack.ChatTemplate`` framing prompts (``with_tokenizer(chat=True)``), whether plain
+    # prompts begin with BOS (``eval.bos``; None: as the tokenizer adds it), and the config
     # section the parameters came from (``data``, ``eval``, ``eval.perplexity``), which messages name.
     tokenizer: Any = run_attribute(TOKENIZER)
     chat: Any = run_attribute(None)
-    bos_first: bool | None = run_attribute(None)  # plain prompts begin with BOS (eval.bos); None: the tokenizer's rule
+    bos_first: bool | None = run_attribute(None)
     section: str = run_attribute("data", compare=False)
     name_key: str | None = run_attribute(None, compare=False)  # where the name was set, if not ``{section}.task``
 
@@ -107,8 +108,8 @@ class Task(abc.ABC):
     @property
     def starts_with_bos(self) -> bool | None:
         """Whether this task's prompts begin with the BOS id (results record it, the ``bos`` column): the frame's
-        rule - plain prompts when the tokenizer adds BOS, chat prompts when the template writes it; None where
-        it varies (windows cut from a stream of documents)."""
+        rule - plain prompts when the tokenizer adds BOS (or as ``eval.bos`` forces it), chat prompts when the
+        template writes it; None where it varies (windows cut from a stream of documents)."""
         return self.frame.bos
 
     def with_tokenizer(self, tokenizer, *, chat: bool = False) -> "Task":

@@ -111,7 +111,8 @@ def check_prompts(models: Mapping[str, tuple[ModelConfig, object]], ev: EvalConf
 def dropped_bos(task: Task) -> bool:
     """Whether ``task``'s prompts lost the BOS they began with before lcx followed the tokenizer (CHANGELOG): the
     tokenizer has a BOS id but adds none to a text, and the prompts are plain (a chat template's own BOS text
-    still decides in a chat frame) and take no explicit ``bos`` parameter (``prose``'s; unchanged when given)."""
+    still decides in a chat frame) and take no explicit ``bos`` parameter (``prose``'s; unchanged when given) - or
+    ``eval.bos=false`` removed it."""
     if task.tokenizer.bos_id is None or task.starts_with_bos is not False:
         return False
     return task.chat is None and getattr(task, "bos", None) is None
@@ -125,8 +126,8 @@ def _with_bos(task, bos: bool | None):
         raise ConfigError(f"eval.bos=true is invalid for {describe(task.tokenizer)}: it has no BOS token; set "
                           "eval.bos=null")
     if task.tokenizer.spec == TOKENIZER.spec and not bos:
-        raise ConfigError("eval.bos=false is invalid for lcx's byte tokenizer: its prompts always begin with BOS "
-                          "(the byte-level tasks build them so); set eval.bos=null")
+        raise ConfigError("eval.bos=false is invalid for lcx's byte tokenizer: passkey, niah and mqar build their "
+                          "byte-level prompts with BOS first (as the byte-level models were trained); set eval.bos=null")
     return dataclasses.replace(task, bos_first=bos)
 
 

@@ -166,6 +166,10 @@ class EvalConfig:
             raise ConfigError(f"eval.params={dict(self.params)!r} cannot be combined with eval.tasks="
                               f"{list(self.tasks)!r}: each of several tasks runs with its own defaults")
         metrics = {name: task.metric for name, task in self.make_tasks().items()}  # unknown task or parameter: now
+        if self.bos is not None and "perplexity" in metrics.values():
+            raise ConfigError(f"eval.bos={str(self.bos).lower()} is invalid with eval.task={self.task!r}: it sets the "
+                              "BOS of retrieval prompts; perplexity windows take their task's own parameter "
+                              "(eval.params.bos for prose)")
         if len(metrics) > 1 and "perplexity" in metrics.values():
             raise ConfigError(f"eval.tasks={list(self.tasks)!r} is invalid: several tasks must all be retrieval "
                               "tasks; measure perplexity with eval.perplexity")

@@ -153,7 +153,7 @@ def _settings(cfg: ExperimentConfig, stage: str, info, variants: dict | None = N
     if tokenizer is not None and _dropped_bos(cfg, tokenizer):
         # BOS first on every prompt before (CHANGELOG); not a prompt fix: the cells that changed say so themselves
         # (their inputs record bos: false), so the others stay done
-        out["bos"] = "as the tokenizer adds it"
+        out["bos"] = "as the tokenizer adds it" if cfg.eval.bos is None else "eval.bos=false"
     if variants:
         out["variant_checkpoints"] = {name: v[2].to_dict() for name, v in sorted(variants.items())}
     out["cache" if stage == "eval" else "ablate"] = (cfg.cache.to_dict() if stage == "eval"
