@@ -466,6 +466,7 @@ def test_policies_kvzip_on_a_sliding_window_model_compresses_its_global_layers()
                                    np.asarray(getattr(plain.cache.loc, name)), rtol=1e-5, atol=1e-6, err_msg=name)
     assert np.asarray(state.cache.glob.valid).sum(-1).tolist() == [[[12, 12]]]
     assert gen.result(gen.decode(state)).lengths.tolist() == [4]
+    assert {"k", "v", "pos", "valid"} <= set(state.cache.kind.fields())  # the declaration (a NameError before)
     # DuoAttention's calibrated head split stays refused on a sliding-window model
     with pytest.raises(ConfigError, match="cache.policy='duo'.*cache type is 'hybrid'"):
         Generator(narrow, weights, max_new_tokens=4,

@@ -34,7 +34,7 @@ import numpy as np
 
 from lcx.parallel import sharding
 from lcx.cache.base import AUTO_PREFILL_CHUNK, CacheKind, CacheState, kind_class, register_kind
-from lcx.cache.kv_cache import KVCache, SlotCacheKind
+from lcx.cache.kv_cache import FIELDS, KVCache, SlotCacheKind
 from lcx.cache.policy import make_policy
 from lcx.cache.schema import Field
 from lcx.model.config import ModelConfig
