@@ -75,22 +75,24 @@ def plot(rows: list[dict], path: Path) -> None:
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     length = max(n for _, n in data)
     settings = [s for s in settings if (s, length) in data]
+    tasks = [t for t in TASKS if any(t in data[(s, length)] for s in settings)]  # a task not run: no bar
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / len(TASKS)
-    for j, t in enumerate(TASKS):
+    width = 0.8 / len(tasks)
+    for j, t in enumerate(tasks):
         values, errs = [], [[], []]
         for s in settings:
-            k, n = data[(s, length)].get(t, (0, 1))
-            lo, hi = wilson_interval(k, n)
-            values.append(k / n)
-            errs[0].append(k / n - lo)
-            errs[1].append(hi - k / n)
-        ax.bar(np.arange(len(settings)) + (j - 1) * width, values, width, yerr=errs, capsize=2, label=t)
+            k, n = data[(s, length)].get(t, (0, 0))
+            lo, hi = wilson_interval(k, n) if n else (0.0, 0.0)
+            values.append(k / n if n else np.nan)  # this setting did not run the task: no bar, no error bar
+            errs[0].append(k / n - lo if n else 0.0)
+            errs[1].append(hi - k / n if n else 0.0)
+        ax.bar(np.arange(len(settings)) + (j - (len(tasks) - 1) / 2) * width, values, width, yerr=errs, capsize=2,
+               label=t)
     ax.set_xticks(np.arange(len(settings)), settings, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("prompts answered (95% Wilson interval)")
     ax.set_ylim(0, 1.05)
     ax.set_title(f"Gemma-3-270M, {length:,} tokens (trained context 32,768)")
-    ax.legend(fontsize=8, loc="upper center", ncol=len(TASKS))
+    ax.legend(fontsize=8, loc="upper center", ncol=len(tasks))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
