@@ -9,9 +9,9 @@ Tasks are frozen dataclasses whose fields are their parameters, validated in ``_
 naming the key where the parameter was set, ``Task.key``: ``data.params.<field>``, ``eval.params.<field>`` ...) and
 registered with ``@register``; ``make_task(name, params)`` builds one. Five more fields are not parameters but the
 run's: the tokenizer, the chat frame, whether plain prompts begin with BOS (``eval.bos``) and where the task was set in
-the config (``with_tokenizer``, ``make_task(prefix=, name_key=)``). They are fields so that every copy of a task keeps them; a config's ``params``
-cannot set them. The built-in tasks live in ``tasks.py``, ``ruler/``, ``corpus.py``, ``prose.py``, ``documents.py``
-and ``mixture.py`` and are registered when ``lcx.data`` is imported.
+the config (``with_tokenizer``, ``make_task(prefix=, name_key=)``). They are fields so that every copy of a task keeps
+them; a config's ``params`` cannot set them. The built-in tasks live in ``tasks.py``, ``ruler/``, ``corpus.py``,
+``prose.py``, ``documents.py`` and ``mixture.py`` and are registered when ``lcx.data`` is imported.
 """
 
 from __future__ import annotations

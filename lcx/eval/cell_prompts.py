@@ -127,7 +127,8 @@ def _with_bos(task, bos: bool | None):
                           "eval.bos=null")
     if task.tokenizer.spec == TOKENIZER.spec and not bos:
         raise ConfigError("eval.bos=false is invalid for lcx's byte tokenizer: passkey, niah and mqar build their "
-                          "byte-level prompts with BOS first (as the byte-level models were trained); set eval.bos=null")
+                          "byte-level prompts with BOS first (as the byte-level models were trained); set "
+                          "eval.bos=null")
     return dataclasses.replace(task, bos_first=bos)
 
 
