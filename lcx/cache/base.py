@@ -309,6 +309,11 @@ class CacheKind(abc.ABC):
         evicting caches compact here, a paged cache allocates pages."""
         return state
 
+    def observe_tokens(self, state: CacheState, input_ids: jax.Array, ok: jax.Array) -> CacheState:
+        """Called (traced) by the model with a call's token ids ``[b, t]`` before its layers run: a cache that keys
+        anything on the tokens themselves (the memory tier's ``lexical`` recall) stages them here."""
+        return state
+
     def end_prefill(self, state: CacheState) -> CacheState:
         """Called (jitted) once the prompt is in the cache (compress-after-prefill policies act here)."""
         return state

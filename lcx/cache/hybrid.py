@@ -285,6 +285,9 @@ class HybridKind(CacheKind):
     def make_room(self, state: HybridCache, n) -> HybridCache:
         return self._each(state, lambda k, s: k.make_room(s, n))
 
+    def observe_tokens(self, state: HybridCache, input_ids, ok) -> HybridCache:
+        return self._each(state, lambda k, s: k.observe_tokens(s, input_ids, ok))
+
     def end_prefill(self, state: HybridCache) -> HybridCache:
         return self._each(state, lambda k, s: k.end_prefill(s))
 

@@ -119,6 +119,8 @@ class Decoder(nn.Module):
             positions = start + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         if cache is not None and ok is None:
             ok = jnp.ones((b, t), bool)
+        if cache is not None and probe is None:  # a reconstruction pass appends nothing
+            cache = cache.kind.observe_tokens(cache, input_ids, ok)
         init, pdt = normal(cfg.init_std), as_dtype(cfg.param_dtype)
         embedding = declare(self, "embed", (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), init, pdt)
         x = jnp.take(embedding, input_ids, axis=0).astype(cfg.dtype)  # [b, t, e]

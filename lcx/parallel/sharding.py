@@ -70,6 +70,8 @@ LOGICAL_RULES: Mapping[str, str | None] = types.MappingProxyType({
     "topk": None,
     "representatives": None,
     "route_queries": None,
+    "room": None,  # the memory tier's lexical recall: one call's token ids, and the last ids read
+    "lexical_tokens": None,
     "stats": None,
     "router_rank": None,
     # the bit-packed cache's code bytes, key-scale rows, value-scale groups and float window (lcx.cache.lowbit_slots)

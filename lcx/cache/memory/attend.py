@@ -8,7 +8,9 @@ block, h query heads, k kv heads, g query heads per kv head, d head dim.
    keep the residuals (row max, sum of exponentials).
 3. Route: the router scores the long-term blocks with the pooled query (the mean of the chunk's real queries, or the
    one decode query) per KV head; the top ``topk`` blocks are recalled - read from the device store, or from the
-   host / disk store by a host callback - into a fixed-size buffer ``[b, K * j, k, d]``.
+   host / disk store by a host callback - into a fixed-size buffer ``[b, K * j, k, d]``. With ``lexical: L``, up to
+   ``L`` of them are instead the blocks sharing the most rare token ids with the last ``lexical_tokens`` read
+   (``lexical_scores``; the ids are written beside the keys and spilled with them), the same in every head.
 4. Attend to the recalled tokens (all older than the queries: no causal mask) and merge the two partial attentions
    with ``lcx.kernels.merge_partials``. A learned router's gate can drop the recalled part per KV head.
 
@@ -57,7 +59,45 @@ def _write(layer, k, v, positions, ok, storage):
     if layer.received is not None:  # a new slot has received no attention yet
         heads = jnp.arange(layer.received.shape[1])[None, :, None]
         out = out.replace(received=out.received.at[rows[:, :, None], heads, slot[:, None, :]].set(0.0, mode="drop"))
+    if layer.tok is not None:  # lexical recall: the ids beside the keys (routing appends them to the last read)
+        out = out.replace(tok=layer.tok.at[rows, slot].set(layer.new_tok[:, :k.shape[1]], mode="drop"))
     return out
+
+
+def recent_tokens(recent: jax.Array, new: jax.Array, ok: jax.Array) -> jax.Array:
+    """The last ``R`` token ids read: ``recent [b, R]`` (-1: empty, the newest at the end), then ``new [b, t]``
+    where ``ok``; the result right-aligned the same way."""
+    ids = jnp.concatenate([recent, jnp.where(ok, new, -1)], axis=1)
+    order = jnp.argsort(jnp.where(ids >= 0, jnp.arange(ids.shape[1]), -1), axis=1, stable=True)
+    return jnp.take_along_axis(ids, order[:, -recent.shape[1]:], axis=1)
+
+
+def recent_tokens_per_query(recent: jax.Array, new: jax.Array, ok: jax.Array) -> jax.Array:
+    """For each token of ``new [b, t]``, the last ``R`` real ids up to and including it (``recent``'s, then
+    ``new``'s where ``ok``), as ``[b, t, R + t]`` ids with -1 for the others: what a decode step at it matches."""
+    buffer, t = recent.shape[1], new.shape[1]
+    ids = jnp.concatenate([recent, jnp.where(ok, new, -1)], axis=1)  # [b, J]
+    valid = ids >= 0
+    count = jnp.cumsum(valid.astype(jnp.int32), axis=1)
+    upto = buffer + jnp.arange(t)
+    j = jnp.arange(ids.shape[1])
+    chosen = (valid[:, None, :] & (j[None, None, :] <= upto[None, :, None])
+              & (count[:, upto][:, :, None] - count[:, None, :] < buffer))
+    return jnp.where(chosen, ids[:, None, :], -1)
+
+
+def lexical_scores(block_tok: jax.Array, n_blocks: jax.Array, asked: jax.Array) -> jax.Array:
+    """``block_tok [b, N, j]`` (the first ``n_blocks [b]`` blocks written) against the ids ``asked [b, Q]`` (-1:
+    none) -> ``[b, N]``: the distinct asked ids each block holds, each weighted ``log(n / df)`` with ``df`` the
+    blocks holding it - an id every block holds weighs nothing, one only the needle's block holds the most."""
+    repeated = jnp.any(jnp.tril(asked[:, :, None] == asked[:, None, :], k=-1), axis=2)  # seen earlier in `asked`
+    keep = (asked >= 0) & ~repeated  # [b, Q]
+    present = jnp.arange(block_tok.shape[1])[None, :] < n_blocks[:, None]  # [b, N]
+    match = (jnp.any(block_tok[:, :, :, None] == asked[:, None, None, :], axis=2)
+             & present[:, :, None] & keep[:, None, :])  # [b, N, Q]
+    df = jnp.sum(match, axis=1)  # [b, Q]
+    idf = jnp.where(df > 0, jnp.log(n_blocks[:, None].astype(jnp.float32) / jnp.maximum(df, 1)), 0.0)
+    return jnp.einsum("bnq,bq->bn", match.astype(jnp.float32), idf)
 
 
 def _local_positions(slots: jax.Array, sinks: int, recalled: int) -> jax.Array:
@@ -142,12 +182,15 @@ def route(kind, layer, q: jax.Array, ok: jax.Array):
     end, not on one query alone."""
     pooled, recent, recent_n = recent_queries(layer, q, ok, kind.policy.route_queries)
     layer = layer.replace(recent_q=recent, recent_n=recent_n)
+    if kind.policy.lexical:  # this call's ids join the last ones read
+        layer = layer.replace(recent_tok=recent_tokens(layer.recent_tok, layer.new_tok[:, :q.shape[1]], ok))
     ids, gate = rank_blocks(kind, layer, pooled)
     return ids, gate, layer
 
 
-def rank_blocks(kind, layer, pooled: jax.Array):
-    """The blocks a pooled query ``[b, h, d]`` recalls, ``ids [b, k, K]``, and the gate ``[b, k]`` (None: open)."""
+def rank_blocks(kind, layer, pooled: jax.Array, lexical: jax.Array | None = None):
+    """The blocks a pooled query ``[b, h, d]`` recalls, ``ids [b, k, K]``, and the gate ``[b, k]`` (None: open).
+    ``lexical [b, N]``: the blocks' lexical scores (``cache.lexical``; None: from the layer's last ids read)."""
     p = kind.policy
     params = _params(layer)
     summaries = _summaries(kind, layer)
@@ -164,6 +207,13 @@ def rank_blocks(kind, layer, pooled: jax.Array):
     scores = kind.router.score(pooled, summaries, params)  # [b, k, C]
     if p.route_heads == "shared":  # one ranking per layer: the KV heads' scores summed
         scores = jnp.broadcast_to(jnp.sum(scores, axis=1, keepdims=True), scores.shape)
+    if p.lexical:  # the blocks sharing the most rare tokens with the last ones read go first, in every head
+        if lexical is None:
+            lexical = lexical_scores(layer.block_tok, layer.n_blocks, layer.recent_tok)  # [b, N]
+        best, chosen = jax.lax.top_k(lexical, min(p.lexical, blocks))
+        rows = jnp.arange(lexical.shape[0])[:, None]
+        forced = jnp.zeros(lexical.shape, bool).at[rows, chosen].set(best > 0)
+        scores = jnp.where(forced[:, None, :], jnp.inf, scores)
     present = candidates < layer.n_blocks[:, None, None]
     topk = min(p.topk, candidates.shape[-1])
     _, pick = jax.lax.top_k(jnp.where(present, scores, -jnp.inf), topk)  # absent blocks rank last
@@ -264,14 +314,25 @@ def _recall_each_query(kind, layer, q, q_route, ok, spec):
     _, recent, recent_n = recent_queries(layer, q_route, ok, kind.policy.route_queries)
     layer = layer.replace(recent_q=recent, recent_n=recent_n)
 
-    def one(pooled_i, q_i):  # one query: [b, h, d] each
-        ids, gate = rank_blocks(kind, layer, pooled_i)
+    lexical = None
+    if kind.policy.lexical:  # each query matches the ids up to itself, as its decode step would
+        new = layer.new_tok[:, :q.shape[1]]
+        asked = recent_tokens_per_query(layer.recent_tok, new, ok)  # [b, t, R + t]
+        lexical = jax.vmap(lambda a: lexical_scores(layer.block_tok, layer.n_blocks, a), in_axes=1, out_axes=1)(asked)
+        layer = layer.replace(recent_tok=recent_tokens(layer.recent_tok, new, ok))
+
+    def one(pooled_i, q_i, lexical_i):  # one query: [b, h, d] each
+        ids, gate = rank_blocks(kind, layer, pooled_i, lexical_i)
         view, n_tokens = _recalled_keys(kind, layer, ids, q.dtype, spec)
         res = attend_view(kind.model.attention.impl, q_i[:, None], view, spec, residuals=True)
         l_r, skipped, recalled = _gated(res.l, gate, n_tokens > 0)
         return res.out[:, 0], res.m[:, 0], l_r[:, 0], ids, skipped, recalled
 
-    o_r, m_r, l_r, ids, skipped, recalled = jax.vmap(one, in_axes=(1, 1), out_axes=1)(pooled, q)
+    if lexical is None:
+        o_r, m_r, l_r, ids, skipped, recalled = jax.vmap(lambda p_i, q_i: one(p_i, q_i, None), in_axes=(1, 1),
+                                                         out_axes=1)(pooled, q)
+    else:
+        o_r, m_r, l_r, ids, skipped, recalled = jax.vmap(one, in_axes=(1, 1, 1), out_axes=1)(pooled, q, lexical)
     last = jnp.maximum(jnp.sum(ok, axis=1) - 1, 0)  # [b] the last real query
     layer = layer.replace(
         recalled=jnp.take_along_axis(ids, last[:, None, None, None], axis=1)[:, 0],
@@ -280,4 +341,5 @@ def _recall_each_query(kind, layer, q, q_route, ok, spec):
     return Attended(out=o_r, m=m_r, l=l_r), layer
 
 
-__all__ = ["attend", "pooled_per_query", "rank_blocks", "route"]
+__all__ = ["attend", "lexical_scores", "pooled_per_query", "rank_blocks", "recent_tokens", "recent_tokens_per_query",
+           "route"]

@@ -83,6 +83,11 @@ class MemoryCache(CacheState):
     store_k_zero: jax.Array | None = None
     store_v_scale: jax.Array | None = None  # [L, b, N, j, k, d / G] float16
     store_v_zero: jax.Array | None = None
+    # lexical recall (cache.lexical): token ids, the same in every layer (each layer writes and spills its own copy)
+    tok: jax.Array | None = None  # [L, b, W] int32 working tokens' ids; -1 empty
+    new_tok: jax.Array | None = None  # [L, b, room] int32 this call's ids (``observe_tokens``), -1 padding
+    block_tok: jax.Array | None = None  # [L, b, N, j] int32 each long-term block's token ids
+    recent_tok: jax.Array | None = None  # [L, b, lexical_tokens] int32 the last ids read, newest at the end
     w_query: jax.Array | None = None  # learned router parameters (per layer)
     w_block: jax.Array | None = None
     gate_w: jax.Array | None = None
@@ -207,6 +212,11 @@ class MemoryKind(CacheKind):
             out.update(self.blocks.fields())
         if p.router == "learned":
             out.update(learned.param_fields())
+        if p.lexical:
+            out["tok"] = Field(SLOTS, "int32", -1)
+            out["new_tok"] = Field(("layers", "batch", "room"), "int32", -1)
+            out["block_tok"] = Field(("layers", "batch", "blocks", "block"), "int32", -1)
+            out["recent_tok"] = Field(("layers", "batch", "lexical_tokens"), "int32", -1)
         return out
 
     def sizes(self, batch: int, capacity: int) -> dict[str, int]:
@@ -216,7 +226,8 @@ class MemoryKind(CacheKind):
                 "head_dim": m.head_dim, "blocks": runs * (p.spill_tokens // p.block), "block": p.block,
                 "topk": p.topk, "representatives": p.representatives, "stats": 3, "route_queries": p.route_queries,
                 "groups": -(-runs * (p.spill_tokens // p.block) // max(p.route_groups, 1)),
-                "heads": m.n_heads, **learned.sizes(p.router_path),
+                "heads": m.n_heads, "room": self.room, "lexical_tokens": p.lexical_tokens,
+                **learned.sizes(p.router_path),
                 **self.blocks.sizes(m.head_dim)}
 
     @property
@@ -256,6 +267,20 @@ class MemoryKind(CacheKind):
 
     def scoring(self) -> "MemoryKind":
         return dataclasses.replace(self, route_each_query=True)
+
+    def observe_tokens(self, state: MemoryCache, input_ids, ok) -> MemoryCache:
+        """Stage the call's token ids for ``attend`` to write beside the keys (``lexical`` recall only)."""
+        if not self.policy.lexical:
+            return state
+        t = input_ids.shape[1]
+        if t > self.room:
+            raise ValueError(f"a call of {t} tokens exceeds the memory tier's room of {self.room} tokens per call "
+                             "(cache.prefill_chunk / cache.interval)")
+        ids = jnp.pad(jnp.where(ok, input_ids, -1).astype(jnp.int32), ((0, 0), (0, self.room - t)),
+                      constant_values=-1)
+        if state.split:  # the unrolled decoder's form: one buffer per layer
+            return state.replace(new_tok=tuple(ids for _ in state.new_tok))
+        return state.replace(new_tok=jnp.broadcast_to(ids, (state.new_tok.shape[0],) + ids.shape))
 
     # ------------------------------------------------------------------------------------------- attention
     def attend(self, layer, q, key, val, *, cos, sin, positions, ok, stat_weights, spec=None):
@@ -352,6 +377,7 @@ def _spill(kind: MemoryKind, state: MemoryCache):
     leaving = namespace(**{n: getattr(state, n)[:, :, take] for n in working})
     left_k, left_v = kind.working.float_kv(leaving, jnp.float32)  # [L, b, T, k, d] float32 values
     left_pos = state.pos[:, :, take]  # [L, b, T]
+    leaving_tok = None if state.tok is None else state.tok[:, :, take]  # [L, b, T]
     received = (state.received[..., take] if state.received is not None
                 else jnp.zeros(state.pos.shape[:2] + (state.k.shape[3], out_tokens), jnp.float32))  # [L, b, k, T]
     # Compact the working memory: the sinks stay, the rest shifts down by `moved`.
@@ -366,7 +392,8 @@ def _spill(kind: MemoryKind, state: MemoryCache):
     state = state.replace(
         **{n: gather(getattr(state, n), 2) for n in working}, pos=jnp.where(valid, gather(state.pos, 2), -1),
         valid=valid, count=new_count,
-        received=None if state.received is None else jnp.where(valid[:, :, None], gather(state.received, 3), 0.0))
+        received=None if state.received is None else jnp.where(valid[:, :, None], gather(state.received, 3), 0.0),
+        tok=None if state.tok is None else jnp.where(valid, gather(state.tok, 2), -1))
 
     # Blocks, per layer (vmapped): [L, b, n, j, k, ...]
     cluster_run = run if p.blocks == "cluster" else 0
@@ -380,6 +407,9 @@ def _spill(kind: MemoryKind, state: MemoryCache):
     layers, rows = jnp.arange(at.shape[0])[:, None, None], jnp.arange(at.shape[1])[None, :, None]
     updates = {name: getattr(state, name).at[layers, rows, at].set(value, mode="drop")
                for name, value in summaries.items()}
+    if p.lexical:  # contiguous blocks: the leaving tokens in order, `block` at a time
+        left_tok = leaving_tok.reshape(leaving_tok.shape[:2] + (n_out, p.block))
+        updates["block_tok"] = state.block_tok.at[layers, rows, at].set(left_tok, mode="drop")
     if p.route_groups:  # a group's bounds cover its blocks'
         groups = state.gmin.shape[2]
         group = jnp.where(at < state.n_blocks_capacity, at // p.route_groups, groups)

@@ -13,6 +13,13 @@
 - a router (``quest``, ``infllm``, ``learned``) scores the blocks per layer and KV head against the current queries
   and recalls the top ``topk`` of them; attention covers working memory and recalled blocks, merged exactly.
 
+``lexical: L`` gives ``L`` of the ``topk`` recalled blocks to the blocks sharing the most rare tokens with the last
+``lexical_tokens`` tokens read (each shared token weighted by ``log(n / df)`` over the ``n`` blocks in the store,
+``df`` the blocks holding it; a block sharing none is not forced), the same for every layer and KV head; the router
+picks the rest. Why: on numbers hidden in prose the question's query vectors rank the needle's block low, while the
+words the question repeats from the needle put it first (docs/real_model, "The memory tier on numbers in prose").
+Contiguous blocks and one-level routing only. Under teacher forcing each query matches the tokens up to itself.
+
 ``route_groups: G`` routes in two levels for long stores: Quest scores groups of G blocks (their min / max keys
 bound every block in them), then the blocks of the ``route_candidates`` best groups - the cost per step grows with
 the number of groups, not of blocks.
@@ -67,6 +74,8 @@ class MemoryPolicy(CachePolicy):
     route_heads: str = "per_head"
     route_groups: int = 0
     route_candidates: int = 4
+    lexical: int = 0
+    lexical_tokens: int = 64
 
     def __post_init__(self):
         def positive(name, value, minimum=1):
@@ -82,6 +91,8 @@ class MemoryPolicy(CachePolicy):
         positive("route_queries", self.route_queries)
         positive("route_groups", self.route_groups, 0)
         positive("route_candidates", self.route_candidates)
+        positive("lexical", self.lexical, 0)
+        positive("lexical_tokens", self.lexical_tokens)
         if self.window is not None:
             positive("window", self.window)
         for name, value, allowed in (("router", self.router, ROUTERS), ("blocks", self.blocks, BLOCKS),
@@ -105,6 +116,16 @@ class MemoryPolicy(CachePolicy):
             raise ConfigError(f"cache.route_groups={self.route_groups} is invalid for cache.router={self.router!r}: "
                               f"two-level routing bounds groups of blocks with Quest's min / max keys; use "
                               f"router: quest or route_groups: 0")
+        if self.lexical > self.topk:
+            raise ConfigError(f"cache.lexical={self.lexical} is invalid: at most cache.topk={self.topk} of the "
+                              f"recalled blocks can be chosen by shared tokens")
+        if self.lexical and self.blocks != "contiguous":
+            raise ConfigError(f"cache.lexical={self.lexical} is invalid with cache.blocks={self.blocks!r}: a block's "
+                              f"tokens are matched as the consecutive tokens it holds; use blocks: contiguous")
+        if self.lexical and self.route_groups:
+            raise ConfigError(f"cache.lexical={self.lexical} is invalid with cache.route_groups="
+                              f"{self.route_groups}: token matching scores every block, which two-level routing "
+                              f"exists to avoid; use route_groups: 0")
         if self.blocks == "cluster" and self.cluster_blocks < 2:
             raise ConfigError(f"cache.cluster_blocks={self.cluster_blocks} is invalid for cache.blocks='cluster': "
                               f"k-means needs a run of at least 2 blocks ({2 * self.block} tokens) to form "
