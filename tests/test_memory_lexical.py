@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import lcx
-from lcx.cache.memory.attend import lexical_scores, recent_tokens
+from lcx.cache.memory.attend import lexical_scores, recent_tokens, recent_tokens_per_query
 from lcx.config import ConfigError
 from lcx.model.config import ModelConfig
 
@@ -59,13 +59,33 @@ def test_recent_tokens_keep_the_last_real_ids_in_order():
     assert np.asarray(recent_tokens(recent, new, ok)).tolist() == [[5, 6, 7, 9], [3, 4, 5, 6]]
 
 
-def test_lexical_recall_puts_the_block_sharing_the_last_tokens_in_every_layer_and_head():
+def test_recent_tokens_per_query_are_the_last_real_ids_up_to_each_query():
+    """Teacher forcing's ids per query: the last R real ones up to and including the query's own - the ids a decode
+    step at it matches (``recent_tokens`` after appending it)."""
+    recent = jnp.asarray([[-1, 4, 5], [1, 2, 3]])
+    new = jnp.asarray([[7, 8, 9, 10], [5, 6, 7, 8]])
+    ok = jnp.asarray([[True, False, True, True], [True, True, True, False]])
+    got = np.asarray(recent_tokens_per_query(recent, new, ok))
+    for row in range(2):
+        seen = [int(t) for t in np.asarray(recent[row]) if t >= 0]
+        for i in range(new.shape[1]):
+            if ok[row, i]:
+                seen.append(int(new[row, i]))
+            want = sorted(seen[-3:])
+            assert sorted(int(t) for t in got[row, i] if t >= 0) == want, (row, i)
+            buffer = recent_tokens(recent[row:row + 1], new[row:row + 1, :i + 1], ok[row:row + 1, :i + 1])
+            assert sorted(int(t) for t in np.asarray(buffer)[0] if t >= 0) == want
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_lexical_recall_puts_the_block_sharing_the_last_tokens_in_every_layer_and_head(unroll):
     """After a prefill the needle's block - the only one holding the ids the prompt ends with - is recalled in every
-    layer and KV head, and each block's ids are the prompt's at the block's positions."""
+    layer and KV head, and each block's ids are the prompt's at the block's positions; decoding (one id at a time,
+    staged for every layer in both decoder forms) keeps recalling it."""
     params = lcx.init_params(CFG, jax.random.key(3))
     prompt = needle_prompt()
-    # the last 8 ids: a 50-id vocabulary repeats filler ids in every block, unlike text
-    gen = lcx.Generator(CFG, params, max_new_tokens=1, cache=memory(lexical=1, lexical_tokens=8))
+    # the last 8 ids: the window is 16 tokens, and ids older than the window are in blocks (refused below)
+    gen = lcx.Generator(CFG, params, max_new_tokens=4, cache=memory(lexical=1, lexical_tokens=8), unroll=unroll)
     state = gen.prefill([prompt])
     cache = state.cache
     assert np.all(np.any(np.asarray(cache.recalled)[:, 0] == NEEDLE, axis=-1))  # [L, k]
@@ -76,6 +96,9 @@ def test_lexical_recall_puts_the_block_sharing_the_last_tokens_in_every_layer_an
     assert written.sum() >= CFG.n_layers * 10 * BLOCK
     np.testing.assert_array_equal(block_tok[written], np.asarray(prompt)[pos[written]])
     assert np.all(block_tok[~written] == -1)
+    state = gen.decode(state, steps=1)
+    assert np.all(np.any(np.asarray(state.cache.recalled)[:, 0] == NEEDLE, axis=-1))
+    assert np.asarray(state.cache.recent_tok)[:, 0, -1].tolist() == [int(np.asarray(state.tokens)[0, 0])] * CFG.n_layers
     gen.close()
 
 
@@ -91,7 +114,7 @@ def test_lexical_recall_of_every_block_equals_the_full_cache(unroll):
         gen.close()
         return out.tokens
 
-    np.testing.assert_array_equal(run(memory(topk=64, lexical=8)), run(None))
+    np.testing.assert_array_equal(run(memory(topk=64, lexical=8, lexical_tokens=16)), run(None))
 
 
 def test_lexical_recall_on_a_sliding_window_model_reads_the_tokens_through_its_global_layers():
@@ -113,6 +136,7 @@ def test_lexical_recall_on_a_sliding_window_model_reads_the_tokens_through_its_g
     (dict(lexical=1, lexical_tokens=0), "cache.lexical_tokens=0 is invalid: must be an integer >= 1"),
     (dict(lexical=1, blocks="cluster"), "cache.lexical=1 is invalid with cache.blocks='cluster'"),
     (dict(lexical=1, route_groups=2), "cache.lexical=1 is invalid with cache.route_groups=2"),
+    (dict(lexical=1), "cache.lexical_tokens=64 is invalid with a working window of 16 tokens"),
 ])
 def test_lexical_bad_settings_fail_at_load(kw, message):
     with pytest.raises(ConfigError) as err:
@@ -123,11 +147,11 @@ def test_lexical_bad_settings_fail_at_load(kw, message):
 def test_lexical_teacher_forcing_routes_each_query_on_the_ids_up_to_it():
     """Scoring a continuation in one chunk, a query's blocks are chosen by the ids up to it: the first 4
     log-probabilities are the same whether the needle's ids follow them in the chunk or not (they would move if
-    later ids chose earlier queries' blocks), and equal one-token steps' (the decode loop)."""
+    later ids chose earlier queries' blocks), and equal one-token calls'."""
     params = lcx.init_params(CFG, jax.random.key(3))
     prompt = needle_prompt(2)[:-6]  # the needle planted, not asked for
-    head = [3, 14, 15, 9]
-    gen = lcx.Generator(CFG, params, max_new_tokens=16, cache=memory(lexical=1, lexical_tokens=8))
+    head = [3, 51, 9, 14]  # one id at a time is matched: 51 (the needle's) chooses the block of its own query only
+    gen = lcx.Generator(CFG, params, max_new_tokens=16, cache=memory(lexical=1, lexical_tokens=1))
     _, both = gen.score(gen.prefill([prompt]), [head + [50, 52, 54, 56]])
     _, alone = gen.score(gen.prefill([prompt]), [head])
     np.testing.assert_allclose(both[:, :4], alone, atol=1e-5)

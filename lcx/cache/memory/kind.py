@@ -139,6 +139,10 @@ class MemoryKind(CacheKind):
                               f"{model.family!r} has sliding-window layers (layer_types), which the memory tier "
                               "does not serve yet: use a slot policy (its sliding layers keep only their window)")
         window = policy.resolve_window(cache.budget)
+        if policy.lexical and policy.lexical_tokens > window:  # the oldest ids read would be in blocks: self-matches
+            raise ConfigError(f"cache.lexical_tokens={policy.lexical_tokens} is invalid with a working window of "
+                              f"{window} tokens: the ids matched must still be in the window (older ones have "
+                              f"spilled into blocks, which would match themselves); use at most {window}")
         if policy.router == "learned":
             learned.check(policy.router_path, model, policy.positions)
         dtype = cache.dtype or model.dtype
