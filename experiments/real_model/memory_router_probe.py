@@ -45,7 +45,9 @@ from lcx.cache.memory.store import get_store
 from lcx.engine import Generator
 
 
-def examples(lm, config: str, task_name: str, length: int, samples: int):
+def examples(lm, config: str, task_name: str, length: int, samples: int, start: int = 0):
+    """The grid's prompts ``start .. start + samples - 1`` of a cell (a cell of ``start + samples`` prompts asks
+    the same ones)."""
     from lcx.eval.cell_prompts import grid_tasks
     from lcx.eval.evaluate import cell_examples
     from lcx.experiment.config import load_experiment
@@ -55,7 +57,7 @@ def examples(lm, config: str, task_name: str, length: int, samples: int):
     if task_name not in tasks:
         raise SystemExit(f"--task={task_name!r} is not in {config}'s eval.tasks {sorted(tasks)}")
     task = tasks[task_name]
-    return task, cell_examples(task, length=length, depth=None, samples=samples, seed=ev.seed)
+    return task, cell_examples(task, length=length, depth=None, samples=start + samples, seed=ev.seed)[start:]
 
 
 def needle_span(tok, ids: list[int], value: str) -> tuple[int, int]:
@@ -232,6 +234,7 @@ def main(argv=None) -> int:
     ap.add_argument("--task", default="niah_single_2")
     ap.add_argument("--length", type=int, default=16384)
     ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--start", type=int, default=0, help="the first prompt's index (a cell's prompts continue)")
     ap.add_argument("--cache", default=None, help="the memory row, YAML inline (default: the config's)")
     ap.add_argument("--oracle", action="store_true", help="also answer with the needle's blocks forced")
     ap.add_argument("--control", action="store_true",
@@ -246,11 +249,13 @@ def main(argv=None) -> int:
     cfg = memory_cache(args.config, args.cache, args.length)
     modes = tuple(args.modes or ("router",) + ("oracle",) * args.oracle + ("control",) * args.control)
     check_probe(cfg, modes)
-    task, exs = examples(lm, args.config, args.task, args.length, args.samples)
+    if args.start < 0:
+        ap.error(f"--start={args.start} is invalid: must be >= 0")
+    task, exs = examples(lm, args.config, args.task, args.length, args.samples, args.start)
     rows = []
     topk = dict(cfg.policy_params).get("topk", 8)
     print(f"cache: {cfg}", flush=True)
-    for i, ex in enumerate(exs):
+    for i, ex in enumerate(exs, start=args.start):
         t0 = time.time()
         row = {"prompt": i, "answer": ex.answer, "length": len(ex.prompt_ids)}
         for mode in modes:
@@ -268,7 +273,7 @@ def main(argv=None) -> int:
                                          for name, r in rank.items() if name != "routed"})
         rows.append(row)
         answers = "; ".join(f"{m} {row[m]['found']} {row[m]['output']!r}" for m in modes)
-        print(f"[{i + 1}/{len(exs)}] {time.time() - t0:.0f} s  needle tokens {row.get('needle_tokens')} of "
+        print(f"[{i + 1}/{args.start + len(exs)}] {time.time() - t0:.0f} s  needle tokens {row.get('needle_tokens')} of "
               f"{row['length']}, blocks {row.get('blocks')}: in the top {topk} for {row.get('in_top', 0):.0%} of "
               f"layer x head, median rank {row.get('median_rank')} {row.get('alternatives', '')}; {answers}",
               flush=True)
