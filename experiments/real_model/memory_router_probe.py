@@ -274,7 +274,8 @@ def main(argv=None) -> int:
         rows.append(row)
         answers = "; ".join(f"{m} {row[m]['found']} {row[m]['output']!r}" for m in modes)
         print(f"[{i + 1}/{args.start + len(exs)}] {time.time() - t0:.0f} s  needle tokens "
-              f"{row.get('needle_tokens')} of {row['length']}, blocks {row.get('blocks')}: in the top {topk} for {row.get('in_top', 0):.0%} of "
+              f"{row.get('needle_tokens')} of {row['length']}, blocks {row.get('blocks')}: in the top {topk} for "
+              f"{row.get('in_top', 0):.0%} of "
               f"layer x head, median rank {row.get('median_rank')} {row.get('alternatives', '')}; {answers}",
               flush=True)
         if args.out:
