@@ -102,14 +102,13 @@ def test_lexical_recall_puts_the_block_sharing_the_last_tokens_in_every_layer_an
     gen.close()
 
 
-@pytest.mark.parametrize("unroll", [False, True])
-def test_lexical_recall_of_every_block_equals_the_full_cache(unroll):
+def test_lexical_recall_of_every_block_equals_the_full_cache():
     """With every block recalled (topk above the store's count, lexical picks first) generation equals the full cache:
-    the forced blocks go through the same sorted recall as the router's - in both decoder forms."""
+    the forced blocks go through the same sorted recall as the router's."""
     params = lcx.init_params(CFG, jax.random.key(3))
     prompt = needle_prompt(1, 120)
     def run(cache):
-        gen = lcx.Generator(CFG, params, max_new_tokens=12, cache=cache, unroll=unroll)
+        gen = lcx.Generator(CFG, params, max_new_tokens=12, cache=cache)
         out = gen.result(gen.decode(gen.prefill([prompt])))
         gen.close()
         return out.tokens
