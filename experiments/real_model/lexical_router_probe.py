@@ -31,7 +31,7 @@ import numpy as np
 import lcx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_router_probe import examples, needle_span  # noqa: E402  (a sibling script, not a package)
+from memory_router_probe import examples, needle_span, prompt_arguments  # noqa: E402  (a sibling script, not a package)
 
 SCORINGS = ("count", "idf")
 
@@ -69,11 +69,7 @@ def probe(ids: list[int], cut: int, span: tuple[int, int], sinks: int, block: in
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model")
-    ap.add_argument("--config", default="experiments/configs/smollm2_past_context.yaml")
-    ap.add_argument("--task", default="niah_single_2")
-    ap.add_argument("--length", type=int, default=16384)
-    ap.add_argument("--samples", type=int, default=8)
+    prompt_arguments(ap)
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--window", type=int, required=True, help="the working window, tokens")
@@ -81,13 +77,14 @@ def main(argv=None) -> int:
     ap.add_argument("--asked", type=int, default=0,
                     help="match the prompt's last N tokens (cache.lexical_tokens); 0: the question's tokens")
     args = ap.parse_args(argv)
-    for name in ("sinks", "block", "window", "topk", "samples", "length", "asked"):
-        if getattr(args, name) < (0 if name in ("sinks", "asked") else 1):
-            ap.error(f"--{name}={getattr(args, name)} is invalid: must be a positive integer")
+    for name in ("sinks", "block", "window", "topk", "samples", "length", "asked", "start"):
+        least = 0 if name in ("sinks", "asked", "start") else 1
+        if getattr(args, name) < least:
+            ap.error(f"--{name}={getattr(args, name)} is invalid: must be an integer >= {least}")
     lm = lcx.load(args.model)
-    _, exs = examples(lm, args.config, args.task, args.length, args.samples)
+    _, exs = examples(lm, args.config, args.task, args.length, args.samples, args.start)
     rows = []
-    for i, ex in enumerate(exs):
+    for i, ex in enumerate(exs, start=args.start):
         ids = list(map(int, ex.prompt_ids))
         row = probe(ids, ex.context_len, needle_span(lm.tokenizer, ids, ex.references[0]), args.sinks, args.block,
                     args.window, args.asked)

@@ -227,14 +227,19 @@ def check_probe(cfg: CacheConfig, modes) -> None:
         raise SystemExit("--oracle widens Quest's bounds: it needs router: quest")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def prompt_arguments(ap: argparse.ArgumentParser) -> None:
+    """The arguments that pick a cell's prompts: model, config, task, length, samples and the first one's index."""
     ap.add_argument("model")
     ap.add_argument("--config", default="experiments/configs/smollm2_past_context.yaml")
     ap.add_argument("--task", default="niah_single_2")
     ap.add_argument("--length", type=int, default=16384)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--start", type=int, default=0, help="the first prompt's index (a cell's prompts continue)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    prompt_arguments(ap)
     ap.add_argument("--cache", default=None, help="the memory row, YAML inline (default: the config's)")
     ap.add_argument("--oracle", action="store_true", help="also answer with the needle's blocks forced")
     ap.add_argument("--control", action="store_true",
