@@ -75,14 +75,8 @@ def recent_tokens(recent: jax.Array, new: jax.Array, ok: jax.Array) -> jax.Array
 def recent_tokens_per_query(recent: jax.Array, new: jax.Array, ok: jax.Array) -> jax.Array:
     """For each token of ``new [b, t]``, the last ``R`` real ids up to and including it (``recent``'s, then
     ``new``'s where ``ok``), as ``[b, t, R + t]`` ids with -1 for the others: what a decode step at it matches."""
-    buffer, t = recent.shape[1], new.shape[1]
     ids = jnp.concatenate([recent, jnp.where(ok, new, -1)], axis=1)  # [b, J]
-    valid = ids >= 0
-    count = jnp.cumsum(valid.astype(jnp.int32), axis=1)
-    upto = buffer + jnp.arange(t)
-    j = jnp.arange(ids.shape[1])
-    chosen = (valid[:, None, :] & (j[None, None, :] <= upto[None, :, None])
-              & (count[:, upto][:, :, None] - count[:, None, :] < buffer))
+    chosen = last_per_query(ids >= 0, recent.shape[1], recent.shape[1])
     return jnp.where(chosen, ids[:, None, :], -1)
 
 
@@ -158,20 +152,24 @@ def _group_candidates(kind, layer, pooled: jax.Array) -> jax.Array:
     return ids.reshape(ids.shape[:2] + (-1,)).astype(jnp.int32)
 
 
+def last_per_query(valid: jax.Array, buffer: int, keep: int) -> jax.Array:
+    """``valid [b, J]``: a buffer of ``buffer`` earlier entries, then a call's ``t = J - buffer``. For each of the
+    call's entries, the last ``keep`` valid ones up to and including it, ``[b, t, J]``."""
+    count = jnp.cumsum(valid.astype(jnp.int32), axis=1)  # valid entries up to each one
+    upto = buffer + jnp.arange(valid.shape[1] - buffer)  # the call's entry i's index in the sequence
+    j = jnp.arange(valid.shape[1])
+    return (valid[:, None, :] & (j[None, None, :] <= upto[None, :, None])
+            & (count[:, upto][:, :, None] - count[:, None, :] < keep))
+
+
 def pooled_per_query(layer, q: jax.Array, ok: jax.Array, keep: int) -> jax.Array:
     """For each query of ``q [b, t, h, d]``, the mean of the last ``keep`` real queries up to and including it
     (the layer's buffer of earlier ones, then this call's where ``ok``): what a decode step at that query pools,
     ``[b, t, h, d]``. Teacher forcing routes each query with it, as one-token steps would."""
-    buffer, t = layer.recent_q.shape[1], q.shape[1]
+    buffer = layer.recent_q.shape[1]
     earlier = jnp.arange(buffer)[None, :] >= buffer - layer.recent_n[:, None]  # [b, R]
     queries = jnp.concatenate([layer.recent_q, q.astype(jnp.float32)], axis=1)  # [b, J = R + t, h, d]
-    valid = jnp.concatenate([earlier, ok], axis=1)  # [b, J]
-    count = jnp.cumsum(valid.astype(jnp.int32), axis=1)  # valid entries up to each one
-    upto = buffer + jnp.arange(t)  # query i's index in the sequence
-    j = jnp.arange(buffer + t)
-    chosen = (valid[:, None, :] & (j[None, None, :] <= upto[None, :, None])  # [b, t, J]: the last `keep` up to i
-              & (count[:, upto][:, :, None] - count[:, None, :] < keep))
-    w = chosen.astype(jnp.float32)
+    w = last_per_query(jnp.concatenate([earlier, ok], axis=1), buffer, keep).astype(jnp.float32)  # [b, t, J]
     return jnp.einsum("btj,bjhd->bthd", w, queries) / jnp.maximum(jnp.sum(w, axis=-1), 1.0)[..., None, None]
 
 
